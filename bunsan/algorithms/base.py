@@ -1,0 +1,152 @@
+"""The interface every data-parallel algorithm implements.
+
+An algorithm is driven by :class:`bunsan.optim.DistributedOptimizer`. For every
+optimizer step the wrapper calls, in this order::
+
+    algorithm.reduce_gradients()   # after loss.backward()
+    optimizer.step()               # the user's own torch optimizer
+    algorithm.after_step()
+    algorithm.step += 1
+
+Both hooks are *collective*: every rank of ``group`` calls them the same number
+of times. Each algorithm overrides what it needs:
+
+================  ===============================  ==================================
+algorithm         ``reduce_gradients``             ``after_step``
+================  ===============================  ==================================
+exact / N-bit     average (quantized) gradients    nothing
+model averaging   only during warm start           average parameters every block
+block momentum    only during warm start           block update every block
+asynchronous      nothing                          push update, pull model (p2p)
+================  ===============================  ==================================
+
+Two more collectives end training cleanly: :meth:`join`, called by a rank that
+has run out of data (it keeps answering the others' synchronizations until every
+rank has joined), and :meth:`synchronize`, which brings every replica to the same
+model now (block algorithms have a partial block to finish).
+
+Samples are counted for the algorithm by the model's forward pre-hook that
+:func:`bunsan.distribute` installs (leading dimension of the first input);
+``samples`` is the global count, all ranks together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from bunsan.comm import Traffic, get_world_size
+from bunsan.errors import CheckpointError
+
+__all__ = ["Algorithm"]
+
+
+class Algorithm:
+    """Base class of bunsan's data-parallel training algorithms.
+
+    Args:
+        group: process group to work in; ``None`` means every rank of the job.
+    """
+
+    name: ClassVar[str] = ""  # registry key, also the ``--algorithm`` value
+
+    def __init__(self, *, group: ProcessGroup | None = None) -> None:
+        self.group = group
+        self.step = 0  # completed optimizer steps
+        self.samples = 0  # global samples trained so far, all ranks together
+        self.local_samples = 0  # samples this rank has trained
+        self.traffic = Traffic()
+        self.named_params: list[tuple[str, Tensor]] = []
+        self._pending_samples = 0  # counted in forward, not yet part of a step
+
+    # -- set-up -----------------------------------------------------------------
+    def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        """Called once by :func:`bunsan.distribute` with the trainable parameters."""
+        self.named_params = list(named_params)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p for _, p in self.named_params]
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size(self.group)
+
+    def count_samples(self, n: int) -> None:
+        """Record ``n`` local training samples seen in a forward pass."""
+        self._pending_samples += int(n)
+
+    def _take_local_samples(self) -> int:
+        n, self._pending_samples = self._pending_samples, 0
+        self.local_samples += n
+        return n
+
+    # -- collective hooks -----------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Collective. Replace each local ``p.grad`` by the gradient the optimizer applies."""
+
+    def after_step(self) -> None:
+        """Collective. Synchronize parameters after the local optimizer update."""
+
+    def join(self) -> None:
+        """Collective. This rank has no more data: take part in the others' syncs until all join."""
+
+    def synchronize(self) -> None:
+        """Collective. Bring every replica to the same model now."""
+
+    def begin_accumulation(self) -> None:
+        """Gradients of the next backward passes must not be communicated yet (``no_sync``)."""
+
+    def end_accumulation(self) -> None:
+        """Undo :meth:`begin_accumulation`."""
+
+    # -- measurement and state ------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Counted traffic of this rank: bytes per step and per sample, collectives."""
+        steps = max(self.step, 1)
+        samples = max(self.local_samples, 1)
+        return {
+            "steps": self.step,
+            "samples": self.samples,
+            "local_samples": self.local_samples,
+            "bytes_sent": self.traffic.sent,
+            "bytes_received": self.traffic.received,
+            "bytes_sent_per_step": self.traffic.sent / steps,
+            "bytes_sent_per_sample": self.traffic.sent / samples,
+            "collectives": self.traffic.calls,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (this rank's part)."""
+        return {
+            "algorithm": self.name,
+            "world_size": self.world_size,
+            "step": self.step,
+            "samples": self.samples,
+            "local_samples": self.local_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm") != self.name:
+            raise CheckpointError(
+                f"the state is of algorithm {state.get('algorithm')!r}, not {self.name!r}: "
+                "load it into the algorithm that saved it"
+            )
+        self.step = int(state["step"])
+        self.samples = int(state["samples"])
+        self.local_samples = int(state["local_samples"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def params_by_name(named_params: Sequence[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    return dict(named_params)
+
+
+def zeros_like_params(params: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]

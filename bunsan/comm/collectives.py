@@ -1,0 +1,242 @@
+"""Collectives on tensors and lists of tensors, with counted traffic and clear errors.
+
+Every call here is *collective*: all ranks of ``group`` must call it in the same
+order with tensors of the same sizes. Each wrapper
+
+* counts the bytes this rank sends and receives into an optional
+  :class:`Traffic` (the algorithms' ``stats()`` come from these counts), and
+* turns torch's errors into :class:`bunsan.errors.CommunicationError`, naming the
+  ranks that never reached the collective when it timed out.
+
+Bytes are counted per call from the actual message sizes, with the volume an
+optimal ring algorithm moves per rank: an all-reduce of ``M`` bytes over ``N``
+ranks sends ``2 (N-1)/N * M``; an all-gather or reduce-scatter whose full result
+is ``M`` bytes sends ``(N-1)/N * M``; a broadcast sends ``M`` from the root.
+These are the message sizes bunsan hands to the backend, not packet captures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from bunsan.comm import group as _group
+from bunsan.errors import CommunicationError
+
+__all__ = [
+    "Traffic",
+    "all_gather_into",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_mean",
+    "all_to_all",
+    "barrier",
+    "broadcast_tensors",
+    "flatten",
+    "get_rank",
+    "get_world_size",
+    "global_rank",
+    "is_initialized",
+    "unflatten_into",
+    "wait",
+]
+
+T = TypeVar("T")
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent and received, and how many collectives it took part in."""
+
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+
+    def add(self, sent: float, received: float) -> None:
+        self.sent += int(sent)
+        self.received += int(received)
+        self.calls += 1
+
+    def reset(self) -> None:
+        self.sent = self.received = self.calls = 0
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (0 when there is no process group)."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in ``group`` (1 when there is no process group)."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def _call(what: str, fn: Callable[[], T]) -> T:
+    seq = _group.note_collective()
+    try:
+        return fn()
+    except CommunicationError:
+        raise
+    except RuntimeError as e:
+        raise _communication_error(what, seq, e) from e
+
+
+def _communication_error(what: str, seq: int, e: BaseException) -> CommunicationError:
+    text = str(e)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        lagging = _group.lagging_ranks()
+        who = f"ranks {lagging} never reached it" if lagging else "the missing ranks are unknown"
+        return CommunicationError(f"{what} (collective #{seq}) timed out: {who}. Backend said: {text.splitlines()[0]}")
+    return CommunicationError(f"{what} (collective #{seq}) failed, most likely because another rank died: {text.splitlines()[0] if text else type(e).__name__}")
+
+
+def wait(work: Any, what: str = "collective") -> None:
+    """Wait for an asynchronous collective started by :func:`all_reduce`."""
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise _communication_error(what, _group.collectives_started(), e) from e
+
+
+def all_reduce(
+    tensor: Tensor,
+    *,
+    op: str = "sum",
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    traffic: Traffic | None = None,
+) -> Any:
+    """Reduce ``tensor`` in place across ``group``. Collective.
+
+    Args:
+        op: ``"sum"``, ``"max"`` or ``"min"``.
+        async_op: return a work handle to pass to :func:`wait` instead of blocking.
+
+    Returns:
+        The work handle when ``async_op``, else None.
+    """
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    n = get_world_size(group)
+    if traffic is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+        traffic.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
+    return _call("all_reduce", lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op))
+
+
+def flatten(tensors: Sequence[Tensor]) -> Tensor:
+    """One contiguous 1-D tensor holding ``tensors`` one after another."""
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``, in place."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def all_reduce_mean(
+    tensors: Sequence[Tensor], group: ProcessGroup | None = None, traffic: Traffic | None = None
+) -> None:
+    """Average ``tensors`` in place across ``group``, as one flat message. Collective."""
+    if not tensors:
+        return
+    flat = flatten(tensors)
+    flat.div_(get_world_size(group))  # divide first: a half-precision sum must not overflow
+    all_reduce(flat, group=group, traffic=traffic)
+    unflatten_into(flat, tensors)
+
+
+def broadcast_tensors(
+    tensors: Sequence[Tensor], src: int = 0, group: ProcessGroup | None = None, traffic: Traffic | None = None
+) -> None:
+    """Overwrite ``tensors`` with rank ``src``'s values, in place. Collective.
+
+    Tensors are sent as one flat message per dtype. ``src`` is a global rank.
+    """
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    n = get_world_size(group)
+    is_src = get_rank() == src
+    for (dtype, device), group_tensors in sorted(by_dtype.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        flat = flatten(group_tensors).to(device)
+        if traffic is not None:
+            nbytes = flat.numel() * flat.element_size()
+            traffic.add(nbytes * (n - 1) if is_src else 0, 0 if is_src else nbytes)
+        _call("broadcast", lambda flat=flat: dist.broadcast(flat, src=src, group=group))
+        if not is_src:
+            unflatten_into(flat, group_tensors)
+
+
+def all_gather_into(
+    output: Tensor, tensor: Tensor, group: ProcessGroup | None = None, traffic: Traffic | None = None
+) -> None:
+    """Gather every rank's ``tensor`` into ``output`` (rank-major, 1-D concat). Collective.
+
+    ``output`` must have ``world_size * tensor.numel()`` elements.
+    """
+    n = get_world_size(group)
+    if output.numel() != n * tensor.numel():
+        raise ValueError(f"output has {output.numel()} elements, expected {n} x {tensor.numel()}")
+    if traffic is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+        traffic.add((n - 1) * nbytes, (n - 1) * nbytes)
+    _call("all_gather", lambda: dist.all_gather_into_tensor(output, tensor.contiguous(), group=group))
+
+
+def all_to_all(
+    output: Tensor, tensor: Tensor, group: ProcessGroup | None = None, traffic: Traffic | None = None
+) -> None:
+    """Send the ``i``-th of ``world_size`` equal slices of ``tensor`` to rank ``i``. Collective.
+
+    ``output``'s ``j``-th slice receives rank ``j``'s slice for this rank.
+    """
+    n = get_world_size(group)
+    if tensor.numel() % n or output.numel() != tensor.numel():
+        raise ValueError(f"all_to_all needs equal slices: {tensor.numel()} and {output.numel()} elements over {n} ranks")
+    if traffic is not None:
+        nbytes = tensor.numel() * tensor.element_size()
+        traffic.add((n - 1) / n * nbytes, (n - 1) / n * nbytes)
+    if n == 1:
+        output.copy_(tensor)
+        return
+    _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group))
+
+
+def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank``."""
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Block until every rank of ``group`` has called it. Collective."""
+    if is_initialized():
+        _call("barrier", lambda: dist.barrier(group=group))
+
+
+def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order. Collective."""
+    n = get_world_size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
+    return out

@@ -1,0 +1,252 @@
+"""The training-loop glue: a torch optimizer driven by a data-parallel algorithm.
+
+:func:`distribute` is the one call a single-process script adds. It checks that
+the model is the same on every rank, copies rank 0's parameters and buffers to
+all ranks, hooks the algorithm into backward and forward (to count samples), and
+wraps the optimizer so that ``optimizer.step()`` runs the algorithm's collectives
+around the user's own update rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from bunsan import algorithms as _algorithms
+from bunsan.algorithms.base import Algorithm
+from bunsan.comm import all_gather_object, broadcast_tensors, global_rank
+from bunsan.errors import CheckpointError, ModelMismatchError
+
+__all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Run ``algorithm``'s collective hooks around ``optimizer.step()``.
+
+    It is a :class:`torch.optim.Optimizer` (so learning-rate schedulers accept it)
+    whose ``param_groups``, ``state`` and ``defaults`` are those of the wrapped
+    optimizer: the object the user built stays the one that updates parameters.
+
+    Args:
+        optimizer: any torch optimizer over the model's parameters.
+        algorithm: a :class:`bunsan.algorithms.Algorithm` already set up with the
+            model's parameters (:func:`distribute` does that).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, algorithm: Algorithm) -> None:
+        # Deliberately no super().__init__: the wrapped optimizer owns the parameter
+        # groups and state; this object only adds collectives around its step.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already distributed; pass the original torch optimizer")
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+
+    # The wrapped optimizer's attributes, seen through this object.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.algorithm!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a DistributedOptimizer is tied to a live process group; save its state_dict() instead")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "adding parameter groups after bunsan.distribute() is not supported: "
+            "the algorithm's buckets and residuals are built for the parameters it was given"
+        )
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Collective: every rank calls it once per training step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.algorithm.reduce_gradients()
+        self.optimizer.step()
+        self.algorithm.after_step()
+        self.algorithm.step += 1
+        return loss
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside send nothing.
+
+        Run all but the last micro-batch's backward inside it; the last one,
+        outside, sends the accumulated gradients.
+        """
+        self.algorithm.begin_accumulation()
+        try:
+            yield
+        finally:
+            self.algorithm.end_accumulation()
+
+    def join(self) -> None:
+        """Collective. Call after the training loop on every rank; see Algorithm.join.
+
+        With uneven data a rank that finishes first keeps answering the others'
+        synchronizations until every rank has called it.
+        """
+        self.algorithm.join()
+
+    def synchronize(self) -> None:
+        """Collective. Bring every replica to the same model now."""
+        self.algorithm.synchronize()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus the algorithm's (this rank's part)."""
+        return {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a plain torch optimizer state is accepted too."""
+        if "optimizer" in state_dict and "algorithm" in state_dict:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+            self.algorithm.load_state_dict(state_dict["algorithm"])
+        elif "param_groups" in state_dict:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            raise CheckpointError("not an optimizer state: expected the output of optimizer.state_dict()")
+
+
+def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    entries = [(f"parameter {n}", tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    entries += [(f"buffer {n}", tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+    return entries
+
+
+def check_same_model(model: nn.Module, group: Any = None) -> None:
+    """Raise :class:`ModelMismatchError` on every rank unless all ranks hold the same
+    parameter and buffer names, shapes and dtypes. Collective.
+
+    The error names the first rank that differs from rank 0 and the first entry
+    that differs, identically on every rank, so no rank is left waiting.
+    """
+    mine = _signature(model)
+    everyone = all_gather_object(mine, group=group)
+    reference = everyone[0]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        ref_by_name = {name: (shape, dtype) for name, shape, dtype in reference}
+        their_by_name = {name: (shape, dtype) for name, shape, dtype in theirs}
+        for name, shape, dtype in theirs:
+            if name not in ref_by_name:
+                raise ModelMismatchError(f"model differs between ranks: rank {r} has {name} {list(shape)}, which rank 0 does not have")
+            if ref_by_name[name] != (shape, dtype):
+                ref_shape, ref_dtype = ref_by_name[name]
+                raise ModelMismatchError(
+                    f"model differs between ranks: {name} is {list(shape)} {dtype} on rank {r} "
+                    f"but {list(ref_shape)} {ref_dtype} on rank 0"
+                )
+        for name, shape, _ in reference:
+            if name not in their_by_name:
+                raise ModelMismatchError(f"model differs between ranks: rank {r} lacks {name} {list(shape)}, which rank 0 has")
+        raise ModelMismatchError(f"model differs between ranks: rank {r} registers its parameters in another order than rank 0")
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+            return value[0]
+    return None
+
+
+def distribute(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    algorithm: Algorithm | str | None = None,
+    *,
+    group: Any = None,
+    broadcast: bool = True,
+    **algorithm_options: Any,
+) -> tuple[nn.Module, DistributedOptimizer]:
+    """Make a single-process model and optimizer data-parallel. Collective.
+
+    Args:
+        model: the model; it is returned as the same object (no wrapper, so its
+            ``state_dict()`` keys do not change), with hooks added.
+        optimizer: a torch optimizer over ``model``'s parameters.
+        algorithm: an :class:`Algorithm`, a registered name (``"data_parallel"``,
+            ...), or None for exact ``DataParallelSGD()``.
+        group: process group for a name-built algorithm.
+        broadcast: copy rank 0's parameters and buffers to every rank first.
+        **algorithm_options: options for a name-built algorithm.
+
+    Returns:
+        ``(model, optimizer)`` where the optimizer is a :class:`DistributedOptimizer`.
+
+    Raises:
+        ModelMismatchError: the ranks' models differ (names, shapes or dtypes).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(algorithm, str) or algorithm is None:
+        options = {"group": group, **algorithm_options}
+        algorithm = _algorithms.create(algorithm or "data_parallel", **options)
+    elif algorithm_options:
+        raise TypeError(f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)")
+    if not isinstance(algorithm, Algorithm):
+        raise TypeError(f"algorithm must be a bunsan Algorithm or a registered name, got {type(algorithm).__name__}")
+    if getattr(model, "_bunsan_algorithm", None) is not None:
+        raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")
+
+    check_same_model(model, group=algorithm.group)
+    if broadcast:
+        with torch.no_grad():
+            tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+            broadcast_tensors(tensors, src=global_rank(algorithm.group, 0), group=algorithm.group)
+
+    in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p in in_optimizer]
+    if not named:
+        raise ValueError("the optimizer holds none of the model's trainable parameters")
+    algorithm.setup(named)
+
+    def count_samples(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled():
+            first = _first_tensor(args, kwargs)
+            if first is not None and first.dim() > 0:
+                algorithm.count_samples(first.shape[0])
+
+    model.register_forward_pre_hook(count_samples, with_kwargs=True)
+    model._bunsan_algorithm = algorithm  # type: ignore[assignment]
+    return model, DistributedOptimizer(optimizer, algorithm)

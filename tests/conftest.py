@@ -1,0 +1,51 @@
+"""Shared fixtures: a warm gloo worker pool per test module, and hygiene checks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.workers import WorkerPool
+
+# The test process itself runs small single-process checks: one thread, as the workers.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory):
+    """Two gloo ranks shared by every test in one module: seconds to start, ms per test."""
+    pool = WorkerPool(tmp_path_factory.mktemp("rendezvous"), world_size=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def workers4(tmp_path_factory: pytest.TempPathFactory):
+    """Four gloo ranks, for the few tests whose claim is about scaling past two."""
+    pool = WorkerPool(tmp_path_factory.mktemp("rendezvous4"), world_size=4)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """In-process tests must not leave a process group for the next test."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment():
+    """Fail a test that leaves new or changed environment variables behind."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(
+        k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k) and k != "PYTEST_CURRENT_TEST"
+    )
+    os.environ.clear()
+    os.environ.update(before)
+    assert not changed, f"test leaked environment variables: {changed}"
