@@ -240,6 +240,7 @@ def distribute(
     if not named:
         raise ValueError("the optimizer holds none of the model's trainable parameters")
     algorithm.setup(named)
+    algorithm.attach_optimizer(optimizer)
 
     def count_samples(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if module.training and torch.is_grad_enabled():

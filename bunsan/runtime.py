@@ -35,6 +35,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from bunsan.comm import group as _group
-from bunsan.errors import ConfigurationError
+from bunsan.errors import BunsanError, ConfigurationError
 
 __all__ = [
     "WorldInfo",
@@ -288,11 +289,21 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -
     _state.failed = True
     info = _state.info
     where = f"rank {info.rank} of {info.world_size}" if info else "a rank"
-    text = "".join(traceback.format_exception(exc_type, exc, tb))  # type: ignore[arg-type]
+    earlier = _group.abort_reason()
+    if earlier is not None and info is not None and earlier[0] != info.rank:
+        # Our collective broke because another rank died first: that one's traceback is the story.
+        sys.stderr.write(f"[bunsan] {where}: stopping because rank {earlier[0]} failed ({earlier[1]}); see its traceback\n")
+        sys.stderr.flush()
+        os._exit(1)
+    # bunsan's own errors already say what the backend said: skip the chained traceback.
+    chain = not isinstance(exc, BunsanError)
+    text = "".join(traceback.format_exception(exc_type, exc, tb, chain=chain))  # type: ignore[arg-type]
     sys.stderr.write(f"[bunsan] {where} failed; ending the job.\n{text}")
     sys.stderr.flush()
     sys.stdout.flush()
     _group.signal_abort(f"{exc_type.__name__}: {exc}"[:200])
+    if info is not None and info.rank == 0:
+        time.sleep(1.0)  # rank 0 hosts the store: let the others read why before it goes
     # A normal interpreter shutdown could block in the process group's teardown
     # while the other ranks sit in a collective: leave at once.
     os._exit(1)

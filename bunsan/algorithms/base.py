@@ -61,12 +61,21 @@ class Algorithm:
         self.local_samples = 0  # samples this rank has trained
         self.traffic = Traffic()
         self.named_params: list[tuple[str, Tensor]] = []
+        self.optimizer: torch.optim.Optimizer | None = None
         self._pending_samples = 0  # counted in forward, not yet part of a step
 
     # -- set-up -----------------------------------------------------------------
     def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
         """Called once by :func:`bunsan.distribute` with the trainable parameters."""
         self.named_params = list(named_params)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once by :func:`bunsan.distribute` with the user's (unwrapped) optimizer.
+
+        Algorithms that touch the optimizer's state (resetting local momentum after
+        a block synchronization) use ``self.optimizer``.
+        """
+        self.optimizer = optimizer
 
     @property
     def params(self) -> list[Tensor]:

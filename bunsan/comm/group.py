@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Watchdog",
+    "abort_reason",
     "collectives_started",
     "create_world",
     "destroy_world",
@@ -154,6 +155,19 @@ def signal_abort(reason: str) -> None:
         _world.store.set(_ABORT_KEY, f"{_world.rank}:{reason}")
     except Exception:  # noqa: BLE001 - the store may be gone already; the peers then see that
         pass
+
+
+def abort_reason() -> tuple[int, str] | None:
+    """``(rank, reason)`` when some rank has already signalled a failure, else None."""
+    if _world.watch_store is None:
+        return None
+    try:
+        if not _world.watch_store.check([_ABORT_KEY]):
+            return None
+        failed, _, reason = _world.watch_store.get(_ABORT_KEY).decode(errors="replace").partition(":")
+        return int(failed), reason
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def lagging_ranks() -> list[int] | None:
