@@ -12,7 +12,7 @@ and runs under ``bunsan run -np 4 train.py``, torchrun, mpirun or srun.
 
 from __future__ import annotations
 
-from bunsan import algorithms, comm, errors
+from bunsan import algorithms, comm, data, datasets, errors, models
 from bunsan.algorithms import Algorithm, DataParallelSGD
 from bunsan.optim import DistributedOptimizer, distribute
 from bunsan.runtime import (
@@ -36,6 +36,8 @@ __all__ = [
     "DistributedOptimizer",
     "algorithms",
     "comm",
+    "data",
+    "datasets",
     "device",
     "distribute",
     "errors",
@@ -45,6 +47,7 @@ __all__ = [
     "is_main",
     "local_rank",
     "local_size",
+    "models",
     "rank",
     "session",
     "size",

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bunsan import comm
 from bunsan.comm import group as _group
 from bunsan.errors import BunsanError, ConfigurationError
 
@@ -230,15 +231,13 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
     """
     if _state.info is not None:
         return _state.info
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # the user made the group; adopt it
-        size_ = dist.get_world_size()
+    if comm.is_initialized():  # the user made the group; adopt it
+        size_ = comm.get_world_size()
         env = detect_environment()
         local_rank_ = env.local_rank if env.world_size == size_ else 0
         local_size_ = env.local_world_size if env.world_size == size_ else 1
-        _state.info = WorldInfo("external", dist.get_rank(), size_, local_rank_, local_size_, None, 0, "external")
-        _state.backend = dist.get_backend()
+        _state.info = WorldInfo("external", comm.get_rank(), size_, local_rank_, local_size_, None, 0, "external")
+        _state.backend = comm.get_backend()
         _state.device = torch.device("cuda", local_rank_) if _state.backend == "nccl" else torch.device("cpu")
         return _state.info
 
@@ -347,10 +346,8 @@ def is_initialized() -> bool:
 def _info() -> WorldInfo | None:
     if _state.info is not None:
         return _state.info
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():  # a group made by the user or a test harness
-        return WorldInfo("external", dist.get_rank(), dist.get_world_size(), 0, 1, None, 0, "external")
+    if comm.is_initialized():  # a group made by the user or a test harness
+        return WorldInfo("external", comm.get_rank(), comm.get_world_size(), 0, 1, None, 0, "external")
     return None
 
 

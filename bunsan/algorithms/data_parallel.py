@@ -14,10 +14,14 @@ Distributed invariants kept here:
   gradients are ready waits for its predecessors), so the ranks' collectives
   match even when gradients become ready in different orders.
 * A parameter that got no gradient in a step contributes zeros.
-* Every step ends with a small all-reduce of ``(samples, active ranks)`` in
-  float64: the global sample count is exact, and a rank that has run out of data
+* Every step also sums ``(samples, active ranks)``: two slots at the end of the
+  last bucket (or a separate float64 all-reduce when that bucket is compressed).
+  The global sample count is exact, and a rank that has run out of data
   (:meth:`join`) contributes zeros without biasing the average, which is taken
   over the active ranks only.
+* After the step a parameter's ``.grad`` is a view of its bucket: the reduced
+  gradient is not copied back, and the next backward's gradient is copied in
+  with the division by the world size fused into the copy.
 * Gradients are divided by the world size before the sum, so a half-precision
   sum cannot overflow where the mean would not.
 """
@@ -52,6 +56,8 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)  # positions whose gradient is in ``buffer``
     work: Any = None
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
+    with_meta: Tensor | None = None  # ``buffer`` plus two trailing slots, one allocation
+    meta: Tensor | None = None  # the two slots: (samples, active ranks)
 
 
 def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -> list[_Bucket]:
@@ -69,8 +75,9 @@ def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -
         for _, p in members:
             offsets.append(total)
             total += p.numel()
-        buffer = torch.zeros(total, dtype=key[0], device=key[1])
-        buckets.append(_Bucket(len(buckets), [n for n, _ in members], [p for _, p in members], offsets, buffer))
+        storage = torch.zeros(total + 2, dtype=key[0], device=key[1])
+        buckets.append(_Bucket(len(buckets), [n for n, _ in members], [p for _, p in members], offsets,
+                               storage[:total], with_meta=storage, meta=storage[total:]))
 
     for name, p in reversed(list(named_params)):
         key = (p.dtype, p.device)
@@ -133,6 +140,8 @@ class DataParallelSGD(Algorithm):
         self._reduce_again = False  # a gradient changed after its bucket had left
         self._warned_double_backward = False
         self._hook_handles: list[Any] = []
+        self._round: tuple[int, float] | None = None  # (samples, active) of a round started in step()
+        self._separate_meta: Tensor | None = None
 
     def __repr__(self) -> str:
         return f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start})"
@@ -143,6 +152,16 @@ class DataParallelSGD(Algorithm):
         for handle in self._hook_handles:
             handle.remove()
         self._buckets = _build_buckets(self.named_params, int(self.bucket_size_mb * 2**20))
+        # The per-step (samples, active ranks) count rides in the last bucket when that
+        # bucket travels uncompressed in float32/64 (exact for counts below 2**24);
+        # otherwise it is a separate small float64 all-reduce.
+        last = self._buckets[-1] if self._buckets else None
+        rides = last is not None and self.compression is None and last.buffer.dtype in (torch.float32, torch.float64)
+        for bucket in self._buckets:
+            if bucket is not last or not rides:
+                bucket.with_meta = bucket.meta = None
+        device = last.buffer.device if last is not None else torch.device("cpu")
+        self._separate_meta = None if rides else torch.zeros(2, dtype=torch.float64, device=device)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
@@ -158,6 +177,11 @@ class DataParallelSGD(Algorithm):
             return
         bucket, i = self._where[p]
         if bucket.work is not None:  # a second backward without no_sync(): reduce again in step()
+            if self._is_view(bucket, i, p.grad):
+                raise RuntimeError(
+                    "a gradient was accumulated into a buffer that was being all-reduced: run all but the "
+                    "last backward pass of a step inside `with optimizer.no_sync():`"
+                )
             self._reduce_again = True
             return
         self._copy_in(bucket, i)
@@ -165,13 +189,27 @@ class DataParallelSGD(Algorithm):
         if len(bucket.ready) == len(bucket.params):
             self._launch_in_order()
 
-    def _copy_in(self, bucket: _Bucket, i: int) -> None:
+    @staticmethod
+    def _view(bucket: _Bucket, i: int) -> Tensor:
         p, offset = bucket.params[i], bucket.offsets[i]
-        view = bucket.buffer[offset : offset + p.numel()]
-        if p.grad is None:
+        return bucket.buffer[offset : offset + p.numel()].view_as(p)
+
+    def _is_view(self, bucket: _Bucket, i: int, grad: Tensor | None) -> bool:
+        return grad is not None and grad.data_ptr() == self._view(bucket, i).data_ptr()
+
+    def _copy_in(self, bucket: _Bucket, i: int) -> None:
+        """Put this rank's gradient, divided by the world size, into the bucket.
+
+        Dividing before the sum keeps a half-precision sum from overflowing where
+        the mean would not; fused with the copy it costs no extra pass.
+        """
+        grad, view = bucket.params[i].grad, self._view(bucket, i)
+        if grad is None:
             view.zero_()  # an unused parameter contributes zeros on this rank
+        elif self._is_view(bucket, i, grad):
+            view.div_(self.world_size)  # the gradient already lives in the bucket
         else:
-            view.copy_(p.grad.reshape(-1))
+            torch.div(grad, self.world_size, out=view)
 
     def _launch_in_order(self) -> None:
         # Same order on every rank: bucket k leaves only after buckets 0..k-1.
@@ -183,44 +221,50 @@ class DataParallelSGD(Algorithm):
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.world_size)  # divide before the sum (half precision)
         dtype = _COMPRESSIONS[self.compression]
-        bucket.wire = bucket.buffer if dtype is None else bucket.buffer.to(dtype)
+        if dtype is None:
+            bucket.wire = bucket.buffer if bucket.meta is None else bucket.with_meta
+        else:
+            bucket.wire = bucket.buffer.to(dtype)
+        if bucket.meta is not None:
+            samples, active = self._round if self._round is not None else (self._pending_samples, 1.0)
+            bucket.meta[0], bucket.meta[1] = float(samples), float(active)
         bucket.work = all_reduce(bucket.wire, group=self.group, async_op=True, traffic=self.traffic)
 
     # -- in optimizer.step() ------------------------------------------------------
-    def _exchange(self, local_samples: int, active: bool) -> float:
-        """One synchronization round: all buckets, then the (samples, active) count."""
+    def _exchange(self, local_samples: int, active: bool) -> int:
+        """One synchronization round: all buckets and the (samples, active ranks) count."""
+        self._round = (local_samples, 1.0 if active else 0.0)
         for bucket in self._buckets[self._next_launch :]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     if active:
                         self._copy_in(bucket, i)
                     else:
-                        bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + bucket.params[i].numel()].zero_()
+                        self._view(bucket, i).zero_()
             bucket.ready = set(range(len(bucket.params)))
         self._launch_in_order()
-        meta = torch.tensor([float(local_samples), 1.0 if active else 0.0], dtype=torch.float64,
-                            device=self._buckets[0].buffer.device if self._buckets else "cpu")
-        meta_work = all_reduce(meta, group=self.group, async_op=True, traffic=self.traffic)
+        meta_work = None
+        if self._separate_meta is not None:
+            self._separate_meta.copy_(torch.tensor(self._round, dtype=torch.float64))
+            meta_work = all_reduce(self._separate_meta, group=self.group, async_op=True, traffic=self.traffic)
         for bucket in self._buckets:
             wait(bucket.work, "gradient all-reduce")
         wait(meta_work, "sample count all-reduce")
-        self.samples += int(meta[0].item())
-        n_active = int(meta[1].item())
+        self._round = None
+        meta = self._separate_meta if self._separate_meta is not None else self._buckets[-1].meta
+        assert meta is not None
+        self.samples += int(round(meta[0].item()))
+        n_active = int(round(meta[1].item()))
         if active:
             scale = self.world_size / n_active if n_active != self.world_size else None
             for bucket in self._buckets:
-                if bucket.wire is not bucket.buffer:
+                if bucket.wire is not bucket.buffer and bucket.wire is not bucket.with_meta:
                     bucket.buffer.copy_(bucket.wire)
                 if scale is not None:
                     bucket.buffer.mul_(scale)
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    flat = bucket.buffer[offset : offset + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = flat.clone()
-                    else:
-                        p.grad.copy_(flat)
+                for i, p in enumerate(bucket.params):
+                    p.grad = self._view(bucket, i)  # no copy back: the gradient is the reduced buffer
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.wire = set(), None, None
         self._next_launch = 0

@@ -12,6 +12,7 @@ from bunsan.comm.collectives import (
     barrier,
     broadcast_tensors,
     flatten,
+    get_backend,
     get_rank,
     get_world_size,
     global_rank,
@@ -19,6 +20,7 @@ from bunsan.comm.collectives import (
     unflatten_into,
     wait,
 )
+from bunsan.comm.objects import broadcast_object, group_rank, group_size, scatter_objects, scatter_tensor
 
 __all__ = [
     "Traffic",
@@ -28,12 +30,18 @@ __all__ = [
     "all_reduce_mean",
     "all_to_all",
     "barrier",
+    "broadcast_object",
     "broadcast_tensors",
     "flatten",
+    "get_backend",
     "get_rank",
     "get_world_size",
     "global_rank",
+    "group_rank",
+    "group_size",
     "is_initialized",
+    "scatter_objects",
+    "scatter_tensor",
     "unflatten_into",
     "wait",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "barrier",
     "broadcast_tensors",
     "flatten",
+    "get_backend",
     "get_rank",
     "get_world_size",
     "global_rank",
@@ -69,6 +70,11 @@ class Traffic:
 
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def get_backend(group: ProcessGroup | None = None) -> str:
+    """The backend of ``group`` (``"gloo"``, ``"nccl"``), or ``"none"`` without a process group."""
+    return str(dist.get_backend(group)) if is_initialized() else "none"
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:

@@ -71,13 +71,14 @@ def test_fp16_compression_close_to_exact(workers):
 
 def test_stats_count_bytes_and_samples(workers):
     n_params = sum(p.numel() for p in _net().parameters())
-    for compression, width in ((None, 4), ("fp16", 2)):
+    # A ring all-reduce over 2 ranks sends the message once. The (samples, active) count
+    # rides as two float32 slots in an uncompressed bucket, else as 2 float64 of its own.
+    for compression, per_step in ((None, (n_params + 2) * 4), ("fp16", n_params * 2 + 16)):
         results = workers.run(f"{__name__}:_body_equivalence", steps=5, batch=4, compression=compression, bucket_size_mb=25.0)
         for _, _, stats in results:
-            # ring all-reduce over 2 ranks sends the message once; plus 2 float64 of counts
-            assert stats["bytes_sent_per_step"] == n_params * width + 16
+            assert stats["bytes_sent_per_step"] == per_step
             assert stats["samples"] == 5 * 8 and stats["local_samples"] == 5 * 4
-            assert stats["bytes_sent_per_sample"] == pytest.approx((n_params * width + 16) / 4)
+            assert stats["bytes_sent_per_sample"] == pytest.approx(per_step / 4)
 
 
 def _body_mismatch(rank, world_size, kind):

@@ -1,0 +1,34 @@
+# Set-up and entry points. `make demo` and `make test` do everything on a fresh machine.
+#
+# torch is installed first, pinned, so that bunsan's `torch>=2.4` requirement is already
+# met and pip does not pull a CUDA build of several GB. On a GPU machine choose another
+# build: `TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>" make test`.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bunsan-installed
+
+.PHONY: demo test test-all bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/bunsan run -np 2 examples/train_digits_distributed.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-all: $(STAMP)
+	$(PY) -m pytest -m "not gpu"
+
+bench: $(STAMP)
+	$(VENV)/bin/bunsan run -np 2 benchmarks/ddp_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

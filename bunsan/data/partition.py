@@ -1,0 +1,260 @@
+"""Each worker's share of an epoch: a pure split function and a torch ``Sampler``.
+
+The contract every worker relies on (DESIGN.md, "Data"):
+
+* every rank computes the same epoch order from ``(seed, epoch)`` alone, with no
+  communication, so the shards are disjoint by construction;
+* every rank gets the same number of samples, so every rank runs the same number
+  of steps and the collectives of a step always have a partner;
+* what happens to the ``num_samples % world_size`` remainder is explicit:
+  ``drop_last=False`` pads, ``drop_last=True`` drops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+__all__ = ["Partition", "epoch_order", "shard_indices", "shard_size"]
+
+
+def _default_rank_size() -> tuple[int, int]:
+    """Return this worker's ``(rank, world_size)``, or ``(0, 1)`` outside a job.
+
+    The one place of ``bunsan.data`` that asks for the defaults.
+    """
+    from bunsan.comm import get_rank, get_world_size
+
+    return get_rank(), get_world_size()
+
+
+def _as_int(name: str, value: Any, minimum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}; pass an int such as 0 or 1")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _check(num_samples: int, rank: int, world_size: int, drop_last: bool) -> tuple[int, int, int]:
+    world_size = _as_int("world_size", world_size, 1)
+    rank = _as_int("rank", rank)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}; pass 0 <= rank < world_size")
+    num_samples = _as_int("num_samples", num_samples, 0)
+    if drop_last and num_samples < world_size:
+        raise ValueError(
+            f"num_samples={num_samples} < world_size={world_size} with drop_last=True leaves every "
+            "worker without data; use drop_last=False (pads by repeating samples) or fewer workers"
+        )
+    if not drop_last and num_samples == 0:
+        raise ValueError("num_samples must be >= 1 with drop_last=False: there is nothing to pad with")
+    return num_samples, rank, world_size
+
+
+def _generator_seed(seed: int, epoch: int) -> int:
+    # A 64-bit hash of the pair rather than seed + epoch, so that (seed=0, epoch=1)
+    # and (seed=1, epoch=0) give unrelated orders. blake2b, unlike hash(), is the
+    # same in every process and on every platform: all ranks must agree.
+    digest = hashlib.blake2b(f"bunsan:{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def shard_size(num_samples: int, world_size: int, drop_last: bool = False) -> int:
+    """Samples each worker gets per epoch: ``ceil(n / w)``, or ``n // w`` with ``drop_last``. Pure."""
+    num_samples, _, world_size = _check(num_samples, 0, world_size, drop_last)
+    if drop_last:
+        return num_samples // world_size
+    return -(-num_samples // world_size)
+
+
+def epoch_order(num_samples: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True) -> Tensor:
+    """The order of all ``num_samples`` indices in ``epoch``, the same on every rank. Pure.
+
+    With ``shuffle`` it is ``torch.randperm`` drawn from a ``torch.Generator``
+    seeded with a hash of ``(seed, epoch)``: deterministic for ``(seed, epoch)``
+    and different from one epoch to the next. Without ``shuffle`` it is
+    ``0, 1, ..., num_samples - 1`` for every epoch.
+
+    Args:
+        num_samples: Length of the dataset; must be >= 0.
+        epoch: 0-based epoch; must be >= 0.
+        seed: Any integer; the same on every rank.
+        shuffle: Whether to permute.
+
+    Returns:
+        An int64 tensor of shape ``(num_samples,)``.
+    """
+    num_samples = _as_int("num_samples", num_samples, 0)
+    epoch = _as_int("epoch", epoch, 0)
+    seed = _as_int("seed", seed)
+    if not shuffle:
+        return torch.arange(num_samples, dtype=torch.int64)
+    generator = torch.Generator().manual_seed(_generator_seed(seed, epoch))
+    return torch.randperm(num_samples, generator=generator, dtype=torch.int64)
+
+
+def shard_indices(
+    num_samples: int,
+    rank: int,
+    world_size: int,
+    *,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = False,
+) -> Tensor:
+    """Indices of worker ``rank``'s share of ``epoch``. Pure: no communication.
+
+    The epoch's order (:func:`epoch_order`, the same on every rank) is first
+    made a multiple of ``world_size`` long, then dealt out like cards: worker
+    ``r`` gets positions ``r, r + w, r + 2w, ...`` (strided slicing).
+
+    Remainder policy:
+
+    * ``drop_last=False`` (pad): the order is extended by repeating it from its
+      start, with exactly ``ceil(n / w) * w - n`` extra entries. Together the
+      shards cover every sample at least once; when ``n >= w - 1`` at most
+      ``w - 1`` samples appear twice. (With ``n < w - 1`` the order repeats
+      cyclically, so a sample may appear more often; counts still differ by at
+      most one between samples.)
+    * ``drop_last=True`` (drop): the last ``n % w`` entries of the order are
+      left out of this epoch. With ``shuffle`` a different tail is left out
+      each epoch.
+
+    Why strided and not contiguous blocks: batch ``t`` of every worker comes
+    from positions ``[t * B * w, (t + 1) * B * w)`` of the order, so the
+    global minibatch of ``w`` workers with batch ``B`` holds exactly the
+    samples that one process with batch ``B * w`` would see at step ``t``
+    (what the equivalence tests rely on); and with ``drop_last=False`` the
+    padding duplicates land one per worker instead of all on the last one.
+
+    Args:
+        num_samples: Length of the dataset; >= 1 (pad) or >= ``world_size`` (drop).
+        rank: This worker, ``0 <= rank < world_size``.
+        world_size: Number of workers; must be >= 1.
+        epoch: 0-based epoch; must be >= 0.
+        seed: The shuffle seed; must be the same on every rank.
+        shuffle: Whether to permute the order each epoch.
+        drop_last: Drop the remainder instead of padding.
+
+    Returns:
+        An int64 tensor of :func:`shard_size` indices into the dataset.
+
+    Raises:
+        ValueError: For arguments out of range, naming the argument.
+    """
+    num_samples, rank, world_size = _check(num_samples, rank, world_size, drop_last)
+    order = epoch_order(num_samples, epoch=epoch, seed=seed, shuffle=shuffle)
+    if drop_last:
+        order = order[: num_samples - num_samples % world_size]
+    else:
+        total = -(-num_samples // world_size) * world_size
+        if total > num_samples:
+            order = order.repeat(-(-total // num_samples))[:total]
+    return order[rank::world_size]
+
+
+class Partition(Sampler[int]):
+    """A sampler over this worker's share of each epoch (see :func:`shard_indices`).
+
+    Call :meth:`set_epoch` before each epoch, as with torch's
+    ``DistributedSampler``, or let :func:`bunsan.data.loader` do it. The
+    order depends only on ``(seed, epoch)``, never on global random state.
+
+    Args:
+        dataset_or_len: A sized dataset, or its length as an int.
+        rank: This worker; ``None`` means the rank in the default process
+            group (0 when there is none).
+        world_size: Number of workers; ``None`` means the default group's size
+            (1 when there is none).
+        shuffle: Reshuffle every epoch.
+        seed: Shuffle seed; must be the same on every rank.
+        drop_last: Drop the ``len % world_size`` remainder instead of padding.
+
+    Attributes:
+        num_samples: Length of the whole dataset.
+        shard_size: Samples this worker gets per epoch, the same on every worker.
+        epoch: The epoch the next iteration yields.
+        start: Leading samples of the epoch's shard that iteration skips (for
+            resuming mid-epoch); 0 unless set by :meth:`set_epoch`.
+    """
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if isinstance(dataset_or_len, Sized):
+            num_samples = len(dataset_or_len)
+        elif isinstance(dataset_or_len, bool) or not hasattr(dataset_or_len, "__index__"):
+            raise ValueError(
+                f"dataset_or_len must be a sized dataset or an int, got {type(dataset_or_len).__name__}; "
+                "an IterableDataset has no length to partition"
+            )
+        else:
+            num_samples = operator.index(dataset_or_len)
+        if rank is None or world_size is None:
+            default_rank, default_world_size = _default_rank_size()
+            rank = default_rank if rank is None else rank
+            world_size = default_world_size if world_size is None else world_size
+        self.num_samples, self.rank, self.world_size = _check(num_samples, rank, world_size, drop_last)
+        self.shuffle = bool(shuffle)
+        self.seed = _as_int("seed", seed)
+        self.drop_last = bool(drop_last)
+        self.shard_size = shard_size(self.num_samples, self.world_size, self.drop_last)
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Make the next iterations yield ``epoch``'s shard, skipping its first ``start`` samples.
+
+        Args:
+            epoch: 0-based epoch; must be >= 0.
+            start: Samples of the shard to skip, in ``[0, shard_size]``; a loader
+                resuming after ``b`` batches of size ``B`` passes ``b * B``.
+        """
+        epoch = _as_int("epoch", epoch, 0)
+        start = _as_int("start", start, 0)
+        if start > self.shard_size:
+            raise ValueError(f"start must be <= shard_size={self.shard_size}, got {start}")
+        self.epoch, self.start = epoch, start
+
+    def indices(self, epoch: int | None = None) -> Tensor:
+        """This worker's whole shard of ``epoch`` (default: the current one), ignoring ``start``."""
+        return shard_indices(
+            self.num_samples,
+            self.rank,
+            self.world_size,
+            epoch=self.epoch if epoch is None else epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices()[self.start :].tolist())
+
+    def __len__(self) -> int:
+        """Samples the next iteration yields: ``shard_size - start``."""
+        return self.shard_size - self.start
+
+    def __repr__(self) -> str:
+        return (
+            f"Partition(num_samples={self.num_samples}, rank={self.rank}, world_size={self.world_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last}, epoch={self.epoch})"
+        )

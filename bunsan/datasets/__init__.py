@@ -1,0 +1,57 @@
+"""Data sets that ship offline, by function or by name.
+
+``digits`` (scikit-learn's 8x8 digits) and ``mnist1d`` (generated from code)
+carry accuracy claims; ``synthetic`` carries speed measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import TensorDataset
+
+from bunsan.datasets.bundled import digits, mnist1d, stratified_split
+from bunsan.datasets.synthetic import synthetic
+
+__all__ = ["DatasetInfo", "digits", "info", "load", "mnist1d", "names", "stratified_split", "synthetic"]
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a model needs to know about a named data set (default arguments)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    train_size: int
+    test_size: int
+
+
+_INFO = {
+    "digits": DatasetInfo("digits", (1, 8, 8), 10, 1437, 360),
+    "mnist1d": DatasetInfo("mnist1d", (1, 40), 10, 4000, 1000),
+}
+_LOADERS = {"digits": digits, "mnist1d": mnist1d}
+
+
+def names() -> list[str]:
+    """Names accepted by :func:`info` and :func:`load`."""
+    return sorted(_INFO)
+
+
+def _check_name(name: str) -> None:
+    if name not in _INFO:
+        raise ValueError(f"unknown data set {name!r}; choose one of: {', '.join(names())}")
+
+
+def info(name: str) -> DatasetInfo:
+    """Input shape, number of classes and split sizes of data set ``name``."""
+    _check_name(name)
+    return _INFO[name]
+
+
+def load(name: str, split: str = "train", **kwargs: Any) -> TensorDataset:
+    """Load data set ``name``; ``kwargs`` go to its function (:func:`digits`, :func:`mnist1d`)."""
+    _check_name(name)
+    return _LOADERS[name](split, **kwargs)

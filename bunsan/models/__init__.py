@@ -1,0 +1,32 @@
+"""Reference models, by class or by name (``create("digits_cnn")``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from bunsan.models.small import MLP, DigitsCNN, MNIST1DCNN
+
+__all__ = ["MLP", "DigitsCNN", "MNIST1DCNN", "create", "names"]
+
+# A plain dict, not import-time decorators: one place to read, easy to grep.
+_MODELS: dict[str, type[nn.Module]] = {
+    "digits_cnn": DigitsCNN,
+    "mlp": MLP,
+    "mnist1d_cnn": MNIST1DCNN,
+}
+
+
+def names() -> list[str]:
+    """Names accepted by :func:`create`."""
+    return sorted(_MODELS)
+
+
+def create(name: str, **kwargs: Any) -> nn.Module:
+    """Build the model registered as ``name``; ``kwargs`` go to its constructor."""
+    try:
+        cls = _MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(names())}") from None
+    return cls(**kwargs)

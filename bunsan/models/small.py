@@ -1,0 +1,100 @@
+"""Small reference models for the bundled data sets: fast enough for CPU tests and benchmarks."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["MLP", "DigitsCNN", "MNIST1DCNN"]
+
+
+class DigitsCNN(nn.Module):
+    """A LeNet-style CNN (LeCun et al., 1998) for 1x8x8 digits: two 3x3 convolutions, one pooling, two linear layers.
+
+    About 151 k parameters. Input ``(N, 1, 8, 8)``, output logits ``(N, num_classes)``.
+
+    Args:
+        num_classes: Output classes.
+        channels: Channels of the first convolution; the second has twice as many.
+        hidden: Width of the hidden linear layer.
+    """
+
+    def __init__(self, num_classes: int = 10, channels: int = 32, hidden: int = 128) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),  # 8x8 -> 4x4
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * channels * 4 * 4, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+
+
+class MNIST1DCNN(nn.Module):
+    """A 1-D CNN for MNIST-1D sequences (Greydanus and Kobak, ICML 2024).
+
+    Three strided convolutions with ReLU then one linear layer, the shape of
+    the convolutional baseline of the MNIST-1D paper. Input ``(N, 1, 40)``,
+    output logits ``(N, num_classes)``.
+
+    Args:
+        num_classes: Output classes.
+        channels: Channels of every convolution.
+        length: Input sequence length.
+    """
+
+    def __init__(self, num_classes: int = 10, channels: int = 32, length: int = 40) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(1, channels, 5, stride=2, padding=2),  # 40 -> 20
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1),  # 20 -> 10
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, 3, stride=2, padding=1),  # 10 -> 5
+            nn.ReLU(),
+        )
+        out_length = length
+        for _ in range(3):
+            out_length = (out_length + 1) // 2
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(channels * out_length, num_classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.features(x))
+
+
+class MLP(nn.Module):
+    """A multi-layer perceptron: flatten, ``depth`` hidden layers of ``hidden`` units with ReLU, a linear output.
+
+    ``depth=0`` is a linear (logistic-regression) model.
+
+    Args:
+        in_features: Inputs per sample after flattening (e.g. 64 for 1x8x8).
+        hidden: Units per hidden layer; must be >= 1.
+        out_features: Outputs, e.g. the number of classes.
+        depth: Number of hidden layers; must be >= 0.
+    """
+
+    def __init__(self, in_features: int, hidden: int = 128, out_features: int = 10, depth: int = 2) -> None:
+        super().__init__()
+        for name, value, minimum in (("in_features", in_features, 1), ("hidden", hidden, 1),
+                                     ("out_features", out_features, 1), ("depth", depth, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"MLP {name} must be an int >= {minimum}, got {value!r}")
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, out_features))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)

@@ -1,0 +1,39 @@
+"""Reference models: output shapes, gradients, the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bunsan import models
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "input_shape"),
+    [
+        ("digits_cnn", {}, (1, 8, 8)),
+        ("mnist1d_cnn", {}, (1, 40)),
+        ("mnist1d_cnn", {"length": 37, "channels": 8}, (1, 37)),
+        ("mlp", {"in_features": 64, "hidden": 16, "out_features": 10, "depth": 2}, (1, 8, 8)),
+        ("mlp", {"in_features": 40, "out_features": 10, "depth": 0}, (40,)),
+    ],
+)
+def test_forward_shape_and_backward(name, kwargs, input_shape):
+    model = models.create(name, **kwargs)
+    out = model(torch.randn(5, *input_shape))
+    assert out.shape == (5, 10)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_registry():
+    assert models.names() == ["digits_cnn", "mlp", "mnist1d_cnn"]
+    assert isinstance(models.create("digits_cnn"), models.DigitsCNN)
+    with pytest.raises(ValueError, match="unknown model 'resnet'"):
+        models.create("resnet")
+
+
+def test_mlp_depth_and_validation():
+    assert sum(isinstance(m, torch.nn.Linear) for m in models.MLP(4, 8, 2, depth=3).modules()) == 4
+    with pytest.raises(ValueError, match="depth"):
+        models.MLP(4, 8, 2, depth=-1)
