@@ -38,13 +38,20 @@ def no_process_group_left():
         dist.destroy_process_group()
 
 
+# Variables that pytest or torch set themselves (torch sets the inductor cache directory
+# the first time an optimizer is built; OpenMP runtimes set KMP_*).
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_environment():
     """Fail a test that leaves new or changed environment variables behind."""
     before = dict(os.environ)
     yield
     changed = sorted(
-        k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k) and k != "PYTEST_CURRENT_TEST"
+        k
+        for k in os.environ.keys() | before.keys()
+        if os.environ.get(k) != before.get(k) and k not in _SET_BY_OTHERS and not k.startswith("KMP_")
     )
     os.environ.clear()
     os.environ.update(before)
