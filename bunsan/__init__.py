@@ -8,47 +8,71 @@ A single-process PyTorch script becomes a multi-worker one with a handful of lin
     loader = bunsan.data.loader(train_set, batch_size=64)   # this worker's shard
 
 and runs under ``bunsan run -np 4 train.py``, torchrun, mpirun or srun.
+
+Names are imported on first use (PEP 562), so ``bunsan run`` and ``bunsan doctor``
+start without importing torch: the launcher imports nothing of the training side.
 """
 
 from __future__ import annotations
 
-from bunsan import algorithms, comm, data, datasets, errors, models
-from bunsan.algorithms import Algorithm, DataParallelSGD
-from bunsan.optim import DistributedOptimizer, distribute
-from bunsan.runtime import (
-    device,
-    finalize,
-    init,
-    is_initialized,
-    is_main,
-    local_rank,
-    local_size,
-    rank,
-    session,
-    size,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Algorithm",
-    "DataParallelSGD",
-    "DistributedOptimizer",
-    "algorithms",
-    "comm",
-    "data",
-    "datasets",
-    "device",
-    "distribute",
-    "errors",
-    "finalize",
-    "init",
-    "is_initialized",
-    "is_main",
-    "local_rank",
-    "local_size",
-    "models",
-    "rank",
-    "session",
-    "size",
-]
+# public name -> module that defines it ("" = the name is a submodule)
+_EXPORTS: dict[str, str] = {
+    "Algorithm": "bunsan.algorithms",
+    "DataParallelSGD": "bunsan.algorithms",
+    "DistributedOptimizer": "bunsan.optim",
+    "distribute": "bunsan.optim",
+    "device": "bunsan.runtime",
+    "finalize": "bunsan.runtime",
+    "init": "bunsan.runtime",
+    "is_initialized": "bunsan.runtime",
+    "is_main": "bunsan.runtime",
+    "local_rank": "bunsan.runtime",
+    "local_size": "bunsan.runtime",
+    "rank": "bunsan.runtime",
+    "session": "bunsan.runtime",
+    "size": "bunsan.runtime",
+    "algorithms": "",
+    "comm": "",
+    "data": "",
+    "datasets": "",
+    "errors": "",
+    "models": "",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bunsan' has no attribute {name!r}")
+    value = importlib.import_module(f"bunsan.{name}") if module == "" else getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from bunsan import algorithms, comm, data, datasets, errors, models
+    from bunsan.algorithms import Algorithm, DataParallelSGD
+    from bunsan.optim import DistributedOptimizer, distribute
+    from bunsan.runtime import (
+        device,
+        finalize,
+        init,
+        is_initialized,
+        is_main,
+        local_rank,
+        local_size,
+        rank,
+        session,
+        size,
+    )
