@@ -23,7 +23,9 @@ __version__ = "0.1.0"
 # public name -> module that defines it ("" = the name is a submodule)
 _EXPORTS: dict[str, str] = {
     "Algorithm": "bunsan.algorithms",
+    "BlockMomentumSGD": "bunsan.algorithms",
     "DataParallelSGD": "bunsan.algorithms",
+    "ModelAveragingSGD": "bunsan.algorithms",
     "DistributedOptimizer": "bunsan.optim",
     "distribute": "bunsan.optim",
     "device": "bunsan.runtime",
@@ -62,7 +64,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from bunsan import algorithms, comm, data, datasets, errors, models
-    from bunsan.algorithms import Algorithm, DataParallelSGD
+    from bunsan.algorithms import Algorithm, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.runtime import (
         device,

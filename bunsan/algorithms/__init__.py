@@ -10,9 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import DataParallelSGD
+from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
-__all__ = ["Algorithm", "DataParallelSGD", "create", "names", "register"]
+__all__ = [
+    "Algorithm",
+    "BlockMomentumSGD",
+    "DataParallelSGD",
+    "ModelAveragingSGD",
+    "create",
+    "names",
+    "register",
+]
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -42,3 +52,5 @@ def create(name: str, **options: Any) -> Algorithm:
 
 
 register(DataParallelSGD)
+register(BlockMomentumSGD)
+register(ModelAveragingSGD)

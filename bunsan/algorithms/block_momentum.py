@@ -1,0 +1,680 @@
+"""Block-Momentum SGD: blockwise model-update filtering (BMUF).
+
+Chen & Huo 2016, "Scalable training of deep learning machines by incremental block
+training with intra-block parallel optimization and blockwise model-update
+filtering" (ICASSP 2016). Each worker trains its own replica for a *block* of
+``block_size`` samples (per worker) with the user's local optimizer; then the
+block's model changes are averaged over the workers and filtered with a block
+momentum before the next block starts::
+
+    G = mean_i(w_i) - W_start          # the block's average model change
+    D = bm * D + zeta * G              # block momentum, a first-order IIR filter
+    W = W + D                          # the global model
+    W_start = W + bm * D   (Nesterov)  or   W   (classic)
+
+``W_start`` is the model every replica starts the next block from (the paper's
+``W_g``). CNTK's parameterization is kept: ``zeta = (1 - bm) * N *
+block_learning_rate`` with ``N`` the world size, and ``bm = 1 - 1/N`` by default,
+so that by default ``zeta = block_learning_rate``.
+
+Block momentum as a time constant (CNTK's ``blockMomentumAsTimeConstant``): ``bm``
+is the momentum of a *full* block of ``block_size`` samples per worker, i.e.
+``bm = exp(-block_size / tau)`` with ``tau = -block_size / ln(bm)`` samples per
+worker. A block that actually held ``s`` samples per worker (a last partial
+block, or minibatches that do not divide ``block_size``) is filtered with
+``bm_s = exp(-s / tau) = bm ** (s / block_size)`` and ``zeta_s = (1 - bm_s) * N *
+block_learning_rate``. ``s`` is the mean over the workers that contributed to the
+block (the sum of their block samples divided by their number), taken from an
+all-reduce so that every rank uses the same ``bm_s``. The Nesterov look-ahead
+``W + bm * D`` uses the nominal ``bm``: the next block is expected to be full.
+
+The module-level functions are the pure arithmetic, unit-tested without
+processes; :class:`BlockwiseSGD` holds the communication shared with
+:class:`bunsan.algorithms.model_averaging.ModelAveragingSGD` (``bm = 0``,
+``zeta = 1``).
+
+Distributed invariants kept here:
+
+* A *round* is one all-reduce per (dtype, device) group of parameters plus one
+  float64 all-reduce of ``(block samples, contributes, still active)``. Every
+  rank runs the same sequence of rounds: a rank that has joined answers each of
+  the others' rounds with zeros until a round reports no active rank.
+* The phase (warm start or blocks) is decided from ``samples``, the global
+  sample count that every rank learns from the same all-reduces, so the switch
+  to block mode happens after the same round on every rank.
+* Contributions are divided by the world size before the sum (a half-precision
+  sum must not overflow where the mean would not); the average is then rescaled
+  to the contributing ranks only, so a joined rank's stale model adds nothing.
+* ``W``, ``D`` and ``W_start`` are updated from all-reduced values only, so they
+  stay identical on every rank, joined ranks included, and every round leaves
+  every replica at ``W_start``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from bunsan.algorithms.base import Algorithm
+from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank, unflatten_into, wait
+from bunsan.errors import CheckpointError
+
+__all__ = [
+    "BlockMomentumSGD",
+    "BlockwiseSGD",
+    "block_gain",
+    "default_block_momentum",
+    "momentum_to_time_constant",
+    "reset_momentum_buffers",
+    "scaled_block_momentum",
+    "time_constant_to_momentum",
+    "update_block_start_",
+    "update_global_model_",
+]
+
+
+# -- pure arithmetic ------------------------------------------------------------------
+def default_block_momentum(world_size: int) -> float:
+    """CNTK's default block momentum ``1 - 1/N`` for ``N`` workers (0 for one worker).
+
+    With it ``zeta = (1 - bm) * N * block_learning_rate = block_learning_rate``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return 1.0 - 1.0 / world_size
+
+
+def momentum_to_time_constant(block_momentum: float, block_size: int) -> float:
+    """The time constant ``tau`` (samples per worker) with ``block_momentum = exp(-block_size / tau)``.
+
+    ``block_momentum = 0`` has time constant 0 (no memory at all).
+    """
+    if not 0.0 <= block_momentum < 1.0:
+        raise ValueError(f"block_momentum must be in [0, 1), got {block_momentum}")
+    if block_momentum == 0.0:
+        return 0.0
+    return -block_size / math.log(block_momentum)
+
+
+def time_constant_to_momentum(time_constant: float, samples: float) -> float:
+    """The momentum ``exp(-samples / time_constant)`` of a block of ``samples`` per worker."""
+    if time_constant == 0.0:
+        return 0.0
+    return math.exp(-samples / time_constant)
+
+
+def scaled_block_momentum(block_momentum: float, block_size: int, samples: float) -> float:
+    """The block momentum for a block that held ``samples`` per worker instead of ``block_size``.
+
+    Holding the momentum as a time constant gives ``bm ** (samples / block_size)``
+    (equal to ``time_constant_to_momentum(momentum_to_time_constant(bm, block_size), samples)``):
+    a half block forgets half as much (in log scale) as a full one.
+    """
+    if samples <= 0:
+        raise ValueError(f"samples must be > 0 for a block that trained, got {samples}")
+    return block_momentum ** (samples / block_size)
+
+
+def block_gain(block_momentum: float, world_size: int, block_learning_rate: float) -> float:
+    """The block learning rate ``zeta = (1 - bm) * N * block_learning_rate`` (CNTK's convention)."""
+    return (1.0 - block_momentum) * world_size * block_learning_rate
+
+
+def update_global_model_(
+    global_model: Tensor, momentum: Tensor, block_change: Tensor, block_momentum: float, gain: float
+) -> None:
+    """In place: ``D = bm * D + zeta * G`` then ``W = W + D`` (Chen & Huo 2016, eqs. 6-7).
+
+    Args:
+        global_model: ``W``, updated in place.
+        momentum: ``D``, the filtered block update, updated in place.
+        block_change: ``G = mean_i(w_i) - W_start``, the block's average model change.
+        block_momentum: ``bm`` for this block (already scaled to its actual size).
+        gain: ``zeta`` for this block.
+    """
+    momentum.mul_(block_momentum).add_(block_change, alpha=gain)
+    global_model.add_(momentum)
+
+
+def update_block_start_(
+    start: Tensor, global_model: Tensor, momentum: Tensor, block_momentum: float, nesterov: bool
+) -> None:
+    """In place: the next block's starting model, ``W + bm * D`` (Nesterov) or ``W`` (classic)."""
+    if nesterov:
+        torch.add(global_model, momentum, alpha=block_momentum, out=start)
+    else:
+        start.copy_(global_model)
+
+
+def reset_momentum_buffers(optimizer: torch.optim.Optimizer) -> int:
+    """Drop the local optimizer's momentum buffers, in place; return how many were dropped.
+
+    Only ``momentum_buffer`` entries are touched (SGD, RMSprop with momentum): the
+    next step starts the momentum afresh from its gradient, as after construction.
+    Adam-family moments are normalized statistics with a step count, not a
+    momentum of the block's updates, and are kept.
+    """
+    dropped = 0
+    for state in optimizer.state.values():
+        if state.pop("momentum_buffer", None) is not None:
+            dropped += 1
+    return dropped
+
+
+# -- the algorithm ------------------------------------------------------------------
+@dataclass
+class _Flat:
+    """The parameters of one (dtype, device) and their block state as flat tensors."""
+
+    names: list[str]
+    params: list[Tensor]
+    offsets: list[int]
+    buffer: Tensor  # what travels: gradients (warm start) or model changes (blocks)
+    global_model: Tensor | None = None  # W
+    momentum: Tensor | None = None  # D
+    start: Tensor | None = None  # W_start: the model the current block started from
+
+    def pack(self, tensors: Sequence[Tensor | None]) -> None:
+        """Copy ``tensors`` (one per parameter) into ``buffer``, zeros for None, in place."""
+        for t, p, offset in zip(tensors, self.params, self.offsets):
+            view = self.buffer[offset : offset + p.numel()]
+            if t is None:
+                view.zero_()  # a parameter with no gradient here contributes zeros
+            else:
+                view.copy_(t.reshape(-1))
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        return [flat[offset : offset + p.numel()].view_as(p) for p, offset in zip(self.params, self.offsets)]
+
+
+def _group_params(named_params: Sequence[tuple[str, Tensor]]) -> list[_Flat]:
+    by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
+    for name, p in named_params:
+        by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+    flats = []
+    # Sorted by a key every rank computes alike: the groups' all-reduces go out in one order.
+    for (dtype, device), members in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        offsets, total = [], 0
+        for _, p in members:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        flats.append(_Flat([n for n, _ in members], [p for _, p in members], offsets, buffer))
+    return flats
+
+
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be an int number of samples per worker, got {block_size!r}")
+    if block_size <= 0:
+        raise ValueError(
+            f"block_size must be > 0 samples per worker, got {block_size}; "
+            "e.g. block_size=8 * batch_size synchronizes every 8 minibatches"
+        )
+    return int(block_size)
+
+
+def _check_warm_start(warm_start: Any) -> int:
+    if isinstance(warm_start, bool) or not isinstance(warm_start, numbers.Integral):
+        raise TypeError(f"warm_start must be an int number of samples (all workers together), got {warm_start!r}")
+    if warm_start < 0:
+        raise ValueError(
+            f"warm_start must be >= 0 samples (all workers together), got {warm_start}; "
+            "0 starts block training at once"
+        )
+    return int(warm_start)
+
+
+class BlockwiseSGD(Algorithm):
+    """Local training in blocks, then a filtered average of the block's model changes. Shared machinery.
+
+    Subclasses choose the filter (:meth:`filter_coefficients`): block momentum for
+    :class:`BlockMomentumSGD`, ``bm = 0, zeta = 1`` for model averaging. See the
+    module docstring for the equations, units and invariants.
+
+    Phases of training, on every rank alike:
+
+    1. *Warm start* (while ``samples < warm_start``, global count): exact
+       synchronous SGD. Every step all-reduces the gradients, averaged over the
+       ranks still training, as ``DataParallelSGD()`` does.
+    2. *Blocks*: the model at the switch is ``W`` (with ``D = 0``); every worker
+       trains locally and synchronizes once it has trained ``block_size``
+       samples since its last synchronization.
+    3. *End*: :meth:`join` finishes the last partial block and answers the other
+       ranks' rounds until all have joined; then every replica holds the same model.
+
+    ``samples`` (the global count) grows at every exchange: every step during the
+    warm start, at every synchronization afterwards; ``local_samples`` every step.
+    ``stats()["blocks"]`` counts the synchronizations that applied an update.
+
+    Args:
+        block_size: samples per worker in one block.
+        nesterov: start the next block from ``W + bm * D`` instead of ``W``.
+        reset_local_momentum: drop the local optimizer's momentum buffers after
+            each synchronization (needs :meth:`attach_optimizer`, which
+            :func:`bunsan.distribute` calls).
+        warm_start: samples, all workers together, of exact gradient averaging first.
+        group: process group; ``None`` means every rank.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        nesterov: bool,
+        reset_local_momentum: bool,
+        warm_start: int = 0,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(group=group)
+        self.block_size = _check_block_size(block_size)
+        self.warm_start = _check_warm_start(warm_start)
+        self.nesterov = bool(nesterov)
+        self.reset_local_momentum = bool(reset_local_momentum)
+        self.optimizer: torch.optim.Optimizer | None = getattr(self, "optimizer", None)  # set by attach_optimizer()
+        self.block_samples = 0  # local samples trained in the current block
+        self.block_steps = 0  # local steps in the current block
+        self.blocks = 0  # block synchronizations that applied an update
+        self._flats: list[_Flat] = []
+        self._blocks_started = False
+        self._ended_warm_start = False  # this step's round was the last of the warm start
+        self._fresh = True  # this rank's model is the others' (False: joined and missed warm steps)
+        self._checked_first_step = False
+
+    # -- the filter, chosen by subclasses -----------------------------------------
+    def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
+        """``(bm, zeta)`` for a block that held ``samples_per_worker`` samples per worker."""
+        raise NotImplementedError
+
+    @property
+    def lookahead_momentum(self) -> float:
+        """The ``bm`` of the Nesterov look-ahead ``W + bm * D`` (0 without momentum)."""
+        return 0.0
+
+    # -- set-up -----------------------------------------------------------------
+    def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        super().setup(named_params)
+        self._flats = _group_params(self.named_params)
+        self._blocks_started = False
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by :func:`bunsan.distribute` with the user's optimizer, whose momentum is reset after syncs."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    @property
+    def in_warm_start(self) -> bool:
+        """Whether the next step is still exact gradient averaging (same answer on every rank)."""
+        return self.samples < self.warm_start
+
+    # -- collective hooks -----------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Collective. Warm start: average the gradients. Blocks: count the step's samples."""
+        n = self._take_local_samples()
+        if not self._checked_first_step:
+            self._check_first_step(n)
+        if self.in_warm_start:
+            self._warm_round(n, active=True)
+            # The global count just grew identically on every rank: so does this decision.
+            self._ended_warm_start = not self.in_warm_start
+            return
+        if not self._blocks_started:
+            self._begin_blocks()  # warm_start=0: the block starts from the broadcast model
+        self.block_samples += n
+        self.block_steps += 1
+
+    def after_step(self) -> None:
+        """Collective. Switch to blocks after the warm start; synchronize at the end of a block."""
+        if self._ended_warm_start:
+            # After optimizer.step(): W is the model the last exact step produced.
+            self._ended_warm_start = False
+            self._end_warm_start()
+            return
+        if self._blocks_started and self.block_samples >= self.block_size:
+            self._block_round(contribute=True, still_active=True)
+
+    def join(self) -> None:
+        """Collective. This rank has no more data: finish its block, answer the others' rounds until all join.
+
+        When it returns on every rank, every replica holds the same model.
+        """
+        # 1. Warm start: mirror the active ranks' gradient all-reduces with zeros.
+        while self.in_warm_start:
+            if self._warm_round(0, active=False) == 0:
+                # Every rank has joined during the warm start; ranks that joined early
+                # missed the last exact steps and take the model of one that did not.
+                self._equalize()
+                return
+            if not self.in_warm_start:
+                self._end_warm_start()  # the active ranks do the same in after_step()
+        # 2. Blocks: contribute the partial block once, then weight 0 until nobody is active.
+        if not self._blocks_started:
+            self._begin_blocks()
+        contribute = self.block_steps > 0
+        while self._block_round(contribute=contribute, still_active=False) > 0:
+            contribute = False
+
+    def synchronize(self) -> None:
+        """Collective. Finish the current partial block now: every active replica gets ``W_start``.
+
+        During the warm start the replicas are already equal and nothing is sent.
+        """
+        if self.in_warm_start:
+            return
+        if not self._blocks_started:
+            self._begin_blocks()
+        self._block_round(contribute=self.block_steps > 0, still_active=True)
+
+    # -- rounds -----------------------------------------------------------------
+    def _meta(self, samples: int, contributes: bool, still_active: bool) -> Tensor:
+        device = self._flats[0].buffer.device if self._flats else "cpu"
+        # float64: sample counts stay exact up to 2**53.
+        return torch.tensor([float(samples), float(contributes), float(still_active)], dtype=torch.float64, device=device)
+
+    def _exchange(self, meta: Tensor, what: str) -> tuple[int, int, int]:
+        """All-reduce every flat buffer and ``meta`` (in this order on every rank); return ``meta``'s sums."""
+        works = [all_reduce(f.buffer, group=self.group, async_op=True, traffic=self.traffic) for f in self._flats]
+        meta_work = all_reduce(meta, group=self.group, async_op=True, traffic=self.traffic)
+        for work in works:
+            wait(work, what)
+        wait(meta_work, "sample count all-reduce")
+        total, contributors, active = (int(v) for v in meta.tolist())
+        self.samples += total
+        return total, contributors, active
+
+    @torch.no_grad()
+    def _warm_round(self, samples: int, *, active: bool) -> int:
+        """One exact gradient exchange; returns the number of ranks that contributed."""
+        n = self.world_size
+        for f in self._flats:
+            if active:
+                f.pack([p.grad for p in f.params])
+                f.buffer.div_(n)  # divide before the sum
+            else:
+                f.buffer.zero_()  # a joined rank adds nothing
+        _, n_active, _ = self._exchange(self._meta(samples, active, active), "gradient all-reduce")
+        if active:
+            for f in self._flats:
+                if n_active != n:
+                    f.buffer.mul_(n / n_active)  # the mean over the ranks that trained
+                for p, avg in zip(f.params, f.views(f.buffer)):
+                    if p.grad is None:
+                        p.grad = avg.clone()
+                    else:
+                        p.grad.copy_(avg)
+        elif n_active > 0:
+            self._fresh = False  # the active ranks take a step this rank does not
+        return n_active
+
+    @torch.no_grad()
+    def _block_round(self, *, contribute: bool, still_active: bool) -> int:
+        """One block synchronization; returns the number of ranks still training after it."""
+        n = self.world_size
+        # 1. Every rank sends its block's model change (or zeros) and its counts.
+        for f in self._flats:
+            if contribute:
+                f.pack(f.params)
+                f.buffer.sub_(f.start).div_(n)  # w_i - W_start, divided before the sum
+            else:
+                f.buffer.zero_()
+        samples = self.block_samples if contribute else 0
+        total, contributors, active = self._exchange(self._meta(samples, contribute, still_active), "block all-reduce")
+        # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
+        if contributors > 0:
+            per_worker = total / contributors if total > 0 else float(self.block_size)
+            bm, gain = self.filter_coefficients(per_worker)
+            for f in self._flats:
+                if contributors != n:
+                    f.buffer.mul_(n / contributors)
+                update_global_model_(f.global_model, f.momentum, f.buffer, bm, gain)
+                update_block_start_(f.start, f.global_model, f.momentum, self.lookahead_momentum, self.nesterov)
+            self.blocks += 1
+        # 3. Every replica, joined ones included, starts over from W_start.
+        for f in self._flats:
+            unflatten_into(f.start, f.params)
+        self.block_samples = self.block_steps = 0
+        if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
+            reset_momentum_buffers(self.optimizer)
+        return active
+
+    def _end_warm_start(self) -> None:
+        """Collective. Make every replica equal, then start block 1 from the current model."""
+        self._equalize()
+        self._begin_blocks()
+
+    @torch.no_grad()
+    def _equalize(self) -> None:
+        """Collective. Ranks that joined and missed exact steps take the model of the lowest up-to-date rank."""
+        n = self.world_size
+        device = self._flats[0].buffer.device if self._flats else "cpu"
+        mine = [float(get_rank(self.group) if self._fresh else n), 1.0 if self._fresh else 0.0]
+        flags = torch.tensor(mine, dtype=torch.float64, device=device)
+        all_reduce(flags, op="min", group=self.group, traffic=self.traffic)
+        if flags[1].item() == 0.0:  # someone is stale; the decision is the same on every rank
+            src = int(flags[0].item())  # < n: the ranks of the last exact step are up to date
+            broadcast_tensors(self.params, src=global_rank(self.group, src), group=self.group, traffic=self.traffic)
+        self._fresh = True
+
+    @torch.no_grad()
+    def _begin_blocks(self) -> None:
+        """Local. ``W = W_start =`` the current model, ``D = 0``, an empty block."""
+        for f in self._flats:
+            f.pack(f.params)
+            f.global_model = f.buffer.clone()
+            f.start = f.buffer.clone()
+            f.momentum = torch.zeros_like(f.buffer)
+        self.block_samples = self.block_steps = 0
+        self._blocks_started = True
+
+    def _check_first_step(self, n: int) -> None:
+        self._checked_first_step = True
+        if self.reset_local_momentum and self.optimizer is None:
+            # Raised on every rank alike, before any collective of this step.
+            raise RuntimeError(
+                f"{type(self).__name__}(reset_local_momentum=True) needs the local optimizer: build it with "
+                "bunsan.distribute(model, optimizer, algorithm), or call algorithm.attach_optimizer(optimizer)"
+            )
+        if n == 0:
+            warnings.warn(
+                "no training samples were counted in this step, but blocks end after block_size samples: "
+                "use bunsan.distribute() (it counts the model's inputs) or call algorithm.count_samples(n)",
+                stacklevel=3,
+            )
+        elif self.block_size % n:
+            steps = -(-self.block_size // n)  # a block ends at the first step that reaches block_size
+            exact = f"block_size={steps * n}" + (f" or {(steps - 1) * n}" if steps > 1 else "")
+            warnings.warn(
+                f"block_size={self.block_size} is not a multiple of this worker's minibatch of {n} samples: "
+                f"a block ends after {steps} minibatches ({steps * n} samples) and its block momentum is "
+                f"scaled to that size; choose {exact} to make it exact",
+                stacklevel=3,
+            )
+
+    # -- measurement and state ------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        out = super().stats()
+        out["blocks"] = self.blocks
+        return out
+
+    def _named_flat(self, attr: str) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for f in self._flats:
+            for name, view in zip(f.names, f.views(getattr(f, attr))):
+                out[name] = view.detach().clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the counts, and ``W``, ``D`` and ``W_start`` by parameter name once blocks began."""
+        state = super().state_dict()
+        state.update(
+            block_size=self.block_size,
+            warm_start=self.warm_start,
+            block_samples=self.block_samples,
+            block_steps=self.block_steps,
+            blocks=self.blocks,
+            blocks_started=self._blocks_started,
+        )
+        if self._blocks_started:
+            state.update(
+                global_model=self._named_flat("global_model"),
+                block_momentum_buffer=self._named_flat("momentum"),
+                block_start=self._named_flat("start"),
+            )
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.block_samples = int(state["block_samples"])
+        self.block_steps = int(state["block_steps"])
+        self.blocks = int(state["blocks"])
+        self._ended_warm_start = False
+        self._fresh = True
+        if not state["blocks_started"]:
+            self._blocks_started = False
+            return
+        if not self._flats:
+            raise CheckpointError("load the algorithm's state after bunsan.distribute() has set it up")
+        for f in self._flats:
+            for attr, key in (("global_model", "global_model"), ("momentum", "block_momentum_buffer"), ("start", "block_start")):
+                flat = torch.zeros_like(f.buffer)
+                saved = state[key]
+                for name, view in zip(f.names, f.views(flat)):
+                    if name not in saved:
+                        raise CheckpointError(f"the checkpoint's {key} has no parameter {name!r}: it is from another model")
+                    if tuple(saved[name].shape) != tuple(view.shape):
+                        raise CheckpointError(
+                            f"the checkpoint's {key}[{name!r}] has shape {list(saved[name].shape)}, "
+                            f"the model's parameter has {list(view.shape)}: it is from another model"
+                        )
+                    view.copy_(saved[name])
+                setattr(f, attr, flat)
+        self._blocks_started = True
+
+
+class BlockMomentumSGD(BlockwiseSGD):
+    """Block-Momentum SGD (BMUF; Chen & Huo 2016), with CNTK's parameterization.
+
+    Workers train locally for ``block_size`` samples each; then the block's model
+    change is averaged over the workers and filtered: ``G = mean_i(w_i) - W_start``,
+    ``D = bm * D + zeta * G``, ``W = W + D``; the next block starts from
+    ``W_start = W + bm * D`` (Nesterov, the default) or ``W``. ``zeta = (1 - bm) * N
+    * block_learning_rate``. With ``block_momentum=0`` and ``zeta = 1``
+    (``block_learning_rate = 1 / N``) it is exactly model averaging.
+
+    The momentum is held as a time constant: a block that held ``s`` samples per
+    worker instead of ``block_size`` uses ``bm ** (s / block_size)`` and the
+    matching ``zeta`` (see the module docstring). During the first
+    ``warm_start`` samples (all workers together) gradients are averaged every
+    step instead, exactly as ``DataParallelSGD()``; block training then starts from
+    the model at that point.
+
+    Ending training. Call ``optimizer.join()`` (:meth:`join`) on every rank after
+    the training loop: it finishes the last partial block and, with uneven data,
+    keeps a rank whose data ended early taking part in the others'
+    synchronizations (with weight 0: the average is over the ranks that trained)
+    until all have joined. Afterwards every replica holds the same model,
+    ``W_start`` of the last synchronization. For evaluation in the middle of
+    training call ``optimizer.synchronize()`` (:meth:`synchronize`) on every rank: it
+    ends the current block now, leaving every replica at the same ``W_start``,
+    and training goes on with a new block.
+
+    Args:
+        block_size: samples per worker in one block (CNTK's ``syncPeriod``); best a
+            multiple of the minibatch size (a warning says so otherwise).
+        block_momentum: ``bm`` of a full block, in ``[0, 1)``; ``None`` means
+            ``1 - 1/N`` for ``N`` workers.
+        block_learning_rate: scales ``zeta = (1 - bm) * N * block_learning_rate``;
+            1.0 applies the filtered update in full.
+        nesterov: start each block from the look-ahead ``W + bm * D``.
+        reset_local_momentum: drop the local optimizer's momentum buffers after
+            each synchronization, so that momentum from before the average does
+            not push the new model.
+        warm_start: samples (all workers together) of exact synchronous SGD first.
+        group: process group; ``None`` means every rank.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+        TypeError: ``block_size`` or ``warm_start`` is not an int.
+
+    Example:
+        >>> algorithm = bunsan.BlockMomentumSGD(block_size=64 * 16)   # sync every 16 minibatches of 64
+        >>> model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+        >>> for x, y in loader: ...                                     # the usual loop
+        >>> optimizer.join()                                            # every rank: equal models after
+    """
+
+    name = "block_momentum"
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        block_momentum: float | None = None,
+        block_learning_rate: float = 1.0,
+        nesterov: bool = True,
+        reset_local_momentum: bool = True,
+        warm_start: int = 0,
+        group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            block_size, nesterov=nesterov, reset_local_momentum=reset_local_momentum, warm_start=warm_start, group=group
+        )
+        if block_momentum is not None and not 0.0 <= block_momentum < 1.0:  # `not` also rejects NaN
+            raise ValueError(
+                f"block_momentum must be in [0, 1), got {block_momentum}; None means 1 - 1/world_size, "
+                "and 0 turns the filter off (model averaging)"
+            )
+        if not block_learning_rate > 0.0 or not math.isfinite(block_learning_rate):
+            raise ValueError(
+                f"block_learning_rate must be a finite number > 0, got {block_learning_rate}; "
+                "1.0 (the default) applies the filtered block update in full"
+            )
+        self.requested_block_momentum = None if block_momentum is None else float(block_momentum)
+        self.block_learning_rate = float(block_learning_rate)
+        # Resolved by setup() once the world size is known.
+        self.block_momentum = self.requested_block_momentum
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMomentumSGD(block_size={self.block_size}, block_momentum={self.requested_block_momentum}, "
+            f"block_learning_rate={self.block_learning_rate}, nesterov={self.nesterov}, "
+            f"reset_local_momentum={self.reset_local_momentum}, warm_start={self.warm_start})"
+        )
+
+    def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        super().setup(named_params)
+        if self.requested_block_momentum is None:
+            self.block_momentum = default_block_momentum(self.world_size)
+
+    def _resolved_block_momentum(self) -> float:
+        if self.block_momentum is None:
+            self.block_momentum = default_block_momentum(self.world_size)
+        return self.block_momentum
+
+    @property
+    def lookahead_momentum(self) -> float:
+        return self._resolved_block_momentum()
+
+    @property
+    def time_constant(self) -> float:
+        """The block momentum as a time constant, in samples per worker."""
+        return momentum_to_time_constant(self._resolved_block_momentum(), self.block_size)
+
+    def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
+        bm = scaled_block_momentum(self._resolved_block_momentum(), self.block_size, samples_per_worker)
+        return bm, block_gain(bm, self.world_size, self.block_learning_rate)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(block_momentum=self.block_momentum, block_learning_rate=self.block_learning_rate)
+        return state
