@@ -28,6 +28,8 @@ Distributed invariants kept here:
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,7 +40,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
-from bunsan.comm import all_reduce, wait
+from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
+from bunsan.compression import Quantizer
 
 __all__ = ["DataParallelSGD"]
 
@@ -58,6 +61,28 @@ class _Bucket:
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
     with_meta: Tensor | None = None  # ``buffer`` plus two trailing slots, one allocation
     meta: Tensor | None = None  # the two slots: (samples, active ranks)
+
+
+@dataclass
+class _Stripes:
+    """Buffers of one bucket's quantized exchange, allocated once.
+
+    The bucket's ``numel`` values are padded to ``world_size x stripe`` and cut into
+    ``world_size`` stripes; rank ``r`` owns stripe ``r``.
+    """
+
+    stripe: int  # elements per stripe
+    payload: int  # bytes of one encoded stripe
+    padded: Tensor  # float32 [world_size x stripe]: this rank's gradient
+    residual: Tensor  # float32 [world_size x stripe]: what this rank's encoding dropped
+    owner_residual: Tensor  # float32 [world_size x stripe]: nonzero only in the owned stripe
+    send: Tensor  # uint8 [world_size x payload]
+    received: Tensor  # uint8 [world_size x payload]
+    summed: Tensor  # float32 [stripe]
+    scratch: Tensor  # float32 [stripe]
+    own_payload: Tensor  # uint8 [payload]
+    gathered: Tensor  # uint8 [world_size x payload]
+    work: Any = None
 
 
 def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -> list[_Bucket]:
@@ -94,13 +119,34 @@ def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -
 class DataParallelSGD(Algorithm):
     """Synchronous data-parallel SGD, exact (``bits=32``) or with compressed traffic.
 
+    With ``bits`` in 1..16 each gradient plus its residual is quantized per chunk
+    (1 bit: a sign and two reconstruction values per chunk, the means of the
+    non-negative and of the negative entries, Seide et al. 2014, "1-Bit Stochastic
+    Gradient Descent and its Application to Data-Parallel Distributed Training of
+    Speech DNNs"; more bits: levels over the chunk, see :mod:`bunsan.compression`).
+    What quantization drops is kept as a residual and added to the next step's
+    gradient (error feedback), so nothing is lost, only delayed. The exchange is by
+    stripes, so the bytes each rank sends stay flat as ranks are added:
+
+    1. each rank quantizes stripe ``j`` of its gradient (with its residual) and
+       sends it to rank ``j`` (all-to-all);
+    2. rank ``j`` decodes and sums its stripe from every rank, divides by the
+       number of active ranks, and quantizes the mean with a second residual of its
+       own;
+    3. the owners' stripes are all-gathered and decoded on every rank, so every
+       replica applies the same gradient.
+
     Args:
-        bits: 32 for exact full-precision averaging.
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: gradients travel in half
-            precision (half the bytes; the average is rounded to that precision).
-        warm_start: samples (global count) trained with exact averaging before a
-            lossy exchange starts; only meaningful with ``bits < 32``.
-        bucket_size_mb: approximate size of one all-reduce message.
+        bits: 32 for exact full-precision averaging, or 1..16 for quantized gradients.
+        compression: with ``bits=32`` only: ``None``, ``"fp16"`` or ``"bf16"``;
+            gradients travel in half precision (half the bytes).
+        warm_start: samples (global count, all ranks together) trained with exact
+            averaging before quantization starts (CNTK's ``distributed_after``); rank 0
+            prints the switch.
+        error_feedback: keep the residuals (the default). ``False`` drops what
+            quantization loses; it exists for tests and research.
+        chunk_size: elements per quantization chunk (default: the codec's).
+        bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
     Example:
@@ -115,24 +161,39 @@ class DataParallelSGD(Algorithm):
         *,
         compression: str | None = None,
         warm_start: int = 0,
+        error_feedback: bool = True,
+        chunk_size: int | None = None,
         bucket_size_mb: float = 25.0,
         group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(group=group)
         if isinstance(bits, bool) or not isinstance(bits, int):
             raise TypeError(f"bits must be an int (32, or 1..16), got {bits!r}")
-        if bits != 32:
-            raise ValueError(f"bits must be 32 (exact averaging), got {bits}")
+        if bits != 32 and not 1 <= bits <= 16:
+            raise ValueError(f"bits must be 32 (exact) or 1..16 (quantized), got {bits}")
         if compression not in _COMPRESSIONS:
             raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
-        if warm_start < 0:
-            raise ValueError(f"warm_start is a number of samples >= 0, got {warm_start}")
+        if compression is not None and bits != 32:
+            raise ValueError(f"compression={compression!r} applies to bits=32 only; bits={bits} quantizes already")
+        if isinstance(warm_start, bool) or not isinstance(warm_start, int) or warm_start < 0:
+            raise ValueError(f"warm_start is a number of samples >= 0, got {warm_start!r}")
+        if warm_start and bits == 32:
+            warnings.warn("warm_start has no effect with bits=32 (the exchange is exact anyway)", stacklevel=2)
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self.bits = bits
         self.compression = compression
         self.warm_start = int(warm_start)
+        self.error_feedback = bool(error_feedback)
         self.bucket_size_mb = float(bucket_size_mb)
+        self._quantizer = None if bits == 32 else (Quantizer(bits) if chunk_size is None else Quantizer(bits, chunk_size))
+        self.quantizing = False  # this step's exchange is quantized (decided identically on every rank)
+        self._stripes: dict[int, _Stripes] = {}
+        self._loaded_residuals: dict[str, dict[str, Tensor]] | None = None
+        self._merge_owner_residuals = False
+        self._encode_s = self._decode_s = 0.0
+        self._exact_bytes = 0  # what the quantized steps would have sent at 32 bits
+        self._quantized_bytes = 0
         self._buckets: list[_Bucket] = []
         self._where: dict[Tensor, tuple[_Bucket, int]] = {}
         self._next_launch = 0
@@ -146,6 +207,13 @@ class DataParallelSGD(Algorithm):
     def __repr__(self) -> str:
         return f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start})"
 
+    def _update_mode(self) -> None:
+        was = self.quantizing
+        self.quantizing = self._quantizer is not None and self.samples >= self.warm_start
+        if self.quantizing and not was and self.warm_start and get_rank(self.group) == 0:
+            print(f"[bunsan] DataParallelSGD: {self.samples} samples trained (warm start {self.warm_start}); "
+                  f"switching to {self.bits}-bit gradients", flush=True)
+
     # -- set-up -----------------------------------------------------------------
     def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
         super().setup(named_params)
@@ -156,7 +224,12 @@ class DataParallelSGD(Algorithm):
         # bucket travels uncompressed in float32/64 (exact for counts below 2**24);
         # otherwise it is a separate small float64 all-reduce.
         last = self._buckets[-1] if self._buckets else None
-        rides = last is not None and self.compression is None and last.buffer.dtype in (torch.float32, torch.float64)
+        rides = (
+            last is not None
+            and self.compression is None
+            and self._quantizer is None
+            and last.buffer.dtype in (torch.float32, torch.float64)
+        )
         for bucket in self._buckets:
             if bucket is not last or not rides:
                 bucket.with_meta = bucket.meta = None
@@ -164,6 +237,29 @@ class DataParallelSGD(Algorithm):
         self._separate_meta = None if rides else torch.zeros(2, dtype=torch.float64, device=device)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        if self._quantizer is not None:
+            self._stripes = {b.index: self._build_stripes(b) for b in self._buckets}
+            if self._loaded_residuals is not None:
+                self._apply_loaded_residuals()
+        self._update_mode()
+
+    def _build_stripes(self, bucket: _Bucket) -> _Stripes:
+        assert self._quantizer is not None
+        if bucket.buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"bits={self.bits} quantizes floating-point gradients only; {bucket.names[0]} is {bucket.buffer.dtype}")
+        n, device = self.world_size, bucket.buffer.device
+        stripe = max(1, math.ceil(bucket.buffer.numel() / n))
+        payload = self._quantizer.payload_bytes(stripe)
+
+        def floats(k: int) -> Tensor:
+            return torch.zeros(k, dtype=torch.float32, device=device)
+
+        def octets(k: int) -> Tensor:
+            return torch.zeros(k, dtype=torch.uint8, device=device)
+
+        return _Stripes(stripe, payload, floats(n * stripe), floats(n * stripe), floats(n * stripe),
+                        octets(n * payload), octets(n * payload), floats(stripe), floats(stripe),
+                        octets(payload), octets(n * payload))
 
     def begin_accumulation(self) -> None:
         self._accumulating = True
@@ -221,6 +317,9 @@ class DataParallelSGD(Algorithm):
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self.quantizing:
+            self._launch_stripes(bucket)
+            return
         dtype = _COMPRESSIONS[self.compression]
         if dtype is None:
             bucket.wire = bucket.buffer if bucket.meta is None else bucket.with_meta
@@ -230,6 +329,63 @@ class DataParallelSGD(Algorithm):
             samples, active = self._round if self._round is not None else (self._pending_samples, 1.0)
             bucket.meta[0], bucket.meta[1] = float(samples), float(active)
         bucket.work = all_reduce(bucket.wire, group=self.group, async_op=True, traffic=self.traffic)
+
+    def _launch_stripes(self, bucket: _Bucket) -> None:
+        """Phase 1: quantize every stripe (with this rank's residual) and send it to its owner."""
+        assert self._quantizer is not None
+        q = self._stripes[bucket.index]
+        active = self._round is None or self._round[1] > 0
+        start = time.perf_counter()
+        numel = bucket.buffer.numel()
+        q.padded[:numel].copy_(bucket.buffer)
+        for j in range(self.world_size):
+            piece = slice(j * q.stripe, (j + 1) * q.stripe)
+            out = q.send[j * q.payload : (j + 1) * q.payload]
+            if active and self.error_feedback:
+                self._quantizer.encode_with_feedback(q.padded[piece], q.residual[piece], out=out)
+            else:  # a joined rank sends zeros and keeps its residual for nobody
+                self._quantizer.encode(q.padded[piece], out=out)
+        self._encode_s += time.perf_counter() - start
+        q.work = all_to_all(q.received, q.send, group=self.group, traffic=self.traffic, async_op=True)
+        bucket.work = q.work
+
+    def _finish_stripes(self, n_active: int) -> None:
+        """Phases 2 and 3: owners sum, re-quantize and share their stripes; all decode."""
+        assert self._quantizer is not None
+        quantizer, n, me = self._quantizer, self.world_size, get_rank(self.group)
+        for bucket in self._buckets:
+            wait(self._stripes[bucket.index].work, "quantized gradient exchange")
+        if n_active == 0:  # every rank has joined: the round carried nothing (same on every rank)
+            return
+        if self._merge_owner_residuals:
+            self._merge_loaded_owner_residuals()
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            start = time.perf_counter()
+            q.summed.zero_()
+            for i in range(n):  # rank order: the same sum on whichever rank owns the stripe
+                quantizer.decode(q.received[i * q.payload : (i + 1) * q.payload], q.stripe, out=q.scratch)
+                q.summed.add_(q.scratch)
+            if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
+                q.summed.mul_(n / n_active)
+            own = slice(me * q.stripe, (me + 1) * q.stripe)
+            if self.error_feedback:
+                quantizer.encode_with_feedback(q.summed, q.owner_residual[own], out=q.own_payload)
+            else:
+                quantizer.encode(q.summed, out=q.own_payload)
+            self._decode_s += time.perf_counter() - start
+            q.work = all_gather_into(q.gathered, q.own_payload, group=self.group, traffic=self.traffic, async_op=True)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            wait(q.work, "quantized gradient gather")
+            start = time.perf_counter()
+            for j in range(n):
+                quantizer.decode(q.gathered[j * q.payload : (j + 1) * q.payload], q.stripe,
+                                 out=q.padded[j * q.stripe : (j + 1) * q.stripe])
+            bucket.buffer.copy_(q.padded[: bucket.buffer.numel()])
+            self._decode_s += time.perf_counter() - start
+            q.work = None
+            self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
 
     # -- in optimizer.step() ------------------------------------------------------
     def _exchange(self, local_samples: int, active: bool) -> int:
@@ -248,18 +404,24 @@ class DataParallelSGD(Algorithm):
         if self._separate_meta is not None:
             self._separate_meta.copy_(torch.tensor(self._round, dtype=torch.float64))
             meta_work = all_reduce(self._separate_meta, group=self.group, async_op=True, traffic=self.traffic)
-        for bucket in self._buckets:
-            wait(bucket.work, "gradient all-reduce")
+        quantized = self.quantizing
+        sent_before = self.traffic.sent
+        if not quantized:
+            for bucket in self._buckets:
+                wait(bucket.work, "gradient all-reduce")
         wait(meta_work, "sample count all-reduce")
         self._round = None
         meta = self._separate_meta if self._separate_meta is not None else self._buckets[-1].meta
         assert meta is not None
         self.samples += int(round(meta[0].item()))
         n_active = int(round(meta[1].item()))
+        if quantized:
+            self._finish_stripes(n_active)  # also does the scaling to the active ranks
+            self._quantized_bytes += self.traffic.sent - sent_before
         if active:
-            scale = self.world_size / n_active if n_active != self.world_size else None
+            scale = self.world_size / n_active if n_active != self.world_size and not quantized else None
             for bucket in self._buckets:
-                if bucket.wire is not bucket.buffer and bucket.wire is not bucket.with_meta:
+                if bucket.wire is not None and bucket.wire is not bucket.buffer and bucket.wire is not bucket.with_meta:
                     bucket.buffer.copy_(bucket.wire)
                 if scale is not None:
                     bucket.buffer.mul_(scale)
@@ -268,6 +430,7 @@ class DataParallelSGD(Algorithm):
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.wire = set(), None, None
         self._next_launch = 0
+        self._update_mode()  # the same global count on every rank: the same decision
         return n_active
 
     def reduce_gradients(self) -> None:
@@ -293,7 +456,81 @@ class DataParallelSGD(Algorithm):
         while self._exchange(0, active=False) > 0:
             pass
 
+    # -- measurement and state ------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        stats = super().stats()
+        if self._quantizer is not None:
+            stats["compression_ratio"] = self._exact_bytes / self._quantized_bytes if self._quantized_bytes else 1.0
+            stats["encode_s"] = self._encode_s
+            stats["decode_s"] = self._decode_s
+        return stats
+
+    def _residual_views(self, which: str) -> dict[str, Tensor]:
+        """Per-parameter views of a residual buffer: residuals are keyed by name."""
+        views = {}
+        for bucket in self._buckets:
+            flat = getattr(self._stripes[bucket.index], which)
+            for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
+                views[name] = flat[offset : offset + p.numel()].view(p.shape)
+        return views
+
+    def residuals(self) -> dict[str, dict[str, Tensor]]:
+        """This rank's residuals by parameter name: ``{"residual": ..., "owner_residual": ...}``."""
+        if self._quantizer is None or not self._stripes:
+            return {"residual": {}, "owner_residual": {}}
+        return {which: self._residual_views(which) for which in ("residual", "owner_residual")}
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(bits=self.bits, compression=self.compression)
+        state.update(bits=self.bits, compression=self.compression, warm_start=self.warm_start)
+        state["residuals"] = {which: {k: v.clone() for k, v in views.items()} for which, views in self.residuals().items()}
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state.get("residuals") or {"residual": {}, "owner_residual": {}}
+        if self._quantizer is None or not any(saved.values()):
+            self._update_mode()
+            return
+        if int(state.get("world_size", self.world_size)) != self.world_size:
+            # A residual is what one rank's quantization dropped from its own share of
+            # the data, and the owner's residual belongs to a stripe whose owner is set
+            # by the world size: neither has a meaning in a job of another size.
+            warnings.warn(
+                f"quantization residuals were saved by a job of {state['world_size']} ranks and this job has "
+                f"{self.world_size}: they are reset (at most one step's quantization error is lost)",
+                stacklevel=2,
+            )
+            self._update_mode()
+            return
+        self._loaded_residuals = saved
+        if self._stripes:
+            self._apply_loaded_residuals()
+        self._update_mode()
+
+    def _apply_loaded_residuals(self) -> None:
+        assert self._loaded_residuals is not None
+        own = self._residual_views("residual")
+        for name, value in self._loaded_residuals.get("residual", {}).items():
+            if name in own and own[name].shape == value.shape:
+                own[name].copy_(value)
+        owner = self._residual_views("owner_residual")
+        for name, value in self._loaded_residuals.get("owner_residual", {}).items():
+            if name in owner and owner[name].shape == value.shape:
+                owner[name].copy_(value)
+        # The owners' residuals were saved by stripe owners; if the buckets changed since,
+        # stripe ownership did too. They are summed over the ranks (each entry is nonzero
+        # on one rank only, so the sum is exact) at the next quantized exchange.
+        self._merge_owner_residuals = True
+        self._loaded_residuals = None
+
+    def _merge_loaded_owner_residuals(self) -> None:
+        """Collective: give each owner the whole of the loaded owner residuals of its stripe."""
+        me = get_rank(self.group)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            all_reduce(q.owner_residual, group=self.group, traffic=self.traffic)
+            own = q.owner_residual[me * q.stripe : (me + 1) * q.stripe].clone()
+            q.owner_residual.zero_()
+            q.owner_residual[me * q.stripe : (me + 1) * q.stripe].copy_(own)
+        self._merge_owner_residuals = False

@@ -191,11 +191,16 @@ def broadcast_tensors(
 
 
 def all_gather_into(
-    output: Tensor, tensor: Tensor, group: ProcessGroup | None = None, traffic: Traffic | None = None
-) -> None:
+    output: Tensor,
+    tensor: Tensor,
+    group: ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+    async_op: bool = False,
+) -> Any:
     """Gather every rank's ``tensor`` into ``output`` (rank-major, 1-D concat). Collective.
 
-    ``output`` must have ``world_size * tensor.numel()`` elements.
+    ``output`` must have ``world_size * tensor.numel()`` elements. Returns a work
+    handle for :func:`wait` when ``async_op``.
     """
     n = get_world_size(group)
     if output.numel() != n * tensor.numel():
@@ -203,15 +208,25 @@ def all_gather_into(
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add((n - 1) * nbytes, (n - 1) * nbytes)
-    _call("all_gather", lambda: dist.all_gather_into_tensor(output, tensor.contiguous(), group=group))
+    if n == 1:
+        output.copy_(tensor.reshape(-1))
+        return None
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch >= 2.4 is supported
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _call("all_gather", lambda: gather(output, tensor.contiguous(), group=group, async_op=async_op))
 
 
 def all_to_all(
-    output: Tensor, tensor: Tensor, group: ProcessGroup | None = None, traffic: Traffic | None = None
-) -> None:
+    output: Tensor,
+    tensor: Tensor,
+    group: ProcessGroup | None = None,
+    traffic: Traffic | None = None,
+    async_op: bool = False,
+) -> Any:
     """Send the ``i``-th of ``world_size`` equal slices of ``tensor`` to rank ``i``. Collective.
 
-    ``output``'s ``j``-th slice receives rank ``j``'s slice for this rank.
+    ``output``'s ``j``-th slice receives rank ``j``'s slice for this rank. Returns a
+    work handle for :func:`wait` when ``async_op``.
     """
     n = get_world_size(group)
     if tensor.numel() % n or output.numel() != tensor.numel():
@@ -221,8 +236,8 @@ def all_to_all(
         traffic.add((n - 1) / n * nbytes, (n - 1) / n * nbytes)
     if n == 1:
         output.copy_(tensor)
-        return
-    _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group))
+        return None
+    return _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=async_op))
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

@@ -1,0 +1,30 @@
+"""Pure tensor codecs for gradient exchange: no communication, no state between calls.
+
+* :mod:`~bunsan.compression.bits`: dense packing of 1..16-bit integer codes.
+* :mod:`~bunsan.compression.quantize`: :class:`Quantizer`, chunked 1-bit
+  (Seide et al., 2014) and 2..16-bit quantization into one uint8 payload of a
+  size known in advance, with error feedback into a caller-owned residual.
+* :mod:`~bunsan.compression.casts`: fp16 / bf16 casts with an optional
+  pre-scale and fp16 saturation.
+"""
+
+from __future__ import annotations
+
+from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
+from bunsan.compression.casts import HALF_DTYPES, from_half, half_dtype, to_half
+from bunsan.compression.quantize import CLIP_ALPHA, DEFAULT_CHUNK_SIZE, Quantizer
+
+__all__ = [
+    "CLIP_ALPHA",
+    "DEFAULT_CHUNK_SIZE",
+    "HALF_DTYPES",
+    "MAX_BITS",
+    "Quantizer",
+    "code_dtype",
+    "from_half",
+    "half_dtype",
+    "pack_bits",
+    "packed_size",
+    "to_half",
+    "unpack_bits",
+]

@@ -1,0 +1,191 @@
+"""DataParallelSGD(bits=1..16): error feedback, striped exchange, warm start, state."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bunsan
+from bunsan.algorithms.data_parallel import DataParallelSGD
+
+
+def _grads(step: int, rank: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(*shape, generator=g) for shape in shapes]
+
+
+def _body_error_feedback_identity(rank, world_size, bits, steps):
+    """Sum of applied gradients + outstanding residuals == sum of true mean gradients."""
+    model = nn.Sequential(nn.Linear(37, 11), nn.Linear(11, 3))  # odd sizes: padded stripes
+    algorithm = DataParallelSGD(bits=bits, bucket_size_mb=0.0005)  # a bucket per parameter
+    bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.0), algorithm)
+    params = list(model.parameters())
+    shapes = [tuple(p.shape) for p in params]
+    applied = [torch.zeros_like(p) for p in params]
+    true = [torch.zeros_like(p) for p in params]
+    for k in range(steps):
+        for p, g in zip(params, _grads(k, rank, shapes)):
+            p.grad = g.clone()
+        algorithm.reduce_gradients()
+        algorithm.step += 1
+        for a, p in zip(applied, params):
+            a += p.grad
+        for r in range(world_size):
+            for t, g in zip(true, _grads(k, r, shapes)):
+                t += g / world_size
+    residuals = algorithm.residuals()
+    names = [n for n, _ in model.named_parameters()]
+    own = [residuals["residual"][n].clone() for n in names]
+    owner = [residuals["owner_residual"][n].clone() for n in names]
+    return [a.tolist() for a in applied], [t.tolist() for t in true], [o.tolist() for o in own], [o.tolist() for o in owner], [p.grad.tolist() for p in params]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_error_feedback_loses_nothing(workers, bits):
+    results = workers.run(f"{__name__}:_body_error_feedback_identity", bits=bits, steps=12)
+    for i in range(2):  # per parameter
+        applied = torch.tensor(results[0][0][i])
+        true = torch.tensor(results[0][1][i])
+        residual_sum = sum(torch.tensor(r[2][i]) for r in results) + sum(torch.tensor(r[3][i]) for r in results)
+        torch.testing.assert_close(applied + residual_sum, true, rtol=0, atol=2e-5)
+        assert (applied - true).abs().max() > 1e-4  # quantization did drop something along the way
+        assert results[0][4][i] == results[1][4][i]  # every replica applies the same gradient
+
+
+def _body_train(rank, world_size, bits, warm_start, error_feedback, steps, lr=0.05):
+    torch.manual_seed(0)
+    true_w = torch.randn(20, 1)
+    x = torch.randn(64 * world_size, 20)
+    y = x @ true_w
+    model = nn.Linear(20, 1, bias=False)
+    algorithm = DataParallelSGD(bits=bits, warm_start=warm_start, error_feedback=error_feedback)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=lr), algorithm)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x[rank::world_size]), y[rank::world_size])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.weight.detach().flatten().tolist(), algorithm.stats(), algorithm.quantizing
+
+
+def test_one_bit_loss_decreases_and_replicas_agree(workers):
+    results = workers.run(f"{__name__}:_body_train", bits=1, warm_start=0, error_feedback=True, steps=50)
+    losses = results[0][0]
+    assert losses[-1] < 0.05 * losses[0]
+    assert results[0][1] == results[1][1]
+
+
+def test_without_error_feedback_converges_worse(workers):
+    with_ef = workers.run(f"{__name__}:_body_train", bits=1, warm_start=0, error_feedback=True, steps=40)
+    without = workers.run(f"{__name__}:_body_train", bits=1, warm_start=0, error_feedback=False, steps=40)
+    # measured: 0.11 vs 1.44 after 40 steps (13x lower final loss with the residuals kept)
+    assert with_ef[0][0][-1] < 0.5 * without[0][0][-1]
+
+
+def test_bits_32_equals_exact_default(workers):
+    explicit = workers.run(f"{__name__}:_body_train", bits=32, warm_start=0, error_feedback=True, steps=5)
+    assert explicit[0][1] == explicit[1][1]
+    exact = workers.run(f"{__name__}:_body_exact_default", steps=5)
+    assert explicit[0][1] == exact[0]
+
+
+def _body_exact_default(rank, world_size, steps):
+    torch.manual_seed(0)
+    true_w = torch.randn(20, 1)
+    x = torch.randn(64 * world_size, 20)
+    y = x @ true_w
+    model = nn.Linear(20, 1, bias=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        optimizer.step()
+    return model.weight.detach().flatten().tolist()
+
+
+def test_warm_start_is_exact_until_the_sample_count(workers):
+    # 2 ranks x 64 samples = 128 per step: warm start 384 = exactly 3 steps
+    warm = workers.run(f"{__name__}:_body_train", bits=1, warm_start=384, error_feedback=True, steps=3)
+    exact = workers.run(f"{__name__}:_body_exact_default", steps=3)
+    assert warm[0][1] == exact[0]  # bit-identical: no quantization yet
+    assert warm[0][3] is True  # ... and the next step will quantize
+    cold = workers.run(f"{__name__}:_body_train", bits=1, warm_start=0, error_feedback=True, steps=3)
+    assert cold[0][1] != exact[0]
+
+
+def _body_bytes(rank, world_size, bits):
+    model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))  # ~1M parameters
+    algorithm = DataParallelSGD(bits=bits)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01), algorithm)
+    algorithm.traffic.reset()
+    algorithm.step = 0
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(8, 1000)).pow(2).mean().backward()
+        optimizer.step()
+    return algorithm.stats()["bytes_sent_per_step"]
+
+
+def test_one_bit_sends_at_most_a_25th_of_exact_with_2_workers(workers):
+    exact = workers.run(f"{__name__}:_body_bytes", bits=32)[0]
+    one_bit = workers.run(f"{__name__}:_body_bytes", bits=1)[0]
+    assert one_bit <= exact / 25
+
+
+def test_one_bit_bytes_stay_flat_with_4_workers(workers4):
+    exact = workers4.run(f"{__name__}:_body_bytes", bits=32)[0]
+    one_bit = workers4.run(f"{__name__}:_body_bytes", bits=1)[0]
+    assert one_bit <= exact / 25
+
+
+def _body_state_round_trip(rank, world_size):
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 2))
+        algorithm = DataParallelSGD(bits=2)
+        return bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), algorithm)
+
+    def train(model, optimizer, steps, offset):
+        for k in range(steps):
+            g = torch.Generator().manual_seed(100 * (k + offset) + rank)
+            optimizer.zero_grad()
+            model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
+            optimizer.step()
+
+    model, optimizer = build()
+    train(model, optimizer, 3, 0)
+    state = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})  # a snapshot, not views
+    saved = {k: v.clone() for k, v in state["optimizer"]["algorithm"]["residuals"]["residual"].items()}
+    train(model, optimizer, 3, 3)
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model2, optimizer2 = build()
+    model2.load_state_dict(state["model"])
+    optimizer2.load_state_dict(state["optimizer"])
+    restored = optimizer2.algorithm.residuals()["residual"]
+    same_residuals = all(torch.equal(restored[k], v) for k, v in saved.items())
+    train(model2, optimizer2, 3, 3)
+    resumed = [p.detach() for p in model2.parameters()]
+    return same_residuals, max((a - b).abs().max().item() for a, b in zip(straight, resumed))
+
+
+def test_residuals_survive_state_dict_round_trip_bit_for_bit(workers):
+    for same_residuals, diff in workers.run(f"{__name__}:_body_state_round_trip"):
+        assert same_residuals
+        assert diff == 0.0
+
+
+def test_bad_bits_and_combinations():
+    for bad in (0, 17, 33):
+        with pytest.raises(ValueError, match="bits must be 32"):
+            DataParallelSGD(bits=bad)
+    with pytest.raises(ValueError, match="applies to bits=32 only"):
+        DataParallelSGD(bits=4, compression="fp16")
+    with pytest.raises(ValueError, match="warm_start"):
+        DataParallelSGD(bits=1, warm_start=-5)
