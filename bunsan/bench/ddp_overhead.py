@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(f"{r['model']:<12} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} {r['ratio']:>7.3f}")
         if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump({"workers": bunsan.size(), "results": results}, f, indent=1)
     bunsan.finalize()

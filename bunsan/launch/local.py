@@ -100,7 +100,10 @@ def worker_command(command: Sequence[str], python: str | None = None) -> list[st
 
     A first argument ending in ``.py`` is a script, run unbuffered with the
     launcher's own interpreter so the workers see the same virtual
-    environment. Anything else is an executable, looked up on ``PATH``.
+    environment. A bare ``python`` or ``python3`` is that interpreter too (with
+    ``-u``): ``bunsan run -np 2 python -m pkg`` from a virtual environment that is
+    not activated must not fall back to the system's Python. Anything else is an
+    executable, looked up on ``PATH``.
 
     Args:
         command: The script or executable, then its arguments.
@@ -116,6 +119,8 @@ def worker_command(command: Sequence[str], python: str | None = None) -> list[st
         if not os.path.isfile(first):
             raise ValueError(f"script {first!r} does not exist (looked in {os.getcwd()}); check the path")
         return [python or sys.executable, "-u", first, *rest]
+    if first in ("python", "python3"):
+        return [python or sys.executable, "-u", *rest]
     if shutil.which(first) is None:
         raise ValueError(f"command {first!r} is neither a .py script nor an executable on PATH; check the spelling")
     return [first, *rest]

@@ -1,0 +1,122 @@
+"""Step time and bytes of DataParallelSGD at 32, 16, 8, 4, 2 and 1 bits, side by side.
+
+Run on N workers (the table is per N)::
+
+    bunsan run -np 2 python -m bunsan.bench.quantized
+    bunsan run -np 4 python -m bunsan.bench.quantized
+
+Two models: a communication-heavy MLP (about 10M parameters, little compute per
+parameter) and a compute-heavy CNN (few parameters, much compute per parameter).
+Every bit width trains its own copy of the model from the same weights on the same
+batches; rounds alternate between the bit widths so that the machine's noise hits
+all alike, and each reports the median of its rounds as a ratio to bits=32.
+Bytes are counted by the algorithm (`stats()`), not estimated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bunsan
+from bunsan.algorithms.data_parallel import DataParallelSGD
+
+__all__ = ["main"]
+
+
+def _mlp() -> tuple[nn.Module, tuple[int, ...]]:
+    # 2048 -> 2048 -> 2048 -> 10: 2 x 4.2M + 20k = ~8.4M weights, plus 2 x 512k in a third layer
+    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)), (1024,)
+
+
+def _cnn() -> tuple[nn.Module, tuple[int, ...]]:
+    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(64, 10)), (3, 32, 32)
+
+
+MODELS = {"mlp-10m": _mlp, "cnn": _cnn}
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    start = time.perf_counter()
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / len(batches)
+
+
+def measure(name: str, bits_list: list[int], batch: int, steps: int, rounds: int) -> list[dict[str, float]]:
+    """Collective: every rank measures every bit width; rank 0's numbers are reported."""
+    trainers = []
+    for bits in bits_list:
+        torch.manual_seed(0)
+        model, shape = MODELS[name]()
+        algorithm = DataParallelSGD(bits=bits)
+        model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm)
+        trainers.append((bits, model, optimizer, algorithm))
+    g = torch.Generator().manual_seed(bunsan.rank())
+    batches = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
+    for _, model, optimizer, algorithm in trainers:  # warm up, then count from zero
+        _steps(model, optimizer, batches[:2])
+        algorithm.traffic.reset()
+        algorithm.step = algorithm.local_samples = 0
+        algorithm._encode_s = algorithm._decode_s = 0.0
+    times: dict[int, list[float]] = {bits: [] for bits in bits_list}
+    for _ in range(rounds):
+        for bits, model, optimizer, _ in trainers:
+            times[bits].append(_steps(model, optimizer, batches))
+    base = statistics.median(times[32]) if 32 in times else None
+    rows = []
+    for bits, _, _, algorithm in trainers:
+        stats = algorithm.stats()
+        ms = statistics.median(times[bits]) * 1e3
+        rows.append({
+            "model": name, "bits": bits, "ms_per_step": ms, "time_ratio": ms / (base * 1e3) if base else float("nan"),
+            "bytes_per_step": stats["bytes_sent_per_step"],
+            "codec_ms_per_step": (stats.get("encode_s", 0.0) + stats.get("decode_s", 0.0)) * 1e3 / max(stats["steps"], 1),
+        })
+    exact = next((r["bytes_per_step"] for r in rows if r["bits"] == 32), None)
+    for r in rows:
+        r["bytes_ratio"] = r["bytes_per_step"] / exact if exact else float("nan")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bunsan.bench.quantized", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="mlp-10m,cnn")
+    parser.add_argument("--bits", default="32,16,8,4,2,1")
+    parser.add_argument("--batch", type=int, default=32, help="per-worker batch")
+    parser.add_argument("--steps", type=int, default=3, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows to this file (rank 0)")
+    args = parser.parse_args(argv)
+    bunsan.init()
+    bits_list = [int(b) for b in args.bits.split(",")]
+    rows = [row for m in args.models.split(",") for row in measure(m, bits_list, args.batch, args.steps, args.rounds)]
+    if bunsan.is_main():
+        print(f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
+              f"median of {args.rounds} alternating rounds x {args.steps} steps; ratios to bits=32")
+        print(f"{'model':<8} {'bits':>4} {'ms/step':>9} {'time ratio':>10} {'MB sent/step':>12} {'bytes ratio':>11} {'codec ms':>9}")
+        for r in rows:
+            print(f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
+                  f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}")
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"workers": bunsan.size(), "rows": rows}, f, indent=1)
+    bunsan.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
