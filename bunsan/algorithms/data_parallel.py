@@ -338,6 +338,11 @@ class DataParallelSGD(Algorithm):
         start = time.perf_counter()
         numel = bucket.buffer.numel()
         q.padded[:numel].copy_(bucket.buffer)
+        # The padding past the bucket's end must stay exactly zero, residual included: a
+        # zero does not decode to zero (1 bit decodes it to the non-negative mean), and
+        # anything kept there would be state that no checkpoint holds.
+        q.padded[numel:].zero_()
+        q.residual[numel:].zero_()
         for j in range(self.world_size):
             piece = slice(j * q.stripe, (j + 1) * q.stripe)
             out = q.send[j * q.payload : (j + 1) * q.payload]
@@ -369,6 +374,9 @@ class DataParallelSGD(Algorithm):
             if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
                 q.summed.mul_(n / n_active)
             own = slice(me * q.stripe, (me + 1) * q.stripe)
+            real = max(0, min(q.stripe, bucket.buffer.numel() - me * q.stripe))  # owned entries before the padding
+            q.summed[real:].zero_()
+            q.owner_residual[own][real:].zero_()
             if self.error_feedback:
                 quantizer.encode_with_feedback(q.summed, q.owner_residual[own], out=q.own_payload)
             else:

@@ -144,18 +144,19 @@ def test_one_bit_bytes_stay_flat_with_4_workers(workers4):
     assert one_bit <= exact / 25
 
 
-def _body_state_round_trip(rank, world_size):
+def _body_state_round_trip(rank, world_size, bits, warm_start=0):
     def build():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 2))
-        algorithm = DataParallelSGD(bits=2)
+        # 105 parameters: stripes of 53, so the bucket is padded by one element
+        model = nn.Sequential(nn.Linear(13, 6), nn.Tanh(), nn.Linear(6, 3))
+        algorithm = DataParallelSGD(bits=bits, warm_start=warm_start)
         return bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), algorithm)
 
     def train(model, optimizer, steps, offset):
         for k in range(steps):
             g = torch.Generator().manual_seed(100 * (k + offset) + rank)
             optimizer.zero_grad()
-            model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
+            model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()  # 4 samples per rank
             optimizer.step()
 
     model, optimizer = build()
@@ -175,8 +176,10 @@ def _body_state_round_trip(rank, world_size):
     return same_residuals, max((a - b).abs().max().item() for a, b in zip(straight, resumed))
 
 
-def test_residuals_survive_state_dict_round_trip_bit_for_bit(workers):
-    for same_residuals, diff in workers.run(f"{__name__}:_body_state_round_trip"):
+@pytest.mark.parametrize(("bits", "warm_start"), [(1, 0), (2, 0), (8, 0), (1, 16), (1, 32)])
+def test_residuals_survive_state_dict_round_trip_bit_for_bit(workers, bits, warm_start):
+    # 2 ranks x 4 samples = 8 per step: warm start 16 ends before the snapshot at step 3, 32 after it
+    for same_residuals, diff in workers.run(f"{__name__}:_body_state_round_trip", bits=bits, warm_start=warm_start):
         assert same_residuals
         assert diff == 0.0
 
