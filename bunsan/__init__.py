@@ -38,12 +38,18 @@ _EXPORTS: dict[str, str] = {
     "rank": "bunsan.runtime",
     "session": "bunsan.runtime",
     "size": "bunsan.runtime",
+    "Checkpoint": "bunsan.train",
+    "CrossValidation": "bunsan.train",
+    "Test": "bunsan.train",
+    "TrainingSession": "bunsan.train",
+    "schedule": "bunsan.train",
     "algorithms": "",
     "comm": "",
     "data": "",
     "datasets": "",
     "errors": "",
     "models": "",
+    "train": "",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -63,9 +69,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from bunsan import algorithms, comm, data, datasets, errors, models
+    from bunsan import algorithms, comm, data, datasets, errors, models, train
     from bunsan.algorithms import Algorithm, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
+    from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule
     from bunsan.runtime import (
         device,
         finalize,

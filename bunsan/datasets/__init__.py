@@ -12,9 +12,22 @@ from typing import Any
 from torch.utils.data import TensorDataset
 
 from bunsan.datasets.bundled import digits, mnist1d, stratified_split
+from bunsan.datasets.idx import mnist_idx, read_idx, write_idx
 from bunsan.datasets.synthetic import synthetic
 
-__all__ = ["DatasetInfo", "digits", "info", "load", "mnist1d", "names", "stratified_split", "synthetic"]
+__all__ = [
+    "DatasetInfo",
+    "digits",
+    "info",
+    "load",
+    "mnist1d",
+    "mnist_idx",
+    "names",
+    "read_idx",
+    "stratified_split",
+    "synthetic",
+    "write_idx",
+]
 
 
 @dataclass(frozen=True)
