@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,3 +133,15 @@ def test_lone_process_is_a_world_of_one(script):
     proc = subprocess.run([sys.executable, str(script), "ok"], env=_env(), capture_output=True, text=True, timeout=50)
     assert proc.returncode == 0, proc.stderr
     assert "rank 0 of 1 done 1" in proc.stdout
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed (apt-get install openmpi-bin)")
+def test_same_script_under_openmpi_mpirun(script):
+    proc = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+         sys.executable, str(script), "ok"],
+        env=_env(), capture_output=True, text=True, timeout=80,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 of 2 done 2" in proc.stdout and "rank 1 of 2 done 2" in proc.stdout
