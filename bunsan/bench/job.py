@@ -1,0 +1,324 @@
+"""One training run of ``bunsan bench compare``, executed by every worker of a job.
+
+It trains a named model on a named data set with one algorithm setting and
+writes what the comparison table needs to a JSON file (rank 0)::
+
+    bunsan run -np 4 python -m bunsan.bench.job --model mnist1d_cnn --dataset mnist1d \\
+        --algorithm block_momentum:block_size=256 --epochs 30 --batch 128 --lr 0.05 --out result.json
+
+or with everything in one JSON object, as the orchestrator calls it::
+
+    python -m bunsan.bench.job --spec '{"model": "mnist1d_cnn", "dataset": "mnist1d", ...}'
+
+What is fixed so that runs with different worker counts compare:
+
+* ``--batch`` is the GLOBAL minibatch: each of N workers takes ``batch / N``
+  samples per step (it must divide evenly), so every worker count takes the
+  same number of optimizer steps per epoch with the same learning rate.
+* The seed fixes the initial model (rank 0's, broadcast by ``distribute``)
+  and the order of the data (reshuffled per epoch from it).
+
+What is timed: ``wall_s`` runs from a barrier after the set-up (interpreter,
+``import torch``, rendezvous, data, model, one throw-away warm-up step) to a
+barrier after ``optimizer.join()``; ``startup_s`` is the set-up before it.
+
+What is measured besides time:
+
+* ``test_error``: the final model on the whole test set, evaluated by rank 0
+  after ``join()`` (every replica is then equal; ``replicas_equal`` checks it).
+* ``test_error_curve``: rank 0's replica at the end of each epoch, saved as a
+  copy during training and evaluated after the clock stopped. For block
+  algorithms that is rank 0's local model in the middle of a block, not the
+  average of the replicas.
+* ``train_loss``: per epoch, the mean training loss over the samples of all
+  workers (each on its own replica).
+* traffic: ``algorithm.stats()`` of every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import inspect
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_STARTED = time.perf_counter()  # before `import torch`: start-up counts from here
+
+import torch  # noqa: E402 - imported after the start-up clock on purpose
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+import bunsan  # noqa: E402
+from bunsan import algorithms, comm, datasets, models  # noqa: E402
+from bunsan.bench.compare import parse_algorithm_spec, per_worker_batch  # noqa: E402
+
+__all__ = ["JobSpec", "build_model", "evaluate", "main", "spec_from_args", "train"]
+
+EVAL_BATCH = 1000  # evaluation batch: memory only, no effect on the result
+
+
+@dataclass
+class JobSpec:
+    """One training run. ``batch`` is the global minibatch (all workers together).
+
+    Attributes:
+        model: A name of :func:`bunsan.models.create`.
+        dataset: A name of :func:`bunsan.datasets.load`.
+        algorithm: A registered algorithm name (:func:`bunsan.algorithms.names`).
+        options: Keyword arguments of the algorithm's constructor.
+        epochs: Passes over the training set.
+        batch: Global minibatch; each of N workers takes ``batch / N``.
+        lr: Learning rate of the local ``torch.optim.SGD``, the same for every worker count.
+        momentum: Momentum of the local SGD.
+        weight_decay: Weight decay of the local SGD.
+        seed: Initial model and data order.
+        out: Where rank 0 writes the JSON result; ``None`` prints it.
+        curves: Keep a copy of rank 0's model per epoch and evaluate it afterwards.
+    """
+
+    model: str = "mnist1d_cnn"
+    dataset: str = "mnist1d"
+    algorithm: str = "data_parallel"
+    options: dict[str, Any] = field(default_factory=dict)
+    epochs: int = 1
+    batch: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    out: str | None = None
+    curves: bool = True
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.batch < 1:
+            raise ValueError(f"batch (the global minibatch) must be >= 1, got {self.batch}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a JSON object of the algorithm's arguments, got {self.options!r}")
+
+
+def spec_from_args(argv: list[str] | None = None) -> JobSpec:
+    """Build the spec from ``--spec JSON`` and/or flags; a flag overrides the JSON's field."""
+    parser = argparse.ArgumentParser(prog="python -m bunsan.bench.job", description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", metavar="JSON", help="a JSON object with the fields below")
+    parser.add_argument("--model")
+    parser.add_argument("--dataset")
+    parser.add_argument("--algorithm", metavar="NAME[:KEY=VALUE,...]", help="algorithm and its options")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--batch", type=int, help="global minibatch, split evenly over the workers")
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--momentum", type=float)
+    parser.add_argument("--weight-decay", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out", help="JSON result file written by rank 0 (default: print it)")
+    parser.add_argument("--no-curves", dest="curves", action="store_false", default=None,
+                        help="skip the per-epoch test error (no model copies kept)")
+    args = parser.parse_args(argv)
+    values: dict[str, Any] = {}
+    if args.spec is not None:
+        try:
+            values = json.loads(args.spec)
+        except json.JSONDecodeError as err:
+            parser.error(f"--spec is not valid JSON: {err}")
+        if not isinstance(values, dict):
+            parser.error("--spec must be a JSON object")
+        unknown = sorted(set(values) - {f.name for f in fields(JobSpec)})
+        if unknown:
+            parser.error(f"--spec has unknown fields {unknown}")
+    for name in ("model", "dataset", "epochs", "batch", "lr", "momentum", "weight_decay", "seed", "out", "curves"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.algorithm is not None:
+        try:
+            setting = parse_algorithm_spec(args.algorithm)
+        except ValueError as err:
+            parser.error(str(err))
+        values["algorithm"], values["options"] = setting.name, dict(setting.options)
+    try:
+        return JobSpec(**values)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+
+
+def build_model(name: str, info: datasets.DatasetInfo) -> nn.Module:
+    """Model ``name`` sized for data set ``info``.
+
+    Of the size arguments ``num_classes``, ``out_features``, ``in_features`` and
+    ``length``, only those its constructor takes are passed. The registry maps
+    names to classes privately, so each exported model class is tried with the
+    arguments it takes until ``create(name)`` builds an instance of exactly it.
+    """
+    sizes = {
+        "num_classes": info.num_classes,
+        "out_features": info.num_classes,
+        "in_features": math.prod(info.input_shape),
+        "length": info.input_shape[-1],
+    }
+    if name not in models.names():
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(models.names())}")
+    with torch.random.fork_rng(devices=[]):  # the probes must not move the seeded generator
+        for exported in models.__all__:
+            cls = getattr(models, exported)
+            if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+                continue
+            parameters = inspect.signature(cls).parameters
+            arguments = {k: v for k, v in sizes.items() if k in parameters}
+            try:
+                probe = models.create(name, **arguments)
+            except TypeError:
+                continue  # `name` is another class, which does not take these arguments
+            if type(probe) is cls:
+                break
+        else:
+            arguments = {}
+    return models.create(name, **arguments)
+
+
+def _warm_up(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a throw-away copy with a throw-away optimizer, before the clock starts.
+
+    The first optimizer step of a process pays one-time costs (lazy imports,
+    allocator growth) that belong to start-up, not to the algorithm.
+    """
+    scratch = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(scratch.parameters(), lr=0.0, momentum=0.9)
+    F.cross_entropy(scratch(x), y).backward()
+    optimizer.step()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: Dataset, batch: int = EVAL_BATCH) -> tuple[float, float]:
+    """``(error, loss)`` of ``model`` on all of ``dataset``: the fraction misclassified, the mean cross entropy."""
+    was_training = model.training
+    model.eval()
+    wrong, loss, total = 0, 0.0, 0
+    for start in range(0, len(dataset), batch):  # type: ignore[arg-type]
+        x, y = dataset[start : start + batch]  # a TensorDataset slices into whole tensors
+        logits = model(x)
+        wrong += int((logits.argmax(dim=1) != y).sum())
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        total += len(y)
+    model.train(was_training)
+    return wrong / total, loss / total
+
+
+def _digest(model: nn.Module) -> str:
+    """A hash of the parameters' bytes: equal on two ranks only if the replicas are bit for bit equal."""
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(spec: JobSpec) -> dict[str, Any] | None:
+    """Run ``spec`` on this worker. Collective; returns the result on rank 0, ``None`` elsewhere."""
+    bunsan.init()
+    world_size, rank = bunsan.size(), bunsan.rank()
+    local_batch = per_worker_batch(spec.batch, world_size)
+    info = datasets.info(spec.dataset)
+    train_set, test_set = datasets.load(spec.dataset, "train"), datasets.load(spec.dataset, "test")
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, info)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
+                                weight_decay=spec.weight_decay)
+    algorithm = algorithms.create(spec.algorithm, **spec.options)
+    x0, y0 = train_set[:local_batch]
+    _warm_up(model, x0, y0)
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    loader = bunsan.data.loader(train_set, batch_size=local_batch, shuffle=True, seed=spec.seed)
+
+    comm.barrier()  # every rank is set up: the clock starts together
+    start = time.perf_counter()
+    startup_s = start - _STARTED
+    epoch_loss: list[tuple[float, int]] = []  # this rank's (sum of losses, samples) per epoch
+    epoch_end_s: list[float] = []
+    snapshots: list[dict[str, torch.Tensor]] = []
+    for _ in range(spec.epochs):
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        samples = 0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach() * len(y)
+            samples += len(y)
+        epoch_loss.append((float(loss_sum), samples))
+        epoch_end_s.append(time.perf_counter() - start)
+        if rank == 0 and spec.curves:
+            snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    optimizer.join()  # block algorithms finish their last block; every replica is then equal
+    comm.barrier()
+    wall_s = time.perf_counter() - start
+
+    mine = {"epoch_loss": epoch_loss, "stats": algorithm.stats(), "digest": _digest(model)}
+    everyone = comm.all_gather_object(mine)  # after the clock: costs nothing measured
+    if rank != 0:
+        return None
+
+    test_error, test_loss = evaluate(model, test_set)
+    curve = []
+    if snapshots:
+        final = copy.deepcopy(model.state_dict())
+        for state in snapshots:
+            model.load_state_dict(state)
+            curve.append(evaluate(model, test_set)[0])
+        model.load_state_dict(final)
+    train_loss = [
+        sum(r["epoch_loss"][e][0] for r in everyone) / max(sum(r["epoch_loss"][e][1] for r in everyone), 1)
+        for e in range(spec.epochs)
+    ]
+    stats = [r["stats"] for r in everyone]
+    samples = sum(int(s["local_samples"]) for s in stats)
+    return {
+        "spec": asdict(spec),
+        "algorithm_repr": repr(algorithm),
+        "workers": world_size,
+        "per_worker_batch": local_batch,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "startup_s": startup_s,
+        "wall_s": wall_s,
+        "epoch_end_s": epoch_end_s,
+        "train_loss": train_loss,
+        "test_error": test_error,
+        "test_loss": test_loss,
+        "test_error_curve": curve,
+        "samples": samples,
+        "samples_per_s": samples / wall_s,
+        "steps": int(stats[0]["steps"]),
+        "bytes_sent_per_sample": sum(s["bytes_sent_per_sample"] for s in stats) / len(stats),
+        "bytes_sent_per_step": sum(s["bytes_sent_per_step"] for s in stats) / len(stats),
+        "replicas_equal": len({r["digest"] for r in everyone}) == 1,
+        "stats": stats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec = spec_from_args(argv)
+    result = train(spec)
+    if result is not None:
+        text = json.dumps(result, indent=1)
+        if spec.out is None:
+            print(text)
+        else:
+            path = Path(spec.out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    bunsan.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
