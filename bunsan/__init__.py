@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "data": "",
     "datasets": "",
     "errors": "",
+    "hpo": "",
     "models": "",
     "train": "",
 }
@@ -69,7 +70,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from bunsan import algorithms, comm, data, datasets, errors, models, train
+    from bunsan import algorithms, comm, data, datasets, errors, hpo, models, train
     from bunsan.algorithms import Algorithm, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule
