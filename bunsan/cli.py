@@ -17,24 +17,32 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from bunsan.launch.config import ArgumentParser, LaunchConfig, UsageError, add_run_arguments, config_from_namespace
 
 __all__ = ["build_parser", "main"]
 
 _RUN_DESCRIPTION = """\
-Start N workers of a training script on this machine and watch them.
+Start N workers of a training script on this machine, or on the hosts of
+-H/--hostfile over ssh, and watch them.
 A COMMAND ending in .py runs with this Python; anything else runs as is.
 Workers get RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-MASTER_ADDR, MASTER_PORT (torchrun's convention), BUNSAN_JOB_ID and
-BUNSAN_LAUNCHER=bunsan, and OMP_NUM_THREADS=1 unless it is set.
-If a worker fails, the whole job is stopped and its exit code returned."""
+MASTER_ADDR, MASTER_PORT (torchrun's convention), BUNSAN_JOB_ID,
+BUNSAN_RESTART and BUNSAN_LAUNCHER=bunsan, and OMP_NUM_THREADS=1 unless it
+is set. If a worker fails on any host, the whole job is stopped on every
+host and its exit code returned (or the job restarted, --max-restarts).
+Remote hosts are reached with the system's ssh (BatchMode: keys, no
+password prompt) and run this Python and this directory unless
+--remote-python/--remote-cwd say otherwise."""
 
 _RUN_EPILOG = """\
 examples:
   bunsan run -np 4 train.py --epochs 10
   bunsan run -np 2 --tag-output -- python -X dev train.py
-  bunsan run -H localhost:4 -np 2 --dry-run train.py"""
+  bunsan run -H localhost:4 -np 2 --dry-run train.py
+  bunsan run --hostfile hosts -x NCCL_DEBUG=INFO --max-restarts 2 train.py
+  bunsan run --cleanup --hostfile hosts --job-id 3f2a91c04b7d11e8"""
 
 
 def _version() -> str:
@@ -49,7 +57,7 @@ def _version() -> str:
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "run",
-        help="start N workers of a training script on this machine",
+        help="start N workers of a training script, here or on the hosts of a hostfile",
         description=_RUN_DESCRIPTION,
         epilog=_RUN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,8 +66,45 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_run)
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    # compare.py imports only the standard library at the top: `bunsan run` stays free of torch.
+    from bunsan.bench import compare
+
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: compare algorithms across worker counts",
+        description="Benchmarks that print a table and write JSON and PNG plots. Run 'bunsan bench BENCHMARK --help'.",
+    )
+    benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=ArgumentParser,
+                                       required=True)
+    compare_parser = benchmarks.add_parser(
+        "compare",
+        help="train every algorithm setting at every worker count; time, speed ratio, error, bytes",
+        description=compare.DESCRIPTION,
+        epilog=compare.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_arguments(compare_parser)
+    compare_parser.set_defaults(handler=compare.run)
+
+
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    from bunsan.launch import doctor  # standard library only at the top, as `run`
+
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check the hosts of a hostfile before a multi-host job",
+        description=doctor.DESCRIPTION,
+        epilog="examples:\n  bunsan doctor --hostfile hosts --data /data/train.bin\n"
+        "  bunsan doctor -H node1,node2 --port 29500",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_arguments(parser)
+    parser.set_defaults(handler=doctor.run)
+
+
 # Subcommands in the order `bunsan --help` lists them.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run,)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor)
 
 
 def build_parser() -> ArgumentParser:
@@ -120,52 +165,126 @@ def _master_addr(config: LaunchConfig, all_local: bool, rank0_host: str) -> str:
     return "127.0.0.1" if all_local else rank0_host
 
 
-def _run(args: argparse.Namespace) -> int:
-    """``bunsan run``: plan the job, then print it (``--dry-run``) or run it here."""
+def _ssh_options(config: LaunchConfig) -> Any:
+    from bunsan.launch.ssh import SshOptions
+
+    return SshOptions(config.ssh_port, config.ssh_identity, config.ssh_host_key_checking, config.ssh_options)
+
+
+def _read_hosts(config: LaunchConfig) -> list[Any] | None:
     from bunsan.launch import hosts as hostlib
-    from bunsan.launch import local
+
+    if config.hostfile is not None:
+        return hostlib.read_hostfile(config.hostfile)
+    if config.hosts is not None:
+        return hostlib.parse_hosts(config.hosts)
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``bunsan run``: plan the job, then print it (``--dry-run``), clean up (``--cleanup``) or run it."""
+    from bunsan.launch import cleanup
+    from bunsan.launch import hosts as hostlib
+    from bunsan.launch import local, ssh
+    from bunsan.launch.config import parse_env_file, resolve_exports
 
     def fail(message: str) -> int:
         print(f"bunsan run: error: {message}", file=sys.stderr)
         return 2
 
+    hostname = socket.gethostname()
+
+    def is_local(name: str) -> bool:
+        return hostlib.is_local_host(name, hostname)
+
     try:
         config = config_from_namespace(args, os.environ)
-        if config.hostfile is not None:
-            hosts = hostlib.read_hostfile(config.hostfile)
-        elif config.hosts is not None:
-            hosts = hostlib.parse_hosts(config.hosts)
-        else:
+        hosts = _read_hosts(config)
+        if config.cleanup:
+            return cleanup.run_cleanup(
+                config.job_id, [h.name for h in hosts] if hosts is not None else None, is_local=is_local,
+                ssh=_ssh_options(config) if _any_ssh_option(config) else None,
+                remote_python=config.remote_python, stdout=sys.stdout, stderr=sys.stderr,
+            )
+        if hosts is None:
             hosts = [hostlib.Host("localhost", config.nproc or 1)]
         slots = hostlib.assign_slots(hosts, config.nproc)
-        argv = local.worker_command(config.command)
+        file_env: dict[str, str] = {}
+        if config.env_file is not None:
+            try:
+                with open(config.env_file, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as err:
+                raise ValueError(f"cannot read --env-file {config.env_file!r} ({err.strerror})") from None
+            file_env = parse_env_file(text, config.env_file)
+        exports = resolve_exports(config.exports, os.environ, file_env)
+        used = list(dict.fromkeys(slot.host for slot in slots))
+        local_names = [name for name in used if is_local(name)]
+        remote = [name for name in used if name not in local_names]
+        if len(local_names) > 1:
+            raise ValueError(
+                f"hosts {local_names[0]!r} and {local_names[1]!r} are both this machine; "
+                "list it once with all its slots"
+            )
+        if remote:
+            plans = ssh.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
+        else:
+            argv = local.worker_command(config.command)
     except ValueError as err:
         return fail(str(err))
 
-    hostname = socket.gethostname()
-    used = list(dict.fromkeys(slot.host for slot in slots))
-    local_names = [name for name in used if hostlib.is_local_host(name, hostname)]
-    remote = [name for name in used if name not in local_names]
-    master_port = config.master_port or local.find_free_port()
-    job_id = local.new_job_id()
-    specs = local.plan_workers(
-        slots, argv, os.environ, _master_addr(config, not remote, slots[0].host), master_port, job_id
-    )
+    job_id = config.job_id or local.new_job_id()
+    base_env = {**os.environ, **exports}
     if config.dry_run:
-        env = specs[0].env
+        master_port = config.master_port or local.find_free_port()
+        master_addr = _master_addr(config, not remote, slots[0].host)
+        if remote:
+            by_host = {plan.host: plan.argv for plan in plans}
+            specs = [
+                local.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {})
+                for slot in slots
+            ]
+        else:
+            specs = local.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
+        how = "" if not remote else " (over ssh; the address and the port are checked when the job starts)"
         print(
             f"bunsan run: dry run of job {job_id}: {len(specs)} worker(s) on {len(used)} host(s), "
-            f"MASTER_ADDR={env['MASTER_ADDR']} MASTER_PORT={env['MASTER_PORT']}"
+            f"MASTER_ADDR={master_addr} MASTER_PORT={master_port}{how}"
         )
         print(local.format_plan(specs))
         return 0
+
+    ssh_options = _ssh_options(config)
     if remote:
-        return fail(
-            f"host {remote[0]!r} is not this machine, and multi-host fan-out comes with ssh support, "
-            f"which bunsan run does not have yet; run on localhost or use --dry-run to check the plan"
-        )
-    if len(local_names) > 1:
-        return fail(
-            f"hosts {local_names[0]!r} and {local_names[1]!r} are both this machine; list it once with all its slots"
-        )
-    return local.run_workers(specs, job_id, tag_output=config.tag_output)
+        # A record for `bunsan run --cleanup`, should a host become unreachable. A job on this machine
+        # alone needs none: PR_SET_PDEATHSIG and the janitor end it whatever happens to the launcher.
+        record = cleanup.launcher_record(job_id, used, local_names, ssh_options,
+                                         config.remote_python or sys.executable, config.command)
+        cleanup.write_job_record(record)
+
+    def say(message: str) -> None:
+        print(f"bunsan run: {message}", file=sys.stderr, flush=True)
+
+    def attempt(restart: int) -> local.JobOutcome:
+        if remote:
+            return ssh.run_hosts(plans, job_id, env=exports, ssh=ssh_options, restart=restart,
+                                 master_addr=config.master_addr, master_port=config.master_port,
+                                 tag_output=config.tag_output)
+        # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
+        port = config.master_port or local.find_free_port()
+        specs = local.plan_workers(slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id,
+                                   restart)
+        return local.run_job(specs, job_id, tag_output=config.tag_output)
+
+    outcome = local.run_attempts(attempt, config.max_restarts, say)
+    if outcome.unconfirmed:
+        say(f"could not confirm that every worker of job {job_id} ended on {', '.join(outcome.unconfirmed)}; "
+            f"run: bunsan run --cleanup --job-id {job_id}")
+    else:
+        cleanup.remove_job_record(job_id)
+    return outcome.code
+
+
+def _any_ssh_option(config: LaunchConfig) -> bool:
+    return any(value is not None for value in (config.ssh_port, config.ssh_identity, config.ssh_host_key_checking)) \
+        or bool(config.ssh_options)

@@ -149,7 +149,12 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> WorldInfo:
         local_size_ = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size_
         if size_ > 1 and "MASTER_ADDR" not in env:
             raise ConfigurationError("RANK and WORLD_SIZE are set but MASTER_ADDR is not; set MASTER_ADDR and MASTER_PORT")
-        job = env.get("BUNSAN_JOB_ID") or f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        # A restarted attempt gets its own namespace of store keys (an abort key of the
+        # failed attempt must not end the new one).
+        if env.get("BUNSAN_JOB_ID"):
+            job = f"{env['BUNSAN_JOB_ID']}.{env.get('BUNSAN_RESTART', '0')}"
+        else:
+            job = f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         info = WorldInfo(launcher, rank_, size_, local_rank_, local_size_, env.get("MASTER_ADDR", "127.0.0.1"),
                          _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT, job)
     elif "OMPI_COMM_WORLD_RANK" in env:

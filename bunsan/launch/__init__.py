@@ -1,21 +1,38 @@
-"""``bunsan run``: start workers, watch them, leave no process behind.
+"""``bunsan run``: start workers, watch them, leave no process behind, on one host or many.
 
 Imports nothing of the training side (no torch): the launcher only starts and
 watches processes. Host parsing and slot assignment (:mod:`bunsan.launch.hosts`)
 and option parsing (:mod:`bunsan.launch.config`) are pure; starting and
-watching local workers is :mod:`bunsan.launch.local`.
+watching the workers of one machine is :mod:`bunsan.launch.local`; the ssh
+fan-out over several hosts is :mod:`bunsan.launch.ssh`, with one agent per
+host (:mod:`bunsan.launch.remote`); :mod:`bunsan.launch.cleanup` ends what is
+left of a job (``bunsan run --cleanup``) and :mod:`bunsan.launch.doctor`
+checks the hosts before a job (``bunsan doctor``).
 """
 
 from __future__ import annotations
 
 from bunsan.launch.config import LaunchConfig, UsageError, parse_run_args
 from bunsan.launch.hosts import Host, Slot, assign_slots, is_local_host, parse_hostfile, parse_hosts, read_hostfile
-from bunsan.launch.local import WorkerSpec, plan_workers, run_workers, worker_command, worker_environment
+from bunsan.launch.local import (
+    JobOutcome,
+    WorkerSpec,
+    plan_workers,
+    run_attempts,
+    run_job,
+    run_workers,
+    worker_command,
+    worker_environment,
+)
+from bunsan.launch.ssh import HostPlan, SshOptions, plan_hosts, run_hosts
 
 __all__ = [
     "Host",
+    "HostPlan",
+    "JobOutcome",
     "LaunchConfig",
     "Slot",
+    "SshOptions",
     "UsageError",
     "WorkerSpec",
     "assign_slots",
@@ -23,8 +40,12 @@ __all__ = [
     "parse_hostfile",
     "parse_hosts",
     "parse_run_args",
+    "plan_hosts",
     "plan_workers",
     "read_hostfile",
+    "run_attempts",
+    "run_hosts",
+    "run_job",
     "run_workers",
     "worker_command",
     "worker_environment",

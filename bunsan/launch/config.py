@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -20,15 +21,26 @@ from typing import Any, NoReturn, TypeVar
 from bunsan.launch.hosts import parse_hosts
 
 __all__ = [
+    "HOST_KEY_CHECKING",
     "ArgumentParser",
     "LaunchConfig",
     "UsageError",
     "add_run_arguments",
+    "add_ssh_arguments",
     "config_from_namespace",
+    "RemoteSettings",
+    "parse_env_file",
     "parse_run_args",
+    "remote_settings",
+    "resolve_exports",
 ]
 
 _T = TypeVar("_T")
+
+HOST_KEY_CHECKING = ("yes", "accept-new", "no")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SSH_OPTION_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*=.*$")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -77,8 +89,26 @@ class LaunchConfig:
         master_addr: Address of rank 0's rendezvous store; ``None`` means
             ``127.0.0.1`` when every worker is local, else rank 0's host.
         master_port: Port of the rendezvous store; ``None`` picks a free port.
-        tag_output: Prefix each line of worker output with ``[rank]``.
+        tag_output: Prefix each line of worker output with ``[rank]``
+            (``[host:rank]`` in a multi-host job).
         dry_run: Print what would run where, start nothing.
+        exports: ``-x`` values, ``"VAR"`` (take it from the launcher's
+            environment) or ``"VAR=value"``, in order.
+        env_file: ``--env-file``: a file of ``VAR=value`` lines for the workers.
+        ssh_port: ``ssh -p`` for every remote host; ``None`` leaves it to ssh.
+        ssh_identity: ``ssh -i`` key file; ``None`` leaves it to ssh.
+        ssh_host_key_checking: ``StrictHostKeyChecking`` (``yes``,
+            ``accept-new``, ``no``); ``None`` leaves it to ssh's config.
+        ssh_options: More ``ssh -o KEY=VALUE`` options.
+        remote_python: Interpreter on the remote hosts; ``None`` means the
+            launcher's own ``sys.executable`` (the same path everywhere).
+        remote_cwd: Working directory on the remote hosts; ``None`` means the
+            launcher's current directory.
+        max_restarts: Restart the whole job (all hosts, same world size) up
+            to this many times after a worker fails.
+        job_id: The job's id; ``None`` makes a fresh one.
+        cleanup: End what is left of a job (``--job-id``, or every job whose
+            launcher is gone) on its hosts, instead of launching one.
     """
 
     command: tuple[str, ...]
@@ -89,8 +119,35 @@ class LaunchConfig:
     master_port: int | None = None
     tag_output: bool = False
     dry_run: bool = False
+    exports: tuple[str, ...] = ()
+    env_file: str | None = None
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_host_key_checking: str | None = None
+    ssh_options: tuple[str, ...] = ()
+    remote_python: str | None = None
+    remote_cwd: str | None = None
+    max_restarts: int = 0
+    job_id: str | None = None
+    cleanup: bool = False
 
     def __post_init__(self) -> None:
+        _check_ssh_fields(self.ssh_port, self.ssh_host_key_checking, self.ssh_options, self.remote_python)
+        if self.job_id is not None and not _JOB_ID_RE.match(self.job_id):
+            raise UsageError(
+                f"--job-id {self.job_id!r} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if self.cleanup:
+            return  # --cleanup needs no command; the host options are checked as usual
+        if self.remote_cwd is not None and not os.path.isabs(self.remote_cwd):
+            raise UsageError(f"--remote-cwd must be an absolute path, got {self.remote_cwd!r}")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        for export in self.exports:
+            name = export.split("=", 1)[0]
+            if not _ENV_NAME_RE.match(name):
+                raise UsageError(f"-x {export!r}: {name!r} is not a variable name; use -x NAME or -x NAME=value")
         if not self.command:
             raise UsageError(
                 "no command given; put the training script after the options, e.g. bunsan run -np 2 train.py"
@@ -110,6 +167,25 @@ class LaunchConfig:
             raise UsageError(
                 f"--master-port must be in 1..65535, got {self.master_port}; leave it out to pick a free port"
             )
+
+
+def _check_ssh_fields(
+    port: int | None, host_key_checking: str | None, options: Sequence[str], remote_python: str | None
+) -> None:
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"--ssh-port must be in 1..65535, got {port}")
+    if host_key_checking is not None and host_key_checking not in HOST_KEY_CHECKING:
+        raise UsageError(
+            f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, got {host_key_checking!r}"
+        )
+    for option in options:
+        if not _SSH_OPTION_RE.match(option):
+            raise UsageError(f"--ssh-option {option!r} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3")
+    if remote_python is not None and not os.path.isabs(remote_python):
+        raise UsageError(
+            f"--remote-python must be an absolute path, got {remote_python!r}; "
+            "e.g. --remote-python /opt/venv/bin/python"
+        )
 
 
 def _whole_number(text: str) -> int:
@@ -147,16 +223,145 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tag-output", action="store_true", default=None,
-        help="prefix every line of worker output with [rank] (env BUNSAN_TAG_OUTPUT)",
+        help="prefix every line of worker output with [rank], or [host:rank] on several hosts (env BUNSAN_TAG_OUTPUT)",
     )
     parser.add_argument(
         "--dry-run", action="store_true", default=None,
         help="print the rank, local rank, host and command of every worker, start nothing",
     )
     parser.add_argument(
+        "-x", dest="exports", action="append", metavar="VAR[=VALUE]",
+        help="pass VAR (from this environment, or with VALUE) to every worker; repeatable",
+    )
+    parser.add_argument(
+        "--env-file", metavar="PATH",
+        help="file of VAR=value lines ('#' comments) set for every worker (env BUNSAN_ENV_FILE)",
+    )
+    parser.add_argument(
+        "--max-restarts", type=_whole_number, metavar="K",
+        help="after a worker fails, restart all workers on all hosts up to K times "
+        "(env BUNSAN_MAX_RESTARTS; default 0); workers see BUNSAN_RESTART=1, 2, ...",
+    )
+    parser.add_argument(
+        "--job-id", metavar="ID",
+        help="the job's id (BUNSAN_JOB_ID; default: a fresh one); with --cleanup, the job to clean up",
+    )
+    parser.add_argument(
+        "--cleanup", action="store_true", default=None,
+        help="end what is left of job --job-id (or of every job whose launcher is gone) on its hosts, "
+        "found by BUNSAN_JOB_ID in /proc/*/environ; starts nothing",
+    )
+    add_ssh_arguments(parser)
+    parser.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
         help="script.py (run with this Python) or an executable, then its arguments",
     )
+
+
+def add_ssh_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options that say how to reach remote hosts (``bunsan run`` and ``bunsan doctor``)."""
+    group = parser.add_argument_group("remote hosts (ssh)")
+    group.add_argument("--ssh-port", type=_whole_number, metavar="PORT",
+                       help="ssh port of every remote host (env BUNSAN_SSH_PORT; default: ssh's own)")
+    group.add_argument("--ssh-identity", metavar="KEYFILE",
+                       help="ssh private key, ssh -i (env BUNSAN_SSH_IDENTITY)")
+    group.add_argument("--ssh-host-key-checking", metavar="yes|accept-new|no",
+                       help="StrictHostKeyChecking; 'no' also skips known_hosts (env BUNSAN_SSH_HOST_KEY_CHECKING)")
+    group.add_argument("--ssh-option", dest="ssh_options", action="append", metavar="KEY=VALUE",
+                       help="another ssh -o option; repeatable")
+    group.add_argument("--remote-python", metavar="PATH",
+                       help="Python on the remote hosts (env BUNSAN_REMOTE_PYTHON; default: this Python's path)")
+    group.add_argument("--remote-cwd", metavar="DIR",
+                       help="working directory on the remote hosts (env BUNSAN_REMOTE_CWD; default: the current one)")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """The ssh options of :func:`add_ssh_arguments`, with their ``BUNSAN_*`` fallbacks applied."""
+
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_host_key_checking: str | None = None
+    ssh_options: tuple[str, ...] = ()
+    remote_python: str | None = None
+    remote_cwd: str | None = None
+
+
+def remote_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, prog: str = "bunsan doctor"
+) -> RemoteSettings:
+    """Read the options of :func:`add_ssh_arguments` from ``args``, falling back to ``BUNSAN_*``.
+
+    Raises:
+        UsageError: A value is invalid.
+    """
+    environ = os.environ if environ is None else environ
+
+    def pick(name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
+        value = getattr(args, name, None)
+        return value if value is not None else _from_environ(environ, f"BUNSAN_{name.upper()}", convert, expected)
+
+    try:
+        settings = RemoteSettings(
+            pick("ssh_port", int, "a port number"), pick("ssh_identity", str, "a path"),
+            pick("ssh_host_key_checking", str, "yes, accept-new or no"),
+            tuple(getattr(args, "ssh_options", None) or ()),
+            pick("remote_python", str, "a path"), pick("remote_cwd", str, "a path"),
+        )
+        _check_ssh_fields(settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options,
+                          settings.remote_python)
+        if settings.remote_cwd is not None and not os.path.isabs(settings.remote_cwd):
+            raise UsageError(f"--remote-cwd must be an absolute path, got {settings.remote_cwd!r}")
+    except UsageError as err:
+        raise UsageError(str(err), prog=prog) from None
+    return settings
+
+
+def parse_env_file(text: str, source: str = "<env file>") -> dict[str, str]:
+    """Parse ``VAR=value`` lines: ``#`` comments, blank lines, an optional ``export``. Pure.
+
+    A value in matching single or double quotes loses the quotes; nothing
+    else is interpreted (no ``$VAR`` expansion).
+
+    Raises:
+        ValueError: Naming ``source`` and the line, for a line that is not ``VAR=value``.
+    """
+    env: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].lstrip()
+        name, sep, value = line.partition("=")
+        name = name.strip()
+        if not sep or not _ENV_NAME_RE.match(name):
+            raise ValueError(f"{source}:{lineno}: cannot read {raw.strip()!r}; expected VAR=value")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        env[name] = value
+    return env
+
+
+def resolve_exports(
+    exports: Sequence[str], environ: Mapping[str, str], file_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The variables added to every worker's environment: ``--env-file`` first, then ``-x`` in order. Pure.
+
+    Raises:
+        UsageError: ``-x VAR`` names a variable that is not set here.
+    """
+    env = dict(file_env or {})
+    for export in exports:
+        name, sep, value = export.partition("=")
+        if sep:
+            env[name] = value
+        elif name in environ:
+            env[name] = environ[name]
+        else:
+            raise UsageError(f"-x {name}: {name} is not set in this environment; give a value with -x {name}=VALUE")
+    return env
 
 
 def _from_environ(
@@ -183,8 +388,9 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
     """Build the config from parsed arguments, filling gaps from ``BUNSAN_*`` variables.
 
     Field ``x_y`` falls back to ``BUNSAN_X_Y`` (``nproc`` to ``BUNSAN_NPROC``).
-    ``--dry-run`` has no environment fallback: a stray variable must never
-    turn a launch into a no-op.
+    ``--dry-run`` and ``--cleanup`` have no environment fallback: a stray
+    variable must never turn a launch into a no-op. Neither have ``-x``,
+    ``--ssh-option`` and ``--job-id`` (every worker carries ``BUNSAN_JOB_ID``).
 
     Args:
         args: The namespace of a parser set up by :func:`add_run_arguments`.
@@ -203,6 +409,7 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
     command = list(args.command)
     if command and command[0] == "--":  # `bunsan run -np 2 -- train.py`
         command = command[1:]
+    max_restarts = pick("max_restarts", int, "a whole number")
     return LaunchConfig(
         command=tuple(command),
         nproc=pick("nproc", int, "a whole number"),
@@ -212,6 +419,17 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
         master_port=pick("master_port", int, "a port number"),
         tag_output=bool(pick("tag_output", _boolean, "a boolean (1/0, true/false)")),
         dry_run=bool(args.dry_run),
+        exports=tuple(args.exports or ()),
+        env_file=pick("env_file", str, "a path"),
+        ssh_port=pick("ssh_port", int, "a port number"),
+        ssh_identity=pick("ssh_identity", str, "a path"),
+        ssh_host_key_checking=pick("ssh_host_key_checking", str, "yes, accept-new or no"),
+        ssh_options=tuple(args.ssh_options or ()),
+        remote_python=pick("remote_python", str, "a path"),
+        remote_cwd=pick("remote_cwd", str, "a path"),
+        max_restarts=0 if max_restarts is None else max_restarts,
+        job_id=args.job_id,  # no BUNSAN_JOB_ID fallback: workers carry it, and a nested launch is another job
+        cleanup=bool(args.cleanup),  # no environment fallback, as --dry-run
     )
 
 

@@ -32,7 +32,7 @@ __all__ = [
     "read_hostfile",
 ]
 
-# Host names, IPv4 addresses and "user@host" for the ssh fan-out to come.
+# Host names, IPv4 addresses and "user@host" (an ssh login) for the ssh fan-out.
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.@-]*"
 _HOSTS_ITEM_RE = re.compile(rf"^(?P<name>{_NAME})(?::(?P<slots>[0-9]+))?$")
 _HOSTFILE_LINE_RE = re.compile(rf"^(?P<name>{_NAME})(?::(?P<colon_slots>[0-9]+)|\s+slots\s*=\s*(?P<slots>[0-9]+))?$")
@@ -219,7 +219,8 @@ def is_local_host(name: str, hostname: str) -> bool:
 
     Returns:
         True for ``localhost`` and its usual aliases, loopback addresses,
-        and ``hostname`` with or without its domain.
+        and ``hostname`` with or without its domain. A name with a user
+        (``root@localhost``) is never local: it asks for an ssh login.
     """
     lowered = name.lower()
     own = hostname.lower()

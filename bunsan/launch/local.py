@@ -6,7 +6,11 @@ Process hygiene, the invariants this module keeps:
   tree (unless a descendant calls ``setsid`` itself).
 * Every process of the job carries ``BUNSAN_JOB_ID=<id>`` in its environment
   and inherits it, so :func:`job_pids` finds descendants that left the
-  worker's process group (``setsid``, ``start_new_session=True``).
+  worker's process group (``setsid``, ``start_new_session=True``). On a host
+  of a multi-host job the per-host agent (:mod:`bunsan.launch.remote`) sweeps
+  by ``BUNSAN_HOST_JOB_ID=<id>.h<group rank>`` instead, so that it only ever
+  touches its own host's share of the job, even where two "hosts" share one
+  process table.
 * When any worker fails, the launcher signals every worker's process group and
   every process of the job: SIGTERM, then SIGKILL after ``grace_s`` (<= 3 s),
   and exits with the code of the first worker that failed.
@@ -45,7 +49,11 @@ from bunsan.launch.hosts import Slot
 
 __all__ = [
     "GRACE_S",
+    "HOST_JOB_VARIABLE",
+    "JOB_ID_VARIABLE",
+    "JobOutcome",
     "WorkerSpec",
+    "die_with_launcher_hook",
     "exit_code_of",
     "find_free_port",
     "first_failure",
@@ -54,7 +62,12 @@ __all__ = [
     "job_pids",
     "new_job_id",
     "plan_workers",
+    "run_attempts",
+    "run_job",
     "run_workers",
+    "start_janitor",
+    "stop_janitor",
+    "sweep_job",
     "worker_command",
     "worker_environment",
 ]
@@ -65,6 +78,8 @@ POLL_S = 0.05  # how often the watch loop checks the workers
 DRAIN_S = 1.0  # after the job is gone, how long to wait for the last output
 _FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+JOB_ID_VARIABLE = "BUNSAN_JOB_ID"  # every process of a job carries it
+HOST_JOB_VARIABLE = "BUNSAN_HOST_JOB_ID"  # "<job id>.h<group rank>": one host's share of a job
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,28 @@ class WorkerSpec:
     env: Mapping[str, str] = field(repr=False)
 
 
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a job (or one host's share of it) ended.
+
+    Attributes:
+        code: The exit status to report (see :func:`run_workers`).
+        kind: ``"ok"``; ``"failed"`` (a worker failed); ``"signal"`` (the
+            launcher got a signal); ``"interrupted"`` (the ``interrupt``
+            callback asked to stop); ``"start"`` (a worker could not start).
+        rank: The global rank of the worker that failed, for ``"failed"``.
+        cause: One sentence for the log, e.g. ``"rank 1 exited with code 3"``.
+        unconfirmed: Hosts where the end of every worker could not be
+            confirmed (a lost connection): ``bunsan run --cleanup`` is for them.
+    """
+
+    code: int
+    kind: str
+    rank: int | None = None
+    cause: str = ""
+    unconfirmed: tuple[str, ...] = ()
+
+
 # ---------------------------------------------------------------------------
 # Pure helpers: planning, environment, exit codes.
 
@@ -95,7 +132,7 @@ def new_job_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def worker_command(command: Sequence[str], python: str | None = None) -> list[str]:
+def worker_command(command: Sequence[str], python: str | None = None, check: bool = True) -> list[str]:
     """Resolve the user's command into the argv every worker runs.
 
     A first argument ending in ``.py`` is a script, run unbuffered with the
@@ -108,6 +145,9 @@ def worker_command(command: Sequence[str], python: str | None = None) -> list[st
     Args:
         command: The script or executable, then its arguments.
         python: Interpreter for ``.py`` scripts; ``None`` means ``sys.executable``.
+        check: Check here that the script exists or the executable is on
+            ``PATH``. Off for workers that run on other hosts: their agent
+            checks there, in its own working directory.
 
     Raises:
         ValueError: The script does not exist or the executable is not found.
@@ -116,25 +156,27 @@ def worker_command(command: Sequence[str], python: str | None = None) -> list[st
         raise ValueError("no command given; put the training script after the options, e.g. bunsan run -np 2 train.py")
     first, rest = command[0], list(command[1:])
     if first.endswith(".py"):
-        if not os.path.isfile(first):
+        if check and not os.path.isfile(first):
             raise ValueError(f"script {first!r} does not exist (looked in {os.getcwd()}); check the path")
         return [python or sys.executable, "-u", first, *rest]
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]
-    if shutil.which(first) is None:
+    if check and shutil.which(first) is None:
         raise ValueError(f"command {first!r} is neither a .py script nor an executable on PATH; check the spelling")
     return [first, *rest]
 
 
 def worker_environment(
-    slot: Slot, base: Mapping[str, str], master_addr: str, master_port: int, job_id: str
+    slot: Slot, base: Mapping[str, str], master_addr: str, master_port: int, job_id: str, restart: int = 0
 ) -> dict[str, str]:
     """Return the environment of the worker in ``slot``: ``base`` plus what ``bunsan.init()`` reads.
 
     The variables follow torchrun's convention (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT``), so the same script also runs under torchrun. On top:
-    ``BUNSAN_JOB_ID`` (finds the job's processes) and ``BUNSAN_LAUNCHER=bunsan``.
+    ``BUNSAN_JOB_ID`` (finds the job's processes; the same for every attempt of
+    a job restarted with ``--max-restarts``), ``BUNSAN_RESTART`` (0 for the
+    first attempt, then 1, 2, ...) and ``BUNSAN_LAUNCHER=bunsan``.
     ``OMP_NUM_THREADS`` defaults to 1 when ``base`` does not set it: on CPU,
     workers that each use every core slow each other down (a step was 15x
     slower with 2 threads per worker on 2 cores).
@@ -149,6 +191,7 @@ def worker_environment(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
         BUNSAN_JOB_ID=job_id,
+        BUNSAN_RESTART=str(restart),
         BUNSAN_LAUNCHER="bunsan",
     )
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -162,6 +205,7 @@ def plan_workers(
     master_addr: str,
     master_port: int,
     job_id: str,
+    restart: int = 0,
 ) -> list[WorkerSpec]:
     """Return one :class:`WorkerSpec` per slot, in rank order. Pure."""
     return [
@@ -170,7 +214,7 @@ def plan_workers(
             slot.local_rank,
             slot.host,
             tuple(argv),
-            worker_environment(slot, base_env, master_addr, master_port, job_id),
+            worker_environment(slot, base_env, master_addr, master_port, job_id, restart),
         )
         for slot in slots
     ]
@@ -203,9 +247,9 @@ def first_failure(returncodes: Sequence[int | None]) -> int | None:
     return next((rank for rank, code in enumerate(returncodes) if code not in (None, 0)), None)
 
 
-def is_job_environ(environ: bytes, job_id: str) -> bool:
-    """Whether a ``/proc/<pid>/environ`` blob belongs to job ``job_id``."""
-    return f"BUNSAN_JOB_ID={job_id}".encode() in environ.split(b"\0")
+def is_job_environ(environ: bytes, job_id: str, variable: str = JOB_ID_VARIABLE) -> bool:
+    """Whether a ``/proc/<pid>/environ`` blob has the entry ``<variable>=<job_id>``."""
+    return f"{variable}={job_id}".encode() in environ.split(b"\0")
 
 
 def _describe_exit(returncode: int) -> str:
@@ -234,8 +278,11 @@ def find_free_port(host: str = "") -> int:
         return int(sock.getsockname()[1])
 
 
-def job_pids(job_id: str, proc: str = "/proc") -> list[int]:
-    """Return the live processes whose environment has ``BUNSAN_JOB_ID=<job_id>``.
+def job_pids(job_id: str, proc: str = "/proc", variable: str = JOB_ID_VARIABLE) -> list[int]:
+    """Return the live processes whose environment has ``<variable>=<job_id>``.
+
+    ``variable`` is ``BUNSAN_JOB_ID`` (the whole job, on this machine) or
+    ``BUNSAN_HOST_JOB_ID`` (one host's share, for its agent).
 
     The caller's own pid is left out. Zombies have an empty environ and are
     not listed: they are dead, only not reaped yet. A process that replaced
@@ -256,12 +303,12 @@ def job_pids(job_id: str, proc: str = "/proc") -> list[int]:
                 environ = f.read()
         except OSError:  # gone, or not ours to read
             continue
-        if is_job_environ(environ, job_id):
+        if is_job_environ(environ, job_id, variable):
             found.append(int(entry))
     return found
 
 
-def _signal_job_pid(pid: int, job_id: str, sig: int) -> None:
+def _signal_job_pid(pid: int, job_id: str, sig: int, variable: str = JOB_ID_VARIABLE) -> None:
     """Send ``sig`` to ``pid`` if it still belongs to the job.
 
     With a pidfd the check and the signal address the same process, so a pid
@@ -278,7 +325,7 @@ def _signal_job_pid(pid: int, job_id: str, sig: int) -> None:
                 pidfd = None  # kernel without pidfd: fall back to os.kill
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if not is_job_environ(f.read(), job_id):
+                if not is_job_environ(f.read(), job_id, variable):
                     return
         except OSError:
             return
@@ -299,23 +346,27 @@ def _signal_groups(processes: Iterable[subprocess.Popen[bytes]], sig: int) -> No
             os.killpg(process.pid, sig)  # each worker leads its own group: pgid == pid
 
 
-def _signal_job(processes: Sequence[subprocess.Popen[bytes]], job_id: str, sig: int) -> None:
+def _signal_job(
+    processes: Sequence[subprocess.Popen[bytes]], job_id: str, sig: int, variable: str = JOB_ID_VARIABLE
+) -> None:
     """Send ``sig`` to every worker's process group and to every process of the job."""
     _signal_groups(processes, sig)
-    for pid in job_pids(job_id):
-        _signal_job_pid(pid, job_id, sig)
+    for pid in job_pids(job_id, variable=variable):
+        _signal_job_pid(pid, job_id, sig, variable)
 
 
-def _job_alive(processes: Sequence[subprocess.Popen[bytes]], job_id: str) -> bool:
+def _job_alive(
+    processes: Sequence[subprocess.Popen[bytes]], job_id: str, variable: str = JOB_ID_VARIABLE
+) -> bool:
     running = [p for p in processes if p.poll() is None]  # poll() also reaps the dead
-    return bool(running) or bool(job_pids(job_id))
+    return bool(running) or bool(job_pids(job_id, variable=variable))
 
 
 # ---------------------------------------------------------------------------
 # Starting workers.
 
 
-def _die_with_launcher_hook() -> Callable[[], None] | None:
+def die_with_launcher_hook() -> Callable[[], None] | None:
     """Return a ``preexec_fn`` that makes the worker die with the launcher (Linux).
 
     ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends,
@@ -340,12 +391,15 @@ def _die_with_launcher_hook() -> Callable[[], None] | None:
     return die_with_launcher
 
 
-def _start_worker(spec: WorkerSpec, tag_output: bool, preexec: Callable[[], None] | None) -> subprocess.Popen[bytes]:
+def _start_worker(
+    spec: WorkerSpec, tag_output: bool, preexec: Callable[[], None] | None, stdin_to_rank0: bool = True
+) -> subprocess.Popen[bytes]:
     pipe = subprocess.PIPE if tag_output else None  # untagged: output passes through untouched
     return subprocess.Popen(
         list(spec.argv),
         env=dict(spec.env),
-        stdin=None if spec.rank == 0 else subprocess.DEVNULL,  # like mpirun: stdin goes to rank 0
+        # Like mpirun, stdin goes to rank 0; an agent keeps its stdin (the ssh channel) to itself.
+        stdin=None if spec.rank == 0 and stdin_to_rank0 else subprocess.DEVNULL,
         stdout=pipe,
         stderr=pipe,
         start_new_session=True,
@@ -357,21 +411,29 @@ def _start_worker(spec: WorkerSpec, tag_output: bool, preexec: Callable[[], None
 # The janitor: sweeps the job if the launcher is killed with SIGKILL.
 
 
-def _sweep(job_id: str, grace_s: float) -> None:
-    """SIGTERM every process of the job, then SIGKILL what is left after ``grace_s``."""
+def sweep_job(job_id: str, grace_s: float, variable: str = JOB_ID_VARIABLE) -> list[int]:
+    """SIGTERM every process of the job on this machine, then SIGKILL what is left after ``grace_s``.
+
+    Returns:
+        The pids that were found (and signalled) on the first look.
+    """
+    first: list[int] | None = None
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILL_WAIT_S)):
         deadline = time.monotonic() + wait_s
-        while pids := job_pids(job_id):
+        while pids := job_pids(job_id, variable=variable):
+            if first is None:
+                first = pids
             for pid in pids:
-                _signal_job_pid(pid, job_id, sig)
+                _signal_job_pid(pid, job_id, sig, variable)
             if time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
         else:
-            return
+            return first or []
+    return first or []
 
 
-def _start_janitor(job_id: str, grace_s: float) -> tuple[int, int] | None:
+def start_janitor(job_id: str, grace_s: float, variable: str = JOB_ID_VARIABLE) -> tuple[int, int] | None:
     """Fork a process that sweeps the job once the launcher is gone.
 
     It waits for end-of-file on a pipe whose only writer is the launcher: the
@@ -394,14 +456,15 @@ def _start_janitor(job_id: str, grace_s: float) -> tuple[int, int] | None:
             os.closerange(read_fd + 1, 65536)
             while os.read(read_fd, 4096):
                 pass
-            _sweep(job_id, grace_s)
+            sweep_job(job_id, grace_s, variable)
         finally:
             os._exit(0)
     os.close(read_fd)
     return pid, write_fd
 
 
-def _stop_janitor(janitor: tuple[int, int] | None) -> None:
+def stop_janitor(janitor: tuple[int, int] | None) -> None:
+    """Tell the janitor that the launcher ended normally; it sweeps once and exits."""
     if janitor is None:
         return
     pid, write_fd = janitor
@@ -425,22 +488,30 @@ def _binary(stream: IO[Any]) -> IO[bytes]:
     return getattr(stream, "buffer", stream)
 
 
+OutputSink = Callable[[int, int, bytes], None]
+"""``sink(rank, stream, data)``: whole lines of a worker's output; ``stream`` is 1 (stdout) or 2 (stderr)."""
+
+
 class _OutputPump:
-    """Copy the workers' output to ours, one whole line at a time, prefixed with ``[rank] ``."""
+    """Copy the workers' output to ours, one whole line at a time, prefixed with ``[rank] ``.
+
+    With a ``sink`` the lines go to it instead, untouched (the per-host agent
+    frames them for the launcher).
+    """
 
     _MAX_PARTIAL = 1 << 16  # flush a line this long even without its newline
 
-    def __init__(self, stdout: IO[Any], stderr: IO[Any]) -> None:
+    def __init__(self, stdout: IO[Any], stderr: IO[Any], sink: OutputSink | None = None) -> None:
         self._selector = selectors.DefaultSelector()
-        self._stdout = _binary(stdout)
-        self._stderr = _binary(stderr)
+        self._dests = {1: _binary(stdout), 2: _binary(stderr)}
+        self._sink = sink
         self._partial: dict[int, bytes] = {}
 
     def add(self, rank: int, process: subprocess.Popen[bytes]) -> None:
-        for pipe, dest in ((process.stdout, self._stdout), (process.stderr, self._stderr)):
+        for pipe, stream in ((process.stdout, 1), (process.stderr, 2)):
             if pipe is not None:
                 os.set_blocking(pipe.fileno(), False)
-                self._selector.register(pipe, selectors.EVENT_READ, (f"[{rank}] ".encode(), dest))
+                self._selector.register(pipe, selectors.EVENT_READ, (rank, stream))
                 self._partial[pipe.fileno()] = b""
 
     @property
@@ -453,7 +524,7 @@ class _OutputPump:
             time.sleep(timeout_s)
             return
         for key, _ in self._selector.select(timeout_s):
-            prefix, dest = key.data
+            rank, stream = key.data
             fd = key.fd
             try:
                 chunk = os.read(fd, 1 << 16)
@@ -464,14 +535,14 @@ class _OutputPump:
                 self._selector.unregister(key.fileobj)
                 key.fileobj.close()  # type: ignore[union-attr]
                 del self._partial[fd]
-                self._write(dest, prefix, data.splitlines(keepends=True), final=True)
+                self._write(rank, stream, data.splitlines(keepends=True))
                 continue
             lines = data.splitlines(keepends=True)
             if lines and not lines[-1].endswith((b"\n", b"\r")) and len(lines[-1]) < self._MAX_PARTIAL:
                 self._partial[fd] = lines.pop()
             else:
                 self._partial[fd] = b""
-            self._write(dest, prefix, lines)
+            self._write(rank, stream, lines)
 
     def drain(self, timeout_s: float) -> None:
         """Copy output until every pipe is closed or ``timeout_s`` has passed."""
@@ -482,18 +553,23 @@ class _OutputPump:
 
     def close(self) -> None:
         for key in list(self._selector.get_map().values()):
-            prefix, dest = key.data
-            self._write(dest, prefix, [self._partial.pop(key.fd, b"")], final=True)
+            rank, stream = key.data
+            self._write(rank, stream, [self._partial.pop(key.fd, b"")])
             self._selector.unregister(key.fileobj)
             key.fileobj.close()  # type: ignore[union-attr]
         self._selector.close()
 
-    @staticmethod
-    def _write(dest: IO[bytes], prefix: bytes, lines: list[bytes], final: bool = False) -> None:
-        out = b"".join(prefix + (line if line.endswith((b"\n", b"\r")) else line + b"\n") for line in lines if line)
-        if not out:
+    def _write(self, rank: int, stream: int, lines: list[bytes]) -> None:
+        data = b"".join(line if line.endswith((b"\n", b"\r")) else line + b"\n" for line in lines if line)
+        if not data:
             return
+        if self._sink is not None:
+            self._sink(rank, stream, data)
+            return
+        prefix = f"[{rank}] ".encode()
+        out = b"".join(prefix + line for line in data.splitlines(keepends=True))
         try:
+            dest = self._dests[stream]
             dest.write(out)
             dest.flush()
         except (BrokenPipeError, ValueError):  # our reader went away; keep the job running
@@ -530,51 +606,63 @@ def _say(stderr: IO[Any], message: str) -> None:
         print(f"bunsan run: {message}", file=stderr, flush=True)
 
 
-def _wait_gone(
-    processes: Sequence[subprocess.Popen[bytes]],
-    job_id: str,
-    timeout_s: float,
-    pump: _OutputPump,
-    hurry: Callable[[], bool] = lambda: False,
-) -> bool:
+class _Job:
+    """The processes of one job on this machine, and how to find the ones that wandered off."""
+
+    def __init__(self, job_id: str, variable: str) -> None:
+        self.job_id = job_id
+        self.variable = variable
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def signal(self, sig: int) -> None:
+        _signal_job(self.processes, self.job_id, sig, self.variable)
+
+    def alive(self) -> bool:
+        return _job_alive(self.processes, self.job_id, self.variable)
+
+
+def _wait_gone(job: _Job, timeout_s: float, pump: _OutputPump, hurry: Callable[[], bool] = lambda: False) -> bool:
     """Wait until no worker runs and no process of the job is left; True if so in time."""
     deadline = time.monotonic() + timeout_s
-    while _job_alive(processes, job_id):
+    while job.alive():
         if time.monotonic() >= deadline or hurry():
             return False
         pump.pump(POLL_S)
     return True
 
 
-def _stop_job(
-    processes: Sequence[subprocess.Popen[bytes]],
-    job_id: str,
-    first_signal: int,
-    grace_s: float,
-    pump: _OutputPump,
-    signals: _Signals,
-) -> None:
+def _stop_job(job: _Job, first_signal: int, grace_s: float, pump: _OutputPump, signals: _Signals) -> None:
     """Signal the whole job with ``first_signal``, then SIGKILL what is left after ``grace_s``.
 
     A further SIGINT/SIGTERM to the launcher cuts the grace short (Ctrl-C twice).
     """
     seen = len(signals.received)
-    _signal_job(processes, job_id, first_signal)
-    gone = _wait_gone(processes, job_id, grace_s, pump, hurry=lambda: len(signals.received) > seen)
+    job.signal(first_signal)
+    gone = _wait_gone(job, grace_s, pump, hurry=lambda: len(signals.received) > seen)
     deadline = time.monotonic() + KILL_WAIT_S
     while not gone and time.monotonic() < deadline:
         # Again and again: a dying process may still have forked.
-        _signal_job(processes, job_id, signal.SIGKILL)
-        gone = _wait_gone(processes, job_id, 0.1, pump)
-    # Members of the groups that dropped BUNSAN_JOB_ID from their environment.
-    _signal_groups(processes, signal.SIGKILL)
+        job.signal(signal.SIGKILL)
+        gone = _wait_gone(job, 0.1, pump)
+    # Members of the groups that dropped the job's variable from their environment.
+    _signal_groups(job.processes, signal.SIGKILL)
 
 
-def _watch(processes: Sequence[subprocess.Popen[bytes]], pump: _OutputPump, signals: _Signals) -> tuple[str, int]:
-    """Wait for the job to end. Returns ("ok", 0), ("failed", index) or ("signal", signum)."""
+def _watch(
+    processes: Sequence[subprocess.Popen[bytes]],
+    pump: _OutputPump,
+    signals: _Signals,
+    interrupt: Callable[[], int | None] | None,
+) -> tuple[str, int]:
+    """Wait for the job to end.
+
+    Returns ("ok", 0), ("failed", index), ("signal", signum) or ("interrupted", signum).
+    """
     while True:
         if signals.received:
             return "signal", signals.received[0]
+        if interrupt is not None and (sig := interrupt()) is not None:
+            return "interrupted", sig
         index = first_failure([p.poll() for p in processes])
         if index is not None:
             return "failed", index
@@ -586,24 +674,146 @@ def _watch(processes: Sequence[subprocess.Popen[bytes]], pump: _OutputPump, sign
 def _start_all(
     specs: Sequence[WorkerSpec],
     tag_output: bool,
-    processes: list[subprocess.Popen[bytes]],
+    job: _Job,
     pump: _OutputPump,
     signals: _Signals,
-    stderr: IO[Any],
+    log: Callable[[str], None],
+    stdin_to_rank0: bool,
 ) -> bool:
-    """Start the workers in rank order, appending to ``processes``; False if one cannot start."""
-    preexec = _die_with_launcher_hook()
+    """Start the workers in rank order, appending to ``job.processes``; False if one cannot start."""
+    preexec = die_with_launcher_hook()
     for spec in specs:
         if signals.received:  # Ctrl-C during startup: _watch reports it
             break
         try:
-            process = _start_worker(spec, tag_output, preexec)
+            process = _start_worker(spec, tag_output, preexec, stdin_to_rank0)
         except OSError as err:
-            _say(stderr, f"error: cannot start rank {spec.rank} ({shlex.join(spec.argv)}): {err}")
+            log(f"error: cannot start rank {spec.rank} ({shlex.join(spec.argv)}): {err}")
             return False
-        processes.append(process)
+        job.processes.append(process)
         pump.add(spec.rank, process)
     return True
+
+
+def run_job(
+    specs: Sequence[WorkerSpec],
+    job_id: str,
+    *,
+    tag_output: bool = False,
+    grace_s: float = GRACE_S,
+    stdout: IO[Any] | None = None,
+    stderr: IO[Any] | None = None,
+    variable: str = JOB_ID_VARIABLE,
+    sink: OutputSink | None = None,
+    interrupt: Callable[[], int | None] | None = None,
+    log: Callable[[str], None] | None = None,
+    stdin_to_rank0: bool = True,
+    on_failure: Callable[[JobOutcome], None] | None = None,
+) -> JobOutcome:
+    """Start ``specs`` on this machine, wait for them, leave nothing behind; say how it ended.
+
+    :func:`run_workers` is this function for the ``bunsan run`` of one
+    machine; the per-host agent of a multi-host job (:mod:`bunsan.launch.remote`)
+    uses the keyword arguments.
+
+    Args:
+        specs: The workers, in rank order (see :func:`plan_workers`); their
+            environments must carry ``<variable>=<job_id>``.
+        job_id: The value of ``variable`` that marks every process of the job.
+        tag_output: Pipe the workers' output and copy it line by line, with
+            ``[rank] `` in front (or to ``sink``); otherwise workers write
+            straight to our stdout and stderr.
+        grace_s: Seconds between SIGTERM (or a forwarded signal) and SIGKILL.
+        stdout: Where tagged output goes; ``None`` means ``sys.stdout``.
+        stderr: Where tagged error output and the launcher's own messages
+            go; ``None`` means ``sys.stderr``.
+        variable: The environment variable that marks the job's processes.
+        sink: With ``tag_output``, receives the output lines instead of stdout/stderr.
+        interrupt: Polled every few milliseconds; a signal number stops the
+            job as if the launcher had received that signal.
+        log: Receives the launcher's messages; default: stderr, prefixed ``bunsan run: ``.
+        stdin_to_rank0: Rank 0 inherits our stdin (as with mpirun).
+        on_failure: Called with the outcome as soon as a worker has failed,
+            before the others are stopped (which takes up to ``2 * grace_s``).
+
+    Raises:
+        ValueError: ``grace_s`` is outside [0, 3].
+    """
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    if log is None:
+        def log(message: str) -> None:
+            _say(stderr, message)
+
+    if not 0 <= grace_s <= GRACE_S:
+        raise ValueError(f"grace_s must be in [0, {GRACE_S}], got {grace_s}; the whole job must end within 10 s")
+    pump = _OutputPump(stdout, stderr, sink)
+    job = _Job(job_id, variable)
+    with _Signals() as signals:
+        janitor = start_janitor(job_id, grace_s, variable)
+
+        def stop(first_signal: int) -> None:
+            _stop_job(job, first_signal, grace_s, pump, signals)
+
+        try:
+            if not _start_all(specs, tag_output, job, pump, signals, log, stdin_to_rank0):
+                stop(signal.SIGTERM)
+                return JobOutcome(2, "start", cause="a worker could not be started")
+            outcome, detail = _watch(job.processes, pump, signals, interrupt)
+            if outcome == "ok":
+                # Every worker exited 0; still sweep what they left running in the background.
+                if job.alive():
+                    log(f"all workers exited 0; stopping processes they left behind (job {job_id})")
+                stop(signal.SIGTERM)
+                return JobOutcome(0, "ok")
+            if outcome == "failed":
+                returncode = job.processes[detail].returncode
+                assert returncode is not None
+                others = sum(p.poll() is None for p in job.processes)
+                stopping = f"stopping the other {others} worker(s)" if others else "stopping what is left of the job"
+                cause = f"rank {specs[detail].rank} {_describe_exit(returncode)}"
+                failed = JobOutcome(exit_code_of(returncode), "failed", specs[detail].rank, cause)
+                if on_failure is not None:
+                    on_failure(failed)
+                log(f"{cause}; {stopping}")
+                stop(signal.SIGTERM)
+                return failed
+            name = signal.Signals(detail).name
+            if outcome == "signal":
+                log(f"got {name}; stopping the job")
+            stop(detail)  # forward the signal, then escalate
+            return JobOutcome(128 + detail, outcome, cause=f"stopped by {name}")
+        finally:
+            # Also reached on an unexpected exception in the launcher itself.
+            if job.alive():
+                _stop_job(job, signal.SIGKILL, 0.0, pump, signals)
+            pump.drain(DRAIN_S)
+            stop_janitor(janitor)
+
+
+def run_attempts(
+    attempt: Callable[[int], JobOutcome], max_restarts: int, log: Callable[[str], None]
+) -> JobOutcome:
+    """Run ``attempt(0)``, and again with 1, 2, ... after each failure, at most ``max_restarts`` more times.
+
+    Only a failed worker or a lost host leads to a restart; success, a
+    signal to the launcher, or a worker that could not start end the job.
+    Every restart is logged with its cause.
+    """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    restart = 0
+    while True:
+        outcome = attempt(restart)
+        if outcome.kind not in ("failed", "lost") or restart == max_restarts:
+            if restart and outcome.kind == "ok":
+                log(f"the job succeeded after {restart} restart(s)")
+            elif max_restarts and outcome.kind in ("failed", "lost"):
+                log(f"giving up after {restart} restart(s) (--max-restarts {max_restarts})")
+            return outcome
+        restart += 1
+        log(f"restart {restart} of {max_restarts} after: {outcome.cause}; "
+            f"starting every worker again (BUNSAN_RESTART={restart})")
 
 
 def run_workers(
@@ -639,43 +849,4 @@ def run_workers(
     Raises:
         ValueError: ``grace_s`` is outside [0, 3].
     """
-    stdout = sys.stdout if stdout is None else stdout
-    stderr = sys.stderr if stderr is None else stderr
-    if not 0 <= grace_s <= GRACE_S:
-        raise ValueError(f"grace_s must be in [0, {GRACE_S}], got {grace_s}; the whole job must end within 10 s")
-    pump = _OutputPump(stdout, stderr)
-    processes: list[subprocess.Popen[bytes]] = []
-    with _Signals() as signals:
-        janitor = _start_janitor(job_id, grace_s)
-
-        def stop(first_signal: int) -> None:
-            _stop_job(processes, job_id, first_signal, grace_s, pump, signals)
-
-        try:
-            if not _start_all(specs, tag_output, processes, pump, signals, stderr):
-                stop(signal.SIGTERM)
-                return 2
-            outcome, detail = _watch(processes, pump, signals)
-            if outcome == "ok":
-                # Every worker exited 0; still sweep what they left running in the background.
-                if _job_alive(processes, job_id):
-                    _say(stderr, f"all workers exited 0; stopping processes they left behind (job {job_id})")
-                stop(signal.SIGTERM)
-                return 0
-            if outcome == "failed":
-                returncode = processes[detail].returncode
-                assert returncode is not None
-                others = sum(p.poll() is None for p in processes)
-                stopping = f"stopping the other {others} worker(s)" if others else "stopping what is left of the job"
-                _say(stderr, f"rank {specs[detail].rank} {_describe_exit(returncode)}; {stopping}")
-                stop(signal.SIGTERM)
-                return exit_code_of(returncode)
-            _say(stderr, f"got {signal.Signals(detail).name}; stopping the job")
-            stop(detail)  # forward the launcher's signal, then escalate
-            return 128 + detail
-        finally:
-            # Also reached on an unexpected exception in the launcher itself.
-            if _job_alive(processes, job_id):
-                _stop_job(processes, job_id, signal.SIGKILL, 0.0, pump, signals)
-            pump.drain(DRAIN_S)
-            _stop_janitor(janitor)
+    return run_job(specs, job_id, tag_output=tag_output, grace_s=grace_s, stdout=stdout, stderr=stderr).code

@@ -389,7 +389,7 @@ def script(tmp_path, monkeypatch):
         (["run", "-np", "2"], "no command given"),
         (["run", "-np", "2", "--"], "no command given"),
         (["run", "-H", "localhost:1", "-np", "2", "train.py"], "-np 2 is more than the 1 slot(s)"),
-        (["run", "-H", "node-a:2", "train.py"], "multi-host fan-out comes with ssh support"),
+        (["run", "-H", "node-a:2", "--remote-python", "venv/bin/python", "train.py"], "must be an absolute path"),
         (["run", "-H", "localhost:1,127.0.0.1:1", "train.py"], "are both this machine"),
         (["run", "-H", "a:2", "--hostfile", "hosts", "train.py"], "use one of them"),
         (["run", "--hostfile", "no-such-hostfile", "train.py"], "cannot read hostfile 'no-such-hostfile'"),

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import pytest
 
-from bunsan.launch.config import LaunchConfig, UsageError, parse_run_args
+from bunsan.launch.cleanup import JobRecord, check_job_id, jobs_dir, list_job_records, write_job_record
+from bunsan.launch.config import LaunchConfig, UsageError, parse_env_file, parse_run_args, resolve_exports
 from bunsan.launch.hosts import Host, assign_slots
 from bunsan.launch.local import (
+    JobOutcome,
     exit_code_of,
     first_failure,
     format_plan,
     is_job_environ,
     plan_workers,
+    run_attempts,
     worker_command,
     worker_environment,
 )
@@ -142,6 +146,7 @@ def test_worker_environment_follows_torchrun_convention():
         "MASTER_ADDR": "a",
         "MASTER_PORT": "29500",
         "BUNSAN_JOB_ID": "job42",
+        "BUNSAN_RESTART": "0",
         "BUNSAN_LAUNCHER": "bunsan",
         "OMP_NUM_THREADS": "1",
     }
@@ -188,3 +193,119 @@ def test_is_job_environ_matches_whole_entries():
     assert is_job_environ(environ, "abc")
     assert not is_job_environ(environ, "ab")
     assert not is_job_environ(b"X=BUNSAN_JOB_ID=abc\0", "abc")
+
+
+# ---------------------------------------------------------------------------
+# Multi-host options: ssh, environment, restarts, cleanup
+
+
+def test_multihost_options():
+    config = parse_run_args(
+        ["--hostfile", "hosts", "--ssh-port", "2222", "--ssh-identity", "/k/id", "--ssh-host-key-checking", "no",
+         "--ssh-option", "ConnectionAttempts=3", "-x", "NCCL_DEBUG=INFO", "-x", "HOME", "--env-file", "vars",
+         "--remote-python", "/opt/venv/bin/python", "--remote-cwd", "/work", "--max-restarts", "2",
+         "--job-id", "exp-7", "train.py", "-x", "1"],
+        environ={},
+    )
+    assert (config.ssh_port, config.ssh_identity, config.ssh_host_key_checking) == (2222, "/k/id", "no")
+    assert config.ssh_options == ("ConnectionAttempts=3",)
+    assert config.exports == ("NCCL_DEBUG=INFO", "HOME") and config.env_file == "vars"
+    assert (config.remote_python, config.remote_cwd) == ("/opt/venv/bin/python", "/work")
+    assert (config.max_restarts, config.job_id, config.cleanup) == (2, "exp-7", False)
+    assert config.command == ("train.py", "-x", "1")
+
+
+def test_multihost_environment_fallbacks_and_none_for_job_id_or_cleanup():
+    environ = {"BUNSAN_SSH_PORT": "2200", "BUNSAN_REMOTE_PYTHON": "/p/python", "BUNSAN_MAX_RESTARTS": "1",
+               "BUNSAN_JOB_ID": "the-workers-own", "BUNSAN_CLEANUP": "1"}
+    config = parse_run_args(["t.py"], environ=environ)
+    assert (config.ssh_port, config.remote_python, config.max_restarts) == (2200, "/p/python", 1)
+    assert config.job_id is None and not config.cleanup
+
+
+def test_cleanup_needs_no_command():
+    config = parse_run_args(["--cleanup", "--job-id", "abc", "-H", "a,b"], environ={})
+    assert config.cleanup and config.job_id == "abc" and config.command == ()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ssh-port", "0", "t.py"], "--ssh-port must be in 1..65535, got 0"),
+        (["--ssh-host-key-checking", "ask", "t.py"], "must be one of yes, accept-new, no, got 'ask'"),
+        (["--ssh-option", "Verbose", "t.py"], "--ssh-option 'Verbose' is not KEY=VALUE"),
+        (["--remote-python", "python3", "t.py"], "--remote-python must be an absolute path"),
+        (["--remote-cwd", "work", "t.py"], "--remote-cwd must be an absolute path"),
+        (["--max-restarts", "-1", "t.py"], "--max-restarts must be >= 0, got -1"),
+        (["-x", "1BAD", "t.py"], "'1BAD' is not a variable name"),
+        (["--job-id", "a b", "t.py"], "--job-id 'a b' is not valid"),
+        (["--cleanup", "--job-id", "../x"], "--job-id '../x' is not valid"),
+    ],
+)
+def test_bad_multihost_arguments(argv, message):
+    with pytest.raises(UsageError) as info:
+        parse_run_args(argv, environ={})
+    assert message in str(info.value)
+
+
+def test_env_file_and_exports():
+    text = "# for the workers\nA=1\nexport B = two words \nC='quoted # not a comment'\n\nD=\n"
+    file_env = parse_env_file(text, "vars")
+    assert file_env == {"A": "1", "B": "two words", "C": "quoted # not a comment", "D": ""}
+    env = resolve_exports(["A=override", "HOME", "E=x=y"], {"HOME": "/root"}, file_env)
+    assert env == {"A": "override", "B": "two words", "C": "quoted # not a comment", "D": "", "HOME": "/root",
+                   "E": "x=y"}
+    with pytest.raises(ValueError, match="^vars:2: cannot read 'oops'; expected VAR=value$"):
+        parse_env_file("A=1\noops\n", "vars")
+    with pytest.raises(UsageError, match="-x MISSING: MISSING is not set in this environment"):
+        resolve_exports(["MISSING"], {})
+
+
+def test_worker_environment_counts_restarts():
+    slot = assign_slots([Host("a", 1)], 1)[0]
+    env = worker_environment(slot, {}, "a", 1, "job", restart=2)
+    assert (env["BUNSAN_JOB_ID"], env["BUNSAN_RESTART"]) == ("job", "2")  # the job id stays, for --cleanup
+
+
+def test_run_attempts_restarts_failures_only_and_logs_each_cause():
+    def attempts(*outcomes):
+        seen, log = [], []
+
+        def attempt(restart):
+            seen.append(restart)
+            return outcomes[restart]
+
+        return seen, log, attempt
+
+    failed = JobOutcome(1, "failed", 3, "rank 3 exited with code 1 on host b")
+    seen, log, attempt = attempts(failed, JobOutcome(255, "lost", cause="lost host b"), JobOutcome(0, "ok"))
+    assert run_attempts(attempt, 2, log.append).code == 0
+    assert seen == [0, 1, 2]
+    assert log[0] == ("restart 1 of 2 after: rank 3 exited with code 1 on host b; "
+                      "starting every worker again (BUNSAN_RESTART=1)")
+    assert log[1].startswith("restart 2 of 2 after: lost host b;")
+    assert log[2] == "the job succeeded after 2 restart(s)"
+
+    seen, log, attempt = attempts(failed, failed)
+    assert run_attempts(attempt, 1, log.append).code == 1
+    assert seen == [0, 1] and log[-1] == "giving up after 1 restart(s) (--max-restarts 1)"
+
+    for final in (JobOutcome(130, "signal"), JobOutcome(2, "start")):  # not worth a restart
+        seen, log, attempt = attempts(final)
+        assert run_attempts(attempt, 5, log.append) == final
+        assert seen == [0] and log == []
+
+
+def test_job_records_and_job_ids(tmp_path):
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    assert jobs_dir(environ) == tmp_path / "bunsan" / "jobs"
+    assert jobs_dir({"HOME": "/home/me"}) == Path("/home/me/.cache/bunsan/jobs")
+    record = JobRecord("j1", ["a", "b"], [], {"port": 2222}, "/py", launcher_pid=2**22 + 1, launcher_start="1")
+    write_job_record(record, environ)
+    (jobs_dir(environ) / "broken.json").write_text("{")
+    assert list_job_records(environ) == [record]
+    assert not record.launcher_running()  # no such process
+    assert check_job_id("3f2a91c0.r1_x-y") == "3f2a91c0.r1_x-y"
+    for bad in ("", "-x", "a/b", "a b", "x" * 65):
+        with pytest.raises(ValueError, match="is not valid"):
+            check_job_id(bad)

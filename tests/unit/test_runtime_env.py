@@ -18,7 +18,8 @@ def test_bunsan_run_and_torchrun_variables():
            "MASTER_ADDR": "node1", "MASTER_PORT": "1234", "BUNSAN_LAUNCHER": "bunsan", "BUNSAN_JOB_ID": "abc"}
     info = detect_environment(env)
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == ("bunsan", 3, 4, 1, 2)
-    assert (info.master_addr, info.master_port, info.job_id) == ("node1", 1234, "abc")
+    assert (info.master_addr, info.master_port, info.job_id) == ("node1", 1234, "abc.0")
+    assert detect_environment({**env, "BUNSAN_RESTART": "2"}).job_id == "abc.2"  # a restart: fresh store keys
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400",
            "TORCHELASTIC_RUN_ID": "run7", "TORCHELASTIC_RESTART_COUNT": "2"}
     info = detect_environment(env)

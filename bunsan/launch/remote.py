@@ -1,0 +1,471 @@
+"""The per-host agent of a multi-host job: ``python -m bunsan.launch.remote``.
+
+``bunsan run`` starts one agent on every host of a job, over one ssh
+connection per host (:mod:`bunsan.launch.ssh`). The agent starts that host's
+workers with the same hygiene as a job on one machine
+(:func:`bunsan.launch.local.run_job`: a session per worker, the job marked in
+every environment, ``PR_SET_PDEATHSIG``, a janitor), streams their output
+back, and ends its workers when
+
+* one of them fails (it reports the rank and the exit code, and exits with it),
+* the launcher tells it to (another host failed, Ctrl-C),
+* or the launcher is gone: its stdin, the ssh channel, reaches end-of-file
+  (the ssh client died, SIGKILL included, or the connection dropped), or no
+  heartbeat came for :data:`HEARTBEAT_TIMEOUT_S` (a connection that hangs
+  without closing).
+
+The agent watches its stdin instead of relying on ``ssh -tt``: a pseudo
+terminal would mangle the output (``\\r\\n``, echo), merge stderr into stdout,
+and only hang up the remote side when the ssh client dies, not when the
+connection stalls.
+
+The agent sweeps by ``BUNSAN_HOST_JOB_ID=<job id>.h<group rank>``, which only
+its own workers carry, so it never touches another host's share of the job,
+even where several "hosts" share one process table. Every worker still
+carries ``BUNSAN_JOB_ID=<job id>``, by which ``bunsan run --cleanup`` finds
+all of them.
+
+Protocol (private between the launcher and the agent of the same version):
+
+* launcher to agent, on stdin: one JSON object per line. First ``init``
+  (what to run, see :class:`AgentInit`), then ``start`` with
+  ``master_addr`` and ``master_port``, ``ping`` every second, and ``stop``
+  with the signal to forward.
+* agent to launcher, on stdout: frames ``KIND RANK LENGTH\\n`` followed by
+  ``LENGTH`` bytes (:func:`encode_frame`, :class:`FrameDecoder`). ``o`` and
+  ``e`` carry whole lines of a worker's stdout and stderr, ``m`` a message of
+  the agent, ``s`` a status event in JSON: ``ready`` (host name, the ssh
+  connection's addresses, the checked port), ``error`` (cannot start:
+  working directory, script or port), ``failed`` (a worker failed, with the
+  time, sent before the others are stopped) and ``done`` (the outcome, once
+  every worker here is gone). The agent's own stderr is not framed: a traceback
+  of the agent itself reaches the launcher's stderr as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bunsan.launch import local
+from bunsan.launch.hosts import Slot
+
+__all__ = [
+    "HEARTBEAT_TIMEOUT_S",
+    "AgentInit",
+    "Frame",
+    "FrameDecoder",
+    "check_port",
+    "encode_frame",
+    "interface_for",
+    "main",
+]
+
+HEARTBEAT_TIMEOUT_S = 30.0  # no message from the launcher for this long: it is gone
+INIT_TIMEOUT_S = 60.0  # the launcher sends init right after starting ssh
+OUTBOX_STALL_S = 30.0  # output that cannot be sent for this long: the connection is gone
+FLUSH_AT_EXIT_S = 5.0
+_SIOCGIFADDR = 0x8915  # from <linux/sockios.h>
+_FRAME_KINDS = frozenset(b"oems")
+
+
+# ---------------------------------------------------------------------------
+# Frames: agent to launcher. Pure.
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One unit of the agent's stdout: ``kind`` is ``"o"``, ``"e"``, ``"m"`` or ``"s"``."""
+
+    kind: str
+    rank: int
+    payload: bytes
+
+
+def encode_frame(kind: str, rank: int, payload: bytes) -> bytes:
+    """Return the bytes of one frame (see the module docstring)."""
+    return f"{kind} {rank} {len(payload)}\n".encode() + payload
+
+
+class FrameDecoder:
+    """Split a byte stream into :class:`Frame` objects, whatever the chunking.
+
+    Anything that is not a frame header (for instance a shell's greeting
+    printed before the agent started) is returned as a frame of kind ``"?"``
+    so that it is shown, not lost.
+    """
+
+    _MAX_HEADER = 64
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buffer += data
+        frames: list[Frame] = []
+        while self._buffer:
+            newline = self._buffer.find(b"\n", 0, self._MAX_HEADER)
+            if newline < 0:
+                if len(self._buffer) >= self._MAX_HEADER:  # no header can be this long
+                    frames.append(Frame("?", -1, self._buffer))
+                    self._buffer = b""
+                break
+            header = self._buffer[:newline].split(b" ")
+            if len(header) != 3 or len(header[0]) != 1 or header[0][0] not in _FRAME_KINDS:
+                frames.append(Frame("?", -1, self._buffer[: newline + 1]))
+                self._buffer = self._buffer[newline + 1 :]
+                continue
+            try:
+                rank, length = int(header[1]), int(header[2])
+            except ValueError:
+                frames.append(Frame("?", -1, self._buffer[: newline + 1]))
+                self._buffer = self._buffer[newline + 1 :]
+                continue
+            end = newline + 1 + length
+            if len(self._buffer) < end:
+                break
+            frames.append(Frame(header[0].decode(), rank, self._buffer[newline + 1 : end]))
+            self._buffer = self._buffer[end:]
+        return frames
+
+    def rest(self) -> bytes:
+        """Bytes of an incomplete frame left at the end of the stream."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+
+# ---------------------------------------------------------------------------
+# What the launcher sends first.
+
+
+@dataclass(frozen=True)
+class AgentInit:
+    """The ``init`` message: everything an agent needs but the master address and port.
+
+    Attributes:
+        job_id: The job's id (``BUNSAN_JOB_ID``), the same on every host and attempt.
+        group_rank: Index of this host among the hosts of the job.
+        hosts: Number of hosts in the job.
+        restart: 0 for the first attempt, then 1, 2, ... (``BUNSAN_RESTART``).
+        cwd: Working directory of the workers.
+        argv: The worker command, already resolved for this host.
+        script: A ``.py`` script that must exist in ``cwd``, or ``None``.
+        env: Variables added to this host's own environment for the workers.
+        slots: ``[rank, local_rank, world_size, local_world_size]`` of each worker here.
+        check_port: Port to check (0: pick a free one), or ``None`` on hosts other than rank 0's.
+        grace_s: Seconds between SIGTERM and SIGKILL when the job stops.
+        heartbeat_timeout_s: Silence from the launcher that counts as its death.
+    """
+
+    job_id: str
+    group_rank: int
+    hosts: int
+    restart: int
+    cwd: str
+    argv: list[str]
+    script: str | None
+    env: dict[str, str]
+    slots: list[list[int]]
+    check_port: int | None = None
+    grace_s: float = local.GRACE_S
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    op: str = field(default="init")
+
+    def to_line(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def from_message(cls, message: Mapping[str, Any]) -> AgentInit:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in message.items() if k in names})
+
+    @property
+    def host_job_id(self) -> str:
+        """The value of ``BUNSAN_HOST_JOB_ID`` for this host's workers."""
+        return f"{self.job_id}.h{self.group_rank}"
+
+
+# ---------------------------------------------------------------------------
+# Checks the agent makes on its host.
+
+
+def check_port(port: int) -> int:
+    """Return ``port`` if it is free on this host, or a free port when ``port`` is 0.
+
+    Binds the wildcard address, as rank 0's rendezvous store will. The port
+    can still be taken between this check and the workers' start; the
+    window is a second or two.
+
+    Raises:
+        OSError: The port is in use (``errno.EADDRINUSE``) or cannot be bound.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", port))
+        return int(sock.getsockname()[1])
+
+
+def _ipv4_of_interface(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
+def interface_for(master_addr: str) -> str | None:
+    """Name of the network interface this host reaches ``master_addr`` through (IPv4), or None.
+
+    Gloo binds every rank to the address its host name resolves to, and
+    falls back to loopback when that address is not usable here (Debian maps
+    the host name to 127.0.1.1 by default); ranks on other hosts then cannot
+    connect. ``GLOO_SOCKET_IFNAME`` set to this interface avoids that.
+    Connecting a UDP socket sends nothing: it only asks the kernel for the
+    route.
+    """
+    try:
+        address = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            source = sock.getsockname()[0]
+    except OSError:
+        return None
+    if source.startswith("127."):
+        return None
+    for _, name in socket.if_nameindex():
+        if _ipv4_of_interface(name) == source:
+            return name
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The agent's two channels.
+
+
+class _Outbox:
+    """Frames to the launcher, written without ever blocking the agent's loop.
+
+    A stalled connection must not stop the agent from noticing that the
+    launcher is gone, so stdout is non-blocking and unsent bytes wait here.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pending = bytearray()
+        self._stalled_since: float | None = None
+        self.broken = False
+        os.set_blocking(fd, False)
+
+    def send(self, kind: str, rank: int, payload: bytes) -> None:
+        if not self.broken:
+            self._pending += encode_frame(kind, rank, payload)
+            self.flush()
+
+    def status(self, event: str, **fields: Any) -> None:
+        self.send("s", -1, json.dumps({"event": event, **fields}).encode())
+
+    def message(self, text: str) -> None:
+        self.send("m", -1, text.encode(errors="replace"))
+
+    def flush(self) -> None:
+        while self._pending and not self.broken:
+            try:
+                written = os.write(self._fd, self._pending)
+            except BlockingIOError:
+                if self._stalled_since is None:
+                    self._stalled_since = time.monotonic()
+                return
+            except OSError:  # EPIPE: the ssh channel is gone
+                self.broken = True
+                self._pending.clear()
+                return
+            del self._pending[:written]
+            self._stalled_since = None
+
+    def stalled(self) -> bool:
+        return self._stalled_since is not None and time.monotonic() - self._stalled_since > OUTBOX_STALL_S
+
+    def close(self, timeout_s: float) -> None:
+        """Send what is left, waiting at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and not self.broken and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([], [self._fd], [], max(0.0, min(0.1, deadline - time.monotonic())))
+            self.flush()
+
+
+class _Inbox:
+    """JSON lines from the launcher, read without blocking; notices end-of-file."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = b""
+        self.eof = False
+        self.last_heard = time.monotonic()
+        os.set_blocking(fd, False)
+
+    def poll(self) -> list[dict[str, Any]]:
+        messages = []
+        while not self.eof:
+            try:
+                chunk = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                break
+            self.last_heard = time.monotonic()
+            self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            if line.strip():
+                with contextlib.suppress(ValueError):
+                    messages.append(json.loads(line))
+        return messages
+
+    def wait(self, timeout_s: float, outbox: _Outbox) -> dict[str, Any] | None:
+        """The next message other than ``ping``; None at end-of-file or after ``timeout_s`` of silence.
+
+        Pings count as signs of life: the launcher may wait a while for a slow
+        host before it sends ``start``, and keeps pinging meanwhile.
+        """
+        pending: list[dict[str, Any]] = []
+        self.last_heard = time.monotonic()
+        while True:
+            pending += [m for m in self.poll() if m.get("op") != "ping"]
+            if pending:
+                return pending[0]
+            deadline = self.last_heard + timeout_s
+            if self.eof or time.monotonic() >= deadline:
+                return None
+            outbox.flush()
+            with contextlib.suppress(OSError, ValueError):
+                select.select([self._fd], [], [], min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+# ---------------------------------------------------------------------------
+# The agent.
+
+
+def _slots(init: AgentInit) -> list[Slot]:
+    return [Slot("", rank, local_rank, world, local_world, init.group_rank)
+            for rank, local_rank, world, local_world in init.slots]
+
+
+def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in environ.items() if k != local.HOST_JOB_VARIABLE}
+    env.update(init.env)
+    env[local.HOST_JOB_VARIABLE] = init.host_job_id
+    if init.hosts > 1 and "GLOO_SOCKET_IFNAME" not in env:
+        interface = interface_for(master_addr)
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+def _prepare(init: AgentInit) -> tuple[str | None, int | None]:
+    """Check the working directory, the script and the port. Returns (error, port)."""
+    host = socket.gethostname()
+    try:
+        os.chdir(init.cwd)
+    except OSError as err:
+        return f"cannot change to the working directory {init.cwd!r} on {host} ({err.strerror}); see --remote-cwd", None
+    if init.script is not None and not os.path.isfile(init.script):
+        return f"script {init.script!r} does not exist on {host} (looked in {init.cwd}); check the path", None
+    if init.check_port is None:
+        return None, None
+    try:
+        return None, check_port(init.check_port)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            return (f"port {init.check_port} is in use on {host}; choose another --master-port "
+                    "or leave it out to pick a free one"), None
+        return f"cannot bind port {init.check_port} on {host} ({err.strerror})", None
+
+
+def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
+    error, port = _prepare(init)
+    if error is not None:
+        outbox.status("error", message=error)
+        return 2
+    outbox.status("ready", hostname=socket.gethostname(), ssh_connection=os.environ.get("SSH_CONNECTION", ""),
+                  pid=os.getpid(), port=port, python=sys.version.split()[0])
+    message = inbox.wait(init.heartbeat_timeout_s, outbox)
+    if message is None or message.get("op") != "start":
+        return 1 if message is None else 128 + int(message.get("signal", signal.SIGTERM))
+
+    def interrupt() -> int | None:
+        outbox.flush()
+        for message in inbox.poll():
+            if message.get("op") == "stop":
+                return int(message.get("signal", signal.SIGTERM))
+        if inbox.eof or outbox.broken:
+            print("bunsan agent: the launcher is gone (ssh connection closed); stopping the workers",
+                  file=sys.stderr, flush=True)
+            return signal.SIGTERM
+        if time.monotonic() - inbox.last_heard > init.heartbeat_timeout_s or outbox.stalled():
+            print(f"bunsan agent: nothing from the launcher for {init.heartbeat_timeout_s:.0f} s; "
+                  "stopping the workers", file=sys.stderr, flush=True)
+            return signal.SIGTERM
+        return None
+
+    master_addr, master_port = str(message["master_addr"]), int(message["master_port"])
+    specs = local.plan_workers(_slots(init), init.argv, _worker_base_env(init, master_addr, os.environ),
+                               master_addr, master_port, init.job_id, init.restart)
+    outcome = local.run_job(
+        specs,
+        init.host_job_id,
+        tag_output=True,
+        grace_s=init.grace_s,
+        variable=local.HOST_JOB_VARIABLE,
+        sink=lambda rank, stream, data: outbox.send("o" if stream == 1 else "e", rank, data),
+        interrupt=interrupt,
+        log=outbox.message,
+        stdin_to_rank0=False,
+        # Reported at once, with the time: the launcher reports the earliest
+        # failure of all hosts, not the first consequence to reach it.
+        on_failure=lambda failed: outbox.status("failed", code=failed.code, rank=failed.rank, cause=failed.cause,
+                                                time=time.time()),
+    )
+    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause)
+    return outcome.code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the agent on this host; the launcher talks to it over stdin and stdout."""
+    # Frames get their own copy of stdout; fd 1 then points at stderr, so a
+    # stray print (of a library, say) cannot corrupt the frame stream.
+    frames_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    outbox = _Outbox(frames_fd)
+    inbox = _Inbox(0)
+    message = inbox.wait(INIT_TIMEOUT_S, outbox)
+    if message is None or message.get("op") != "init":
+        print("bunsan agent: no job description from the launcher; exiting", file=sys.stderr, flush=True)
+        return 1
+    try:
+        code = _run(AgentInit.from_message(message), inbox, outbox)
+    finally:
+        outbox.close(FLUSH_AT_EXIT_S)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,630 @@
+"""Fan a job out over ssh: one agent per host, one launcher that watches them all.
+
+Design decision: our own per-host agent, not ``torchrun`` per host.
+``bunsan run`` opens one plain ssh connection per host (the system's OpenSSH
+client, ``BatchMode=yes``: never a password prompt) and runs
+``python -m bunsan.launch.remote`` there (:mod:`bunsan.launch.remote`). The
+agent starts that host's workers with the same hygiene as a job on one
+machine and streams their output back. We chose this over ``torchrun`` with a
+static rendezvous on every host because
+
+* torchrun does not notice that the launcher is gone: a plain ssh client
+  that dies leaves the remote command running (measured here), and
+  ``ssh -tt`` only helps when the client dies, not when the connection
+  stalls, and it mangles output through a pseudo terminal. Our agent
+  watches its stdin (end-of-file, heartbeats) and stops its workers;
+* torchrun knows nothing of ``BUNSAN_JOB_ID``: workers that leave their
+  process group survive its teardown, and ``bunsan run --cleanup`` could not
+  find them;
+* torchrun restarts the workers of one host on its own; we restart all
+  hosts together with a fresh port, as one attempt of the job;
+* the agent checks, before any worker starts, the working directory, the
+  script and the rendezvous port of rank 0's host, and reports the exact
+  problem as one sentence; and it needs nothing but bunsan on the host.
+
+What the launcher does, per attempt:
+
+1. Start the agents: ``ssh HOST exec env BUNSAN_JOB_ID=<id> PYTHON -m
+   bunsan.launch.remote`` (the agent of a host that is this machine runs
+   without ssh). Each gets an ``init`` message on its stdin: command,
+   working directory, environment, its slots.
+2. When every agent is ready, choose the rendezvous: ``--master-addr``, or
+   rank 0's host address as the launcher reached it (the server side of the
+   ssh connection, ``SSH_CONNECTION``), or, when rank 0 runs here, this
+   machine's address as the first remote host sees it (the client side).
+   The port is the one rank 0's agent found free on its host (or checked,
+   for ``--master-port``). Then ``start`` goes to every agent.
+3. Copy the workers' output, optionally tagged ``[host:rank]``; ping every
+   agent once a second.
+4. On the first failure on any host (a worker's exit code, a lost host), or
+   a signal to the launcher, tell every agent to stop; after the agents'
+   grace, close the connections, which stops whatever agent is left; exit
+   with the failing worker's code (the earliest failure of all hosts).
+
+If the launcher is SIGKILLed, its ssh clients die with it
+(``PR_SET_PDEATHSIG``; a janitor sweeps what carries the launcher's mark),
+every agent sees end-of-file on its stdin and stops its workers.
+
+Remote python and working directory: by default the launcher's own
+``sys.executable`` and current directory, the same paths on every host (a
+shared file system or identical installs); ``--remote-python`` and
+``--remote-cwd`` change them. Each host's workers get that host's own login
+environment plus ``-x``/``--env-file`` variables and what ``bunsan.init()``
+reads; unless ``GLOO_SOCKET_IFNAME`` is set, the agent sets it to the
+interface that reaches ``MASTER_ADDR`` (see :func:`bunsan.launch.remote.interface_for`).
+The agents' stdin carries the launcher's messages, so in a multi-host job no
+worker reads the launcher's stdin (on one machine rank 0 does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from bunsan.launch import local
+from bunsan.launch.config import HOST_KEY_CHECKING
+from bunsan.launch.hosts import Slot
+from bunsan.launch.remote import AgentInit, Frame, FrameDecoder
+
+__all__ = [
+    "HOST_KEY_CHECKING",
+    "HostPlan",
+    "SshOptions",
+    "agent_command",
+    "master_address",
+    "plan_hosts",
+    "remote_command",
+    "run_hosts",
+    "ssh_command",
+]
+
+START_TIMEOUT_S = 60.0  # every agent must be ready within this (ssh ConnectTimeout is less)
+PING_S = 1.0
+_STDERR_TAIL = 5
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach the hosts with the system's ``ssh`` client.
+
+    Attributes:
+        port: ``-p``; ``None`` leaves it to ssh (its config, or 22).
+        identity: ``-i`` key file; ``None`` leaves it to ssh.
+        host_key_checking: ``StrictHostKeyChecking``: ``"yes"``, ``"accept-new"``
+            or ``"no"``; ``"no"`` also keeps the keys out of ``known_hosts``
+            (``UserKnownHostsFile=/dev/null``). ``None`` leaves it to ssh's config.
+        options: More ``-o KEY=VALUE`` options, passed as given.
+        connect_timeout_s: ``ConnectTimeout``.
+        executable: The ssh client.
+    """
+
+    port: int | None = None
+    identity: str | None = None
+    host_key_checking: str | None = None
+    options: tuple[str, ...] = ()
+    connect_timeout_s: int = 10
+    executable: str = "ssh"
+
+    def __post_init__(self) -> None:
+        if self.host_key_checking is not None and self.host_key_checking not in HOST_KEY_CHECKING:
+            raise ValueError(
+                f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
+                f"got {self.host_key_checking!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"port": self.port, "identity": self.identity, "host_key_checking": self.host_key_checking,
+                "options": list(self.options), "connect_timeout_s": self.connect_timeout_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SshOptions:
+        return cls(data.get("port"), data.get("identity"), data.get("host_key_checking"),
+                   tuple(data.get("options", ())), int(data.get("connect_timeout_s", 10)))
+
+
+def ssh_command(host: str, command: str, options: SshOptions) -> list[str]:
+    """Return the argv that runs the shell command ``command`` on ``host``. Pure.
+
+    ``BatchMode=yes``: a missing key fails at once instead of prompting for a
+    password. ``-T``: no pseudo terminal, so output stays byte-exact and
+    stderr separate. Keep-alives make a dead connection end the client
+    within 15 s, which the launcher reports as a lost host.
+    """
+    argv = [options.executable, "-T", "-x", "-a", "-o", "BatchMode=yes",
+            "-o", f"ConnectTimeout={options.connect_timeout_s}",
+            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
+    if options.host_key_checking is not None:
+        argv += ["-o", f"StrictHostKeyChecking={options.host_key_checking}"]
+        if options.host_key_checking == "no":
+            argv += ["-o", "UserKnownHostsFile=/dev/null"]
+    for option in options.options:
+        argv += ["-o", option]
+    if options.port is not None:
+        argv += ["-p", str(options.port)]
+    if options.identity is not None:
+        argv += ["-i", options.identity]
+    return [*argv, "--", host, command]
+
+
+def remote_command(python: str, module: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
+    """The shell command that runs ``python -m module args`` on a host, with ``env`` set. Pure.
+
+    ``exec`` replaces the login shell, so the agent is the ssh session's
+    own child and nothing sits between them.
+    """
+    assignments = [f"{name}={value}" for name, value in (env or {}).items()]
+    prefix = ["env", *assignments] if assignments else []
+    return "exec " + shlex.join([*prefix, python, "-m", module, *args])
+
+
+def agent_command(python: str, job_id: str) -> str:
+    """The shell command that starts the agent of job ``job_id`` (it carries ``BUNSAN_JOB_ID``)."""
+    return remote_command(python, "bunsan.launch.remote", env={local.JOB_ID_VARIABLE: job_id})
+
+
+def master_address(rank0_host: str, rank0_is_local: bool, ssh_connections: Mapping[str, str]) -> str:
+    """Choose ``MASTER_ADDR`` from what the agents saw of their ssh connections. Pure.
+
+    Args:
+        rank0_host: The host of rank 0, as the user wrote it.
+        rank0_is_local: Whether that host is this machine.
+        ssh_connections: ``SSH_CONNECTION`` (``"client_ip client_port
+            server_ip server_port"``) of each remote host's agent, in host order.
+
+    Returns:
+        For a remote rank 0, the address the launcher reached it at; for rank 0
+        here, this machine's address as the first remote host sees it. Where
+        that is unknown or a loopback address (an ssh tunnel), the host name.
+    """
+
+    def usable(address: str) -> bool:
+        return bool(address) and not address.startswith("127.") and address != "::1"
+
+    if rank0_is_local:
+        for connection in ssh_connections.values():
+            fields = connection.split()
+            if len(fields) == 4 and usable(fields[0]):
+                return fields[0]
+        return socket.gethostname()
+    fields = ssh_connections.get(rank0_host, "").split()
+    if len(fields) == 4 and usable(fields[2]):
+        return fields[2]
+    return rank0_host.rsplit("@", 1)[-1]
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One host of a multi-host job and what its agent runs.
+
+    Attributes:
+        host: Host name, as the user wrote it.
+        group_rank: Index of the host among the hosts of the job.
+        local: This machine: its agent runs without ssh.
+        slots: ``[rank, local_rank, world_size, local_world_size]`` per worker.
+        argv: The worker command, resolved for this host.
+        script: A ``.py`` script the agent checks for, or ``None``.
+        python: The interpreter that runs the agent (and ``.py`` scripts).
+        cwd: The workers' working directory.
+    """
+
+    host: str
+    group_rank: int
+    local: bool
+    slots: tuple[tuple[int, int, int, int], ...]
+    argv: tuple[str, ...]
+    script: str | None
+    python: str
+    cwd: str
+
+
+def plan_hosts(
+    slots: Sequence[Slot],
+    command: Sequence[str],
+    is_local: Callable[[str], bool],
+    remote_python: str | None = None,
+    remote_cwd: str | None = None,
+) -> list[HostPlan]:
+    """Group the slots by host and resolve each host's command. Pure but for the local script check.
+
+    Raises:
+        ValueError: The command cannot be resolved for this machine (a local host).
+    """
+    hosts = list(dict.fromkeys(slot.host for slot in slots))
+    plans = []
+    for host in hosts:
+        mine = [s for s in slots if s.host == host]
+        here = is_local(host)
+        python = sys.executable if here else (remote_python or sys.executable)
+        argv = local.worker_command(command, python=python, check=here)
+        script = command[0] if command[0].endswith(".py") else None
+        plans.append(HostPlan(
+            host, mine[0].group_rank, here,
+            tuple((s.rank, s.local_rank, s.world_size, s.local_world_size) for s in mine),
+            tuple(argv), script, python, os.getcwd() if here else (remote_cwd or os.getcwd()),
+        ))
+    return plans
+
+
+# ---------------------------------------------------------------------------
+# One agent, seen from the launcher.
+
+
+@dataclass
+class _Failure:
+    code: int
+    kind: str
+    cause: str
+    rank: int | None = None
+    time: float = field(default_factory=time.time)
+
+
+class _Agent:
+    def __init__(self, plan: HostPlan, process: subprocess.Popen[bytes]) -> None:
+        self.plan = plan
+        self.host = plan.host
+        self.process = process
+        self.decoder = FrameDecoder()
+        self.ready: dict[str, Any] | None = None
+        self.done: dict[str, Any] | None = None
+        self.started = False  # told to start its workers
+        self.stopped = False
+        self.stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL)
+        self._stderr_partial = b""
+        self._stdin_pending = b""
+        self._stdin_open = process.stdin is not None
+        if process.stdin is not None:
+            os.set_blocking(process.stdin.fileno(), False)
+
+    def send(self, message: Mapping[str, Any] | bytes) -> None:
+        """Queue a message for the agent; never blocks (a stalled ssh must not stall the launcher)."""
+        if not self._stdin_open:
+            return
+        self._stdin_pending += message if isinstance(message, bytes) else json.dumps(message).encode() + b"\n"
+        self.flush()
+
+    def flush(self) -> None:
+        stdin = self.process.stdin
+        while self._stdin_pending and self._stdin_open and stdin is not None:
+            try:
+                written = os.write(stdin.fileno(), self._stdin_pending)
+            except BlockingIOError:
+                return
+            except OSError:  # the ssh client is gone
+                self.close_stdin()
+                return
+            self._stdin_pending = self._stdin_pending[written:]
+
+    def close_stdin(self) -> None:
+        if self._stdin_open and self.process.stdin is not None:
+            self._stdin_open = False
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
+
+    def stderr_lines(self, chunk: bytes) -> list[bytes]:
+        data = self._stderr_partial + chunk
+        lines = data.splitlines(keepends=True)
+        if chunk and lines and not lines[-1].endswith(b"\n"):
+            self._stderr_partial = lines.pop()
+        else:
+            self._stderr_partial = b""
+        for line in lines:
+            text = line.decode(errors="replace").strip()
+            if text:
+                self.stderr_tail.append(text)
+        return lines
+
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+
+class _Fanout:
+    """The launcher's side of one attempt: the agents, their output, the first failure."""
+
+    def __init__(self, tag_output: bool, stdout: IO[Any], stderr: IO[Any]) -> None:
+        self.tag_output = tag_output
+        self.stdout = getattr(stdout, "buffer", stdout)
+        self.stderr_text = stderr
+        self.stderr = getattr(stderr, "buffer", stderr)
+        self.selector = selectors.DefaultSelector()
+        self.agents: list[_Agent] = []
+        self.failure: _Failure | None = None
+
+    # -- messages and output
+
+    def say(self, message: str) -> None:
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            print(f"bunsan run: {message}", file=self.stderr_text, flush=True)
+
+    def _write(self, dest: IO[bytes], data: bytes) -> None:
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            dest.write(data)
+            dest.flush()
+
+    def _on_frame(self, agent: _Agent, frame: Frame) -> None:
+        if frame.kind in ("o", "e"):
+            dest = self.stdout if frame.kind == "o" else self.stderr
+            if self.tag_output:
+                prefix = f"[{agent.host}:{frame.rank}] ".encode()
+                self._write(dest, b"".join(prefix + line for line in frame.payload.splitlines(keepends=True)))
+            else:
+                self._write(dest, frame.payload)
+        elif frame.kind == "m":
+            self.say(f"{agent.host}: {frame.payload.decode(errors='replace')}")
+        elif frame.kind == "s":
+            try:
+                status = json.loads(frame.payload)
+            except ValueError:
+                status = {}
+            self._on_status(agent, status)
+        else:  # not a frame: a login banner or the like
+            self._write(self.stderr, f"[{agent.host}] ".encode() + frame.payload)
+
+    def _on_status(self, agent: _Agent, status: dict[str, Any]) -> None:
+        event = status.get("event")
+        if event == "ready":
+            agent.ready = status
+        elif event == "error":
+            self.fail(_Failure(2, "start", f"{agent.host}: {status.get('message')}"))
+        elif event == "failed":
+            cause = f"{status.get('cause')} on host {agent.host}"
+            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"])))
+        elif event == "done":
+            agent.done = status
+            if status.get("kind") == "failed" and status.get("code"):
+                cause = f"{status.get('cause')} on host {agent.host}"
+                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time()))
+
+    def fail(self, failure: _Failure) -> None:
+        """Keep the earliest failure: the others are usually its consequences."""
+        if self.failure is None or (failure.kind == "failed" and self.failure.kind == "failed"
+                                    and failure.time < self.failure.time):
+            self.failure = failure
+
+    def pump(self, timeout_s: float) -> None:
+        for key, _ in self.selector.select(timeout_s):
+            agent, is_stdout = key.data
+            try:
+                chunk = os.read(key.fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.selector.unregister(key.fileobj)
+                if is_stdout:
+                    rest = agent.decoder.rest()  # a frame cut short: show what there is
+                    if rest:
+                        self._write(self.stderr, f"[{agent.host}] ".encode() + rest + b"\n")
+                else:
+                    for line in agent.stderr_lines(b""):
+                        self._write(self.stderr, f"[{agent.host}] ".encode() + line)
+                continue
+            if is_stdout:
+                for frame in agent.decoder.feed(chunk):
+                    self._on_frame(agent, frame)
+            else:
+                for line in agent.stderr_lines(chunk):
+                    self._write(self.stderr, f"[{agent.host}] ".encode() + line)
+
+    # -- lifecycle
+
+    def add(self, plan: HostPlan, process: subprocess.Popen[bytes]) -> _Agent:
+        agent = _Agent(plan, process)
+        for pipe, is_stdout in ((process.stdout, True), (process.stderr, False)):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+            self.selector.register(pipe, selectors.EVENT_READ, (agent, is_stdout))
+        self.agents.append(agent)
+        return agent
+
+    def check_exits(self) -> None:
+        """An agent that ended without saying ``done`` lost its host (or never got there)."""
+        for agent in self.agents:
+            if agent.exited() and agent.done is None and not agent.stopped:
+                self.pump(0.0)  # its last words may still be in the pipe
+                if agent.done is not None:
+                    continue
+                agent.stopped = True
+                code = agent.process.returncode
+                tail = "; ".join(agent.stderr_tail) or "no message"
+                if agent.ready is None:
+                    self.fail(_Failure(2, "start", f"cannot start the agent on {agent.host} "
+                                                   f"(exit code {code}): {tail}"))
+                else:
+                    self.fail(_Failure(255 if code in (0, None) else local.exit_code_of(code), "lost",
+                                       f"lost host {agent.host} (exit code {code}): {tail}"))
+
+    def stop(self, sig: int, grace_s: float) -> None:
+        """Stop every agent: ask, then close its connection, then kill the client. Bounded by ~2 grace + 4 s."""
+        for agent in self.agents:
+            if not agent.exited():
+                agent.send({"op": "stop", "signal": int(sig)})
+        deadline = time.monotonic() + 2 * grace_s + 2.0  # the agents' own SIGTERM-then-SIGKILL
+        while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
+            for agent in self.agents:
+                agent.flush()
+            self.pump(local.POLL_S)
+        for agent in self.agents:
+            agent.close_stdin()  # end-of-file: an agent that missed "stop" stops now
+        deadline = time.monotonic() + 1.0
+        while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
+            self.pump(local.POLL_S)
+        for sig_ in (signal.SIGTERM, signal.SIGKILL):
+            for agent in self.agents:
+                if not agent.exited():
+                    with contextlib.suppress(ProcessLookupError):
+                        agent.process.send_signal(sig_)
+            deadline = time.monotonic() + 1.0
+            while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
+                self.pump(local.POLL_S)
+        self.pump(0.0)
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.close_stdin()
+            for pipe in (agent.process.stdout, agent.process.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.selector.unregister(pipe)
+                    pipe.close()
+            if agent.process.poll() is None:
+                agent.process.kill()
+            agent.process.wait()
+        self.selector.close()
+
+
+def _start_agent(
+    plan: HostPlan, job_id: str, ssh: SshOptions, preexec: Callable[[], None] | None
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    # The launcher's mark: its janitor sweeps the ssh clients (and local
+    # agents) by it, and only them, if the launcher is SIGKILLed.
+    env[local.HOST_JOB_VARIABLE] = f"{job_id}.launcher"
+    if plan.local:
+        env[local.JOB_ID_VARIABLE] = job_id
+        argv = [plan.python, "-m", "bunsan.launch.remote"]
+    else:
+        argv = ssh_command(plan.host, agent_command(plan.python, job_id), ssh)
+    return subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # Ctrl-C reaches the launcher only; it forwards it as "stop"
+        preexec_fn=preexec,
+    )
+
+
+def run_hosts(
+    plans: Sequence[HostPlan],
+    job_id: str,
+    *,
+    env: Mapping[str, str],
+    ssh: SshOptions,
+    restart: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    tag_output: bool = False,
+    grace_s: float = local.GRACE_S,
+    start_timeout_s: float = START_TIMEOUT_S,
+    stdout: IO[Any] | None = None,
+    stderr: IO[Any] | None = None,
+) -> local.JobOutcome:
+    """Run one attempt of a multi-host job: an agent per host, until the job ends everywhere.
+
+    Must be called from the main thread (signals, ``PR_SET_PDEATHSIG``).
+
+    Args:
+        plans: One per host, rank 0's host first (see :func:`plan_hosts`).
+        job_id: The job's id (``BUNSAN_JOB_ID``).
+        env: Variables added to each host's environment for the workers (``-x``, ``--env-file``).
+        ssh: How to reach the remote hosts.
+        restart: The attempt, for ``BUNSAN_RESTART``.
+        master_addr, master_port: Fixed rendezvous; ``None`` chooses (see the module docstring).
+        tag_output: Prefix each line of worker output with ``[host:rank] ``.
+        grace_s: Seconds between SIGTERM and SIGKILL, on every host.
+        start_timeout_s: How long every agent may take to be ready.
+        stdout, stderr: Where output and messages go; ``None`` means ``sys.stdout``/``sys.stderr``.
+
+    Returns:
+        How the job ended: ``code`` is 0, the earliest failed worker's exit
+        code, 255 for a host lost during the run, 2 when a host could not
+        start its agent, or 128 + N after signal N to the launcher.
+    """
+    fanout = _Fanout(tag_output, sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
+    hosts = len(plans)
+    launcher_mark = f"{job_id}.launcher"
+    with local._Signals() as signals:
+        janitor = local.start_janitor(launcher_mark, grace_s, local.HOST_JOB_VARIABLE)
+        try:
+            preexec = local.die_with_launcher_hook()
+            for plan in plans:
+                try:
+                    process = _start_agent(plan, job_id, ssh, preexec)
+                except OSError as err:
+                    fanout.fail(_Failure(2, "start", f"cannot start {ssh.executable!r} for host {plan.host}: {err}"))
+                    break
+                agent = fanout.add(plan, process)
+                agent.send(AgentInit(
+                    job_id=job_id, group_rank=plan.group_rank, hosts=hosts, restart=restart, cwd=plan.cwd,
+                    argv=list(plan.argv), script=plan.script, env=dict(env), slots=[list(s) for s in plan.slots],
+                    check_port=(master_port or 0) if plan is plans[0] else None, grace_s=grace_s,
+                ).to_line())
+            return _watch(fanout, plans, signals, master_addr, start_timeout_s, grace_s)
+        finally:
+            fanout.close()
+            local.stop_janitor(janitor)
+
+
+def _watch(
+    fanout: _Fanout,
+    plans: Sequence[HostPlan],
+    signals: Any,
+    master_addr: str | None,
+    start_timeout_s: float,
+    grace_s: float,
+) -> local.JobOutcome:
+    started = False
+    start_deadline = time.monotonic() + start_timeout_s
+    next_ping = time.monotonic() + PING_S
+    agents = fanout.agents
+    while fanout.failure is None:
+        if signals.received:
+            sig = signals.received[0]
+            fanout.say(f"got {signal.Signals(sig).name}; stopping the job on {len(agents)} host(s)")
+            fanout.stop(sig, grace_s)
+            return local.JobOutcome(128 + sig, "signal", cause=f"stopped by {signal.Signals(sig).name}",
+                                    unconfirmed=_unconfirmed(fanout))
+        fanout.pump(local.POLL_S)
+        fanout.check_exits()
+        now = time.monotonic()
+        if not started and len(agents) == len(plans) and all(a.ready is not None for a in agents):
+            connections = {a.host: str(a.ready.get("ssh_connection", "")) for a in agents if not a.plan.local}
+            addr = master_addr or master_address(plans[0].host, plans[0].local, connections)
+            port = int(agents[0].ready["port"])  # type: ignore[index]
+            for agent in agents:
+                agent.send({"op": "start", "master_addr": addr, "master_port": port})
+                agent.started = True
+            started = True
+        elif not started and now > start_deadline:
+            late = [a.host for a in agents if a.ready is None]
+            fanout.fail(_Failure(2, "start", f"host(s) {', '.join(late)} not ready after {start_timeout_s:.0f} s"))
+            break
+        if started and all(a.done is not None or a.exited() for a in agents) and fanout.failure is None:
+            fanout.check_exits()
+            if fanout.failure is None:
+                return local.JobOutcome(0, "ok", unconfirmed=_unconfirmed(fanout))
+        if now >= next_ping:
+            for agent in agents:
+                agent.send(b'{"op": "ping"}\n')
+            next_ping = now + PING_S
+        for agent in agents:
+            agent.flush()
+    failure = fanout.failure
+    assert failure is not None
+    others = sum(1 for a in agents if not a.exited())
+    fanout.say(f"{failure.cause}; stopping the job on {others} host(s)" if others else failure.cause)
+    fanout.stop(signal.SIGTERM, grace_s)
+    final = fanout.failure  # an earlier failure may have been reported meanwhile
+    assert final is not None
+    if final is not failure:
+        fanout.say(f"the first failure was: {final.cause}")
+    return local.JobOutcome(final.code, final.kind, final.rank, final.cause, _unconfirmed(fanout))
+
+
+def _unconfirmed(fanout: _Fanout) -> tuple[str, ...]:
+    """Hosts whose agent was told to start workers but never said that they are all gone."""
+    return tuple(a.host for a in fanout.agents if a.started and a.done is None)
