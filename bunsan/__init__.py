@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
     "errors": "",
     "hpo": "",
     "models": "",
+    "nn": "",
+    "parallel": "",
     "train": "",
 }
 
@@ -70,7 +72,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from bunsan import algorithms, comm, data, datasets, errors, hpo, models, train
+    from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule
