@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bunsan.algorithms.async_sgd import AsyncSGD
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import DataParallelSGD
@@ -16,6 +17,7 @@ from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = [
     "Algorithm",
+    "AsyncSGD",
     "BlockMomentumSGD",
     "DataParallelSGD",
     "ModelAveragingSGD",
@@ -54,3 +56,4 @@ def create(name: str, **options: Any) -> Algorithm:
 register(DataParallelSGD)
 register(BlockMomentumSGD)
 register(ModelAveragingSGD)
+register(AsyncSGD)
