@@ -2,4 +2,15 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import json
+import os
+from typing import Any
+
+__all__ = ["write_json"]
+
+
+def write_json(path: str, record: Any) -> None:
+    """Write a benchmark's JSON record, creating the directory it goes in."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)

@@ -15,8 +15,6 @@ model. The ratio is the claim; absolute times depend on the machine's load.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bunsan
+from bunsan.bench import write_json
 
 __all__ = ["main", "measure"]
 
@@ -88,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(f"{r['model']:<12} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} {r['ratio']:>7.3f}")
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"workers": bunsan.size(), "results": results}, f, indent=1)
+            write_json(args.json, {"workers": bunsan.size(), "results": results})
     bunsan.finalize()
     return 0
 

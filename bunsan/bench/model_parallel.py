@@ -29,8 +29,6 @@ the bytes each rank sent per step, counted by bunsan's communication layer.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -39,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import bunsan
+from bunsan.bench import write_json
 from bunsan.comm import Traffic, all_reduce, barrier
 from bunsan.nn import ChannelParallelConv2d, SpatialParallelConv2d, SpatialParallelMaxPool2d, gather_height, split_height
 
@@ -196,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['variant']:<8} {r['ms_per_step']:>9.2f} {r['ratio']:>7.2f} {r['speedup']:>9.2f} "
                   f"{float(r['bytes_sent_per_step']) / 1024:>14.1f}")
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"workers": bunsan.size(), "args": vars(args), "results": results}, f, indent=1)
+            write_json(args.json, {"workers": bunsan.size(), "args": vars(args), "results": results})
     bunsan.finalize()
     return 0
 

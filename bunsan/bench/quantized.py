@@ -16,8 +16,6 @@ Bytes are counted by the algorithm (`stats()`), not estimated.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bunsan
+from bunsan.bench import write_json
 from bunsan.algorithms.data_parallel import DataParallelSGD
 
 __all__ = ["main"]
@@ -111,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
                   f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}")
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump({"workers": bunsan.size(), "rows": rows}, f, indent=1)
+            write_json(args.json, {"workers": bunsan.size(), "rows": rows})
     bunsan.finalize()
     return 0
 
