@@ -67,12 +67,12 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    # compare.py imports only the standard library at the top: `bunsan run` stays free of torch.
-    from bunsan.bench import compare
+    # These modules import only the standard library at the top: `bunsan run` stays free of torch.
+    from bunsan.bench import comm_bench, compare, netns, throughput
 
     parser = subparsers.add_parser(
         "bench",
-        help="benchmarks: compare algorithms across worker counts",
+        help="benchmarks: compare algorithms, synthetic throughput, collective bandwidth",
         description="Benchmarks that print a table and write JSON and PNG plots. Run 'bunsan bench BENCHMARK --help'.",
     )
     benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=ArgumentParser,
@@ -85,7 +85,16 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     compare.add_arguments(compare_parser)
+    netns.add_arguments(compare_parser)  # --network: the jobs' workers on a shaped network
     compare_parser.set_defaults(handler=compare.run)
+    for name, module, summary in (
+        ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
+        ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
+    ):
+        sub = benchmarks.add_parser(name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
 
 
 def _add_doctor(subparsers: argparse._SubParsersAction) -> None:

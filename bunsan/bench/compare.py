@@ -600,10 +600,14 @@ def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path) ->
     }
 
 
-def _command(workers: int, spec: dict[str, Any]) -> list[str]:
+def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
     # The launcher and the workers both run with this Python (and so this environment).
-    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--",
-            sys.executable, "-u", "-m", "bunsan.bench.job", "--spec", json.dumps(spec)]
+    worker = [sys.executable, "-u", "-m", "bunsan.bench.job", "--spec", json.dumps(spec)]
+    if network is not None:  # workers in network namespaces joined by shaped links
+        from bunsan.bench import netns
+
+        return netns.launcher_command(network, workers, worker)
+    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
 
 
 def _record(setting: AlgorithmSetting, described: dict[str, Any], workers: int, args: argparse.Namespace,
@@ -629,6 +633,13 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     2 for bad input (one sentence on stderr, no job started).
     """
     started = time.time()
+    if getattr(args, "network", None) is not None:
+        from bunsan.bench import netns
+
+        refusal = netns.check_network_argument(args)
+        if refusal is not None:
+            print(f"{PROG}: error: {refusal}", file=sys.stderr)
+            return 2
     try:
         plan = _plan(args)
         _check_model_and_data(args.model, args.dataset)
@@ -641,7 +652,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     if args.dry_run:
         for n, setting, _ in configs:
             spec = _job_spec(args, setting, out / f"np{n}-{_slug(setting.label)}" / "result.json")
-            say(shlex.join(_command(n, spec)))
+            say(shlex.join(_command(n, spec, getattr(args, "network", None))))
         return 0
 
     load_before = _load_average()
@@ -653,7 +664,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         result_path.unlink(missing_ok=True)  # never report a previous run's result
         record = _record(setting, described, n, args, directory)
         try:
-            status, code, total_s = run_job(_command(n, _job_spec(args, setting, result_path.resolve())),
+            status, code, total_s = run_job(_command(n, _job_spec(args, setting, result_path.resolve()),
+                                                     getattr(args, "network", None)),
                                             directory, args.timeout_s, env)
         except KeyboardInterrupt:  # run_job has stopped the job; report what finished
             say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")

@@ -164,6 +164,7 @@ def build_model(name: str, info: datasets.DatasetInfo) -> nn.Module:
         "out_features": info.num_classes,
         "in_features": math.prod(info.input_shape),
         "length": info.input_shape[-1],
+        "image_size": info.input_shape[-1],
     }
     if name not in models.names():
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(models.names())}")

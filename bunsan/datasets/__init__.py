@@ -12,11 +12,13 @@ from typing import Any
 from torch.utils.data import TensorDataset
 
 from bunsan.datasets.bundled import digits, mnist1d, stratified_split
+from bunsan.datasets.cifar import cifar10
 from bunsan.datasets.idx import mnist_idx, read_idx, write_idx
 from bunsan.datasets.synthetic import synthetic
 
 __all__ = [
     "DatasetInfo",
+    "cifar10",
     "digits",
     "info",
     "load",

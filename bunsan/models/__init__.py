@@ -6,15 +6,41 @@ from typing import Any
 
 from torch import nn
 
+from bunsan.models.reference import (
+    BNInceptionCIFAR,
+    CIFARConvNet,
+    CIFARResNet,
+    MNISTConvNet,
+    ResNet20,
+    ResNet110,
+)
 from bunsan.models.small import MLP, DigitsCNN, MNIST1DCNN
 
-__all__ = ["MLP", "DigitsCNN", "MNIST1DCNN", "create", "names"]
+__all__ = [
+    "MLP",
+    "BNInceptionCIFAR",
+    "CIFARConvNet",
+    "CIFARResNet",
+    "DigitsCNN",
+    "MNIST1DCNN",
+    "MNISTConvNet",
+    "ResNet20",
+    "ResNet110",
+    "create",
+    "names",
+]
 
 # A plain dict, not import-time decorators: one place to read, easy to grep.
 _MODELS: dict[str, type[nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mlp": MLP,
     "mnist1d_cnn": MNIST1DCNN,
+    # the CNTK 2.2 benchmark's models (bunsan.models.reference)
+    "bn_inception_cifar": BNInceptionCIFAR,
+    "cifar_convnet": CIFARConvNet,
+    "mnist_convnet": MNISTConvNet,
+    "resnet20": ResNet20,
+    "resnet110": ResNet110,
 }
 
 

@@ -66,7 +66,7 @@ _FAKE_JOB = textwrap.dedent("""
 def test_a_failed_job_is_a_row_and_the_rest_go_on(tmp_path, capsys, monkeypatch):
     # The jobs are stand-ins (no torch): this checks the orchestration, not training.
     monkeypatch.setattr(compare, "_command",
-                        lambda workers, spec: [sys.executable, "-c", _FAKE_JOB, json.dumps(spec), str(workers)])
+                        lambda workers, spec, network=None: [sys.executable, "-c", _FAKE_JOB, json.dumps(spec), str(workers)])
     out = tmp_path / "compare"
     code = main(["bench", "compare", "--model", "digits_cnn", "--dataset", "digits", "-np", "1,2,4",
                  "--batch", "4", "--out", str(out), "--no-plots", "--algorithms", "data_parallel"])

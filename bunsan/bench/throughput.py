@@ -1,0 +1,510 @@
+"""``bunsan bench throughput``: images per second on synthetic data, and the scaling efficiency.
+
+The measurement of Horovod's synthetic benchmark, for any registered model and
+algorithm: every worker trains the model on one fixed random batch of its own
+(so no data loading is measured), first ``--warmup`` steps untimed, then
+``--iters`` timed iterations of ``--batches-per-iter`` steps each::
+
+    bunsan bench throughput --model resnet20 -np 1,2,4 --algorithm data_parallel \\
+        --batch 32 --warmup 5 --iters 20
+
+Each worker count is one ``bunsan run -np N`` job, one after another (jobs
+running at once would share the cores), with a timeout; a job that fails is a
+``failed`` row with its stderr kept and the others go on.
+
+For every timed iteration ``i`` and worker ``r``, ``batch x batches-per-iter /
+time(i, r)`` is that worker's images/s; ``per worker`` is their mean over the
+workers and ``total`` their sum. The table shows the mean over iterations
++- 1.96 standard deviations (the spread of one iteration, Horovod's "+-1.96
+sigma"; not a confidence interval of the mean). Then
+
+* ``efficiency`` = total(N) / (N x total(1)) of the same algorithm setting
+  (relative to the first worker count given when 1 is not among them:
+  total(N) / (N / N0 x total(N0))), DESIGN.md's scaling efficiency;
+* ``vs first``: total(N) of this setting / total(N) of the first ``--algorithm``
+  setting, with several settings;
+* ``bytes/step``: bytes one worker sent per optimizer step in the timed
+  iterations, as counted by the algorithm itself (``algorithm.stats()``).
+
+``--batch`` is PER WORKER here (Horovod's convention: the global batch grows
+with N), unlike ``bunsan bench compare``, whose ``--batch`` is global. The
+learning rate does not matter for speed; the data are random.
+
+This module imports only the standard library at the top: ``bunsan`` builds
+its command-line parser from it without importing torch. The same module is
+the job every worker runs (``python -m bunsan.bench.throughput --worker SPEC``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bunsan.bench import compare, netns, write_json
+
+__all__ = [
+    "COLUMNS",
+    "DESCRIPTION",
+    "EPILOG",
+    "add_arguments",
+    "main",
+    "model_inputs",
+    "oversubscribed",
+    "plot_throughput",
+    "run",
+    "scaling_efficiency",
+    "summarize",
+    "table_rows",
+    "throughputs",
+]
+
+PROG = "bunsan bench throughput"
+
+DESCRIPTION = """\
+Horovod-style synthetic benchmark: train MODEL on a fixed random batch per
+worker and report images/s per worker and in total (mean +- 1.96 sigma over the
+timed iterations, after warm-up), the scaling efficiency
+total(N) / (N x total(1)), and the bytes each worker sent per step as counted by
+the algorithm (algorithm.stats()). Each worker count is one `bunsan run -np N`
+job, one after another. --batch is PER WORKER. Writes a JSON record and a PNG
+plot (throughput and efficiency against workers). With --network the workers
+run in network namespaces on links shaped to a rate (root only)."""
+
+EPILOG = """\
+examples:
+  bunsan bench throughput --model resnet20 -np 1,2,4 --batch 32 --warmup 5 --iters 20
+  bunsan bench throughput --model cifar_convnet -np 1,2 --algorithm data_parallel data_parallel:bits=1
+  bunsan bench throughput --model cifar_convnet -np 1,2 --network rate=100mbit \\
+      --algorithm data_parallel data_parallel:bits=1"""
+
+# model name -> (default input shape, which constructor argument takes the image side)
+_INPUTS: dict[str, tuple[tuple[int, ...], str | None]] = {
+    "cifar_convnet": ((3, 32, 32), "image_size"),
+    "resnet20": ((3, 32, 32), None),
+    "resnet110": ((3, 32, 32), None),
+    "bn_inception_cifar": ((3, 32, 32), None),
+    "mnist_convnet": ((1, 28, 28), "image_size"),
+    "digits_cnn": ((1, 8, 8), "fixed"),
+    "mnist1d_cnn": ((1, 40), "length"),
+    "mlp": ((1, 28, 28), "in_features"),
+}
+
+
+# -- pure ----------------------------------------------------------------------------------
+def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """Constructor arguments of model ``name`` and the shape of one input, for images of side ``image_size``.
+
+    ``None`` keeps the model's own size (32 for the CIFAR models, 28 for
+    ``mnist_convnet`` and ``mlp``, 8 for ``digits_cnn``, 40 for ``mnist1d_cnn``).
+    A model not listed here gets ``num_classes`` and 3-channel square images.
+
+    Raises:
+        ValueError: a size the model cannot take.
+    """
+    shape, takes = _INPUTS.get(name, ((3, 32, 32), None))
+    if image_size is not None:
+        if image_size < 4:
+            raise ValueError(f"--image-size must be >= 4, got {image_size}")
+        if takes == "fixed" and image_size != shape[-1]:
+            raise ValueError(f"model {name} takes {shape[-1]}x{shape[-1]} images only; drop --image-size")
+        shape = (*shape[:-2], image_size, image_size) if len(shape) == 3 else (*shape[:-1], image_size)
+    if takes == "in_features":
+        return {"in_features": math.prod(shape), "out_features": num_classes}, shape
+    kwargs: dict[str, Any] = {"num_classes": num_classes}
+    if takes in ("image_size", "length"):
+        kwargs[takes] = shape[-1]
+    return kwargs, shape
+
+
+def summarize(values: Sequence[float]) -> tuple[float, float]:
+    """``(mean, 1.96 x standard deviation)`` of ``values`` (population deviation, as Horovod's numpy)."""
+    if not values:
+        raise ValueError("nothing to summarize: no timed iterations")
+    return statistics.fmean(values), 1.96 * statistics.pstdev(values)
+
+
+def throughputs(times_s: Sequence[Sequence[float]], images_per_iter: int) -> tuple[list[float], list[float]]:
+    """Per-iteration images/s, ``(per worker, total)``, from ``times_s[rank][iteration]``.
+
+    Per worker is the mean over the workers of ``images_per_iter / time``; total is their sum.
+    """
+    if not times_s or any(len(t) != len(times_s[0]) for t in times_s):
+        raise ValueError("every worker must report the same number of iterations")
+    rates = [[images_per_iter / t for t in worker] for worker in times_s]
+    totals = [sum(column) for column in zip(*rates)]
+    return [total / len(rates) for total in totals], totals
+
+
+def scaling_efficiency(total: float, workers: int, reference_total: float, reference_workers: int = 1) -> float:
+    """``total(N) / (N / N0 x total(N0))``: 1.0 is perfect linear scaling."""
+    return total / (workers / reference_workers * reference_total)
+
+
+def oversubscribed(workers: int, threads: int, cores: int) -> bool:
+    """Whether ``workers x threads`` intra-op threads exceed the ``cores`` this process may use."""
+    return workers * threads > cores
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+COLUMNS = ("workers", "algorithm", "per worker (img/s)", "total (img/s)", "efficiency", "vs first",
+           "step (ms)", "bytes/step", "note")
+_RIGHT = set(COLUMNS) - {"algorithm", "note"}
+
+
+def _pm(mean: float | None, spread: float | None) -> str:
+    if mean is None:
+        return "-"
+    digits = 1 if mean < 100 else 0
+    return f"{mean:.{digits}f} +- {spread:.{digits}f}"
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
+    """The table's cells, one row per (setting, worker count) record."""
+    rows = []
+    for r in records:
+        if r.get("status") != "ok":
+            rows.append([str(r["workers"]), r["label"], str(r.get("status", "failed")), "-", "-", "-", "-", "-",
+                         r.get("note", "")])
+            continue
+        rows.append([
+            str(r["workers"]), r["label"],
+            _pm(r["per_worker_mean"], r["per_worker_spread"]),
+            _pm(r["total_mean"], r["total_spread"]),
+            _cell(r.get("efficiency"), ".2f"),
+            _cell(r.get("vs_first"), ".2f"),
+            _cell(r.get("step_ms"), ".1f"),
+            _cell(r.get("bytes_sent_per_step"), ".0f"),
+            r.get("note", ""),
+        ])
+    return rows
+
+
+# -- the job on every worker ---------------------------------------------------------------
+def _worker(spec: dict[str, Any]) -> int:
+    """Run the timed loop on this worker; rank 0 writes the result to ``spec["out"]``. Collective."""
+    import torch
+    import torch.nn.functional as F
+
+    import bunsan
+    from bunsan import algorithms, comm, models
+
+    bunsan.init()
+    rank = bunsan.rank()
+    kwargs, shape = model_inputs(spec["model"], spec["image_size"], spec["num_classes"])
+    torch.manual_seed(spec["seed"])
+    model = models.create(spec["model"], **kwargs)
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+    algorithm = algorithms.create(spec["algorithm"], **spec["options"])
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    generator = torch.Generator().manual_seed(spec["seed"] + rank)  # each worker its own batch, as with real data
+    x = torch.randn(spec["batch"], *shape, generator=generator)
+    y = torch.randint(spec["num_classes"], (spec["batch"],), generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(spec["warmup"]):
+        step()
+    comm.barrier()  # the timed iterations start together
+    before = algorithm.stats()
+    times: list[float] = []
+    for _ in range(spec["iters"]):
+        start = time.perf_counter()
+        for _ in range(spec["batches_per_iter"]):
+            step()
+        times.append(time.perf_counter() - start)
+    after = algorithm.stats()
+    optimizer.join()  # block algorithms end their last block; not timed
+    steps = max(after["steps"] - before["steps"], 1)
+    mine = {"times": times, "bytes_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
+            "threads": torch.get_num_threads()}
+    everyone = comm.all_gather_object(mine)
+    if rank == 0:
+        result = {
+            "workers": bunsan.size(),
+            "times_s": [r["times"] for r in everyone],
+            "bytes_sent_per_step": statistics.fmean(r["bytes_per_step"] for r in everyone),
+            "threads": everyone[0]["threads"],
+            "parameters": parameters,
+            "input_shape": list(shape),
+            "algorithm_repr": repr(algorithm),
+            "torch": torch.__version__,
+        }
+        Path(spec["out"]).write_text(json.dumps(result, indent=1))
+    bunsan.finalize()
+    return 0
+
+
+# -- the command ---------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``bunsan bench throughput`` to ``parser``."""
+    parser.add_argument("--model", default="resnet20", help="model name (bunsan.models.names()); default %(default)s")
+    parser.add_argument("-np", "--np", dest="workers", default="1,2", metavar="N,N,...",
+                        help="worker counts, comma-separated; default %(default)s")
+    parser.add_argument("--algorithm", "--algorithms", dest="algorithms", nargs="+", default=["data_parallel"],
+                        metavar="SPEC", help="algorithm setting(s) NAME[:KEY=VALUE,...]; default data_parallel")
+    parser.add_argument("--batch", type=int, default=32, help="images per worker per step; default %(default)s")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first; default %(default)s")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations; default %(default)s")
+    parser.add_argument("--batches-per-iter", type=int, default=1, help="steps per timed iteration; "
+                                                                         "default %(default)s")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="side of the synthetic images; default the model's own (32 for CIFAR models)")
+    parser.add_argument("--num-classes", type=int, default=10, help="default %(default)s")
+    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate; default %(default)s")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum; default %(default)s")
+    parser.add_argument("--seed", type=int, default=0, help="model and data; default %(default)s")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per job; default %(default)s")
+    parser.add_argument("--out", default="runs/throughput", help="directory of the jobs' outputs; "
+                                                                  "default %(default)s")
+    parser.add_argument("--json", metavar="FILE", help="the JSON record; default OUT/throughput.json")
+    parser.add_argument("--plots", metavar="DIR", help="PNG plots; default OUT/plots")
+    parser.add_argument("--no-plots", action="store_true", help="write no plots")
+    parser.add_argument("--dry-run", action="store_true", help="check the input and print the jobs, start nothing")
+    netns.add_arguments(parser)
+
+
+class _Refused(ValueError):
+    """Bad input found before any job started."""
+
+
+def _check(args: argparse.Namespace) -> tuple[list[int], list[tuple[compare.AlgorithmSetting, dict[str, Any]]]]:
+    try:
+        workers = compare.parse_workers(args.workers)
+        settings = [compare.parse_algorithm_spec(s) for s in args.algorithms]
+    except ValueError as err:
+        raise _Refused(str(err)) from None
+    if len({s.label for s in settings}) != len(settings):
+        raise _Refused("an --algorithm setting is given twice")
+    for name, value, low in (("--batch", args.batch, 1), ("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
+                             ("--batches-per-iter", args.batches_per_iter, 1), ("--threads", args.threads, 1),
+                             ("--num-classes", args.num_classes, 1)):
+        if value < low:
+            raise _Refused(f"{name} must be >= {low}, got {value}")
+    if not args.timeout_s > 0:
+        raise _Refused(f"--timeout-s must be > 0, got {args.timeout_s}")
+    from bunsan import models
+
+    if args.model not in models.names():
+        raise _Refused(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
+    try:
+        model_inputs(args.model, args.image_size, args.num_classes)
+    except ValueError as err:
+        raise _Refused(str(err)) from None
+    refusal = netns.check_network_argument(args)
+    if refusal is not None:
+        raise _Refused(refusal)
+    checked = []
+    for setting in settings:
+        try:
+            checked.append((setting, compare.check_setting(setting)))
+        except ValueError as err:
+            raise _Refused(str(err)) from None
+    return workers, checked
+
+
+def _spec(args: argparse.Namespace, setting: compare.AlgorithmSetting, out: Path) -> dict[str, Any]:
+    return {"model": args.model, "algorithm": setting.name, "options": dict(setting.options), "batch": args.batch,
+            "warmup": args.warmup, "iters": args.iters, "batches_per_iter": args.batches_per_iter,
+            "image_size": args.image_size, "num_classes": args.num_classes, "lr": args.lr,
+            "momentum": args.momentum, "seed": args.seed, "out": str(out)}
+
+
+def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
+    worker = [sys.executable, "-u", "-m", "bunsan.bench.throughput", "--worker", json.dumps(spec)]
+    if network is not None:
+        return netns.launcher_command(network, workers, worker)
+    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
+
+
+def _finish(records: list[dict[str, Any]], workers: list[int], first_label: str) -> int:
+    """Add efficiency and ``vs first`` to the records; return the reference worker count."""
+    reference = compare.reference_workers(workers)
+    base = {r["label"]: r["total_mean"] for r in records if r["status"] == "ok" and r["workers"] == reference}
+    first = {r["workers"]: r["total_mean"] for r in records if r["status"] == "ok" and r["label"] == first_label}
+    for r in records:
+        if r["status"] != "ok":
+            continue
+        if r["label"] in base:
+            r["efficiency"] = scaling_efficiency(r["total_mean"], r["workers"], base[r["label"]], reference)
+            r["speedup"] = r["total_mean"] / base[r["label"]]
+        if len({x["label"] for x in records}) > 1 and r["workers"] in first:
+            r["vs_first"] = r["total_mean"] / first[r["workers"]]
+    return reference
+
+
+def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
+    """``bunsan bench throughput``: check, run one job per (setting, worker count), print the table, write JSON and plots.
+
+    Returns 0 when every job succeeded, 1 when some failed, 2 for bad input (no job started).
+    """
+    started = time.time()
+    try:
+        workers, settings = _check(args)
+    except _Refused as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    cores = _usable_cores()
+    env = compare._job_environment(args.threads)
+    configs = [(setting, described, n) for setting, described in settings for n in workers]
+    if args.dry_run:
+        for setting, _, n in configs:
+            spec = _spec(args, setting, out / f"np{n}-{compare._slug(setting.label)}" / "result.json")
+            say(shlex.join(_command(n, spec, args.network)))
+        return 0
+
+    load_before = compare._load_average()
+    records: list[dict[str, Any]] = []
+    interrupted = False
+    for index, (setting, described, n) in enumerate(configs, start=1):
+        directory = out / f"np{n}-{compare._slug(setting.label)}"
+        result_path = directory / "result.json"
+        result_path.unlink(missing_ok=True)
+        record: dict[str, Any] = {"label": setting.label, "workers": n, "batch": args.batch, "dir": str(directory),
+                                  **described}
+        if oversubscribed(n, args.threads, cores):
+            record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
+        try:
+            status, code, total_s = compare.run_job(_command(n, _spec(args, setting, result_path.resolve()),
+                                                             args.network), directory, args.timeout_s, env)
+        except KeyboardInterrupt:
+            say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
+            interrupted = True
+            break
+        record.update(status=status, exit_code=code, total_s=total_s)
+        if status == "ok":
+            try:
+                result = json.loads(result_path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                record.update(status="failed", error=f"no result file: {err}")
+            else:
+                images = args.batch * args.batches_per_iter
+                per_worker, total = throughputs(result["times_s"], images)
+                record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
+                record["total_mean"], record["total_spread"] = summarize(total)
+                record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) \
+                    / args.batches_per_iter
+                record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
+                for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape",
+                            "algorithm_repr"):
+                    record[key] = result.get(key)
+        if record["status"] != "ok":
+            record["stderr_tail"] = compare._tail(directory / "stderr.txt")
+        records.append(record)
+        done = f"{record['total_mean']:.1f} img/s in total" if record["status"] == "ok" else \
+            f"{record['status'].upper()}; see {directory}/stderr.txt"
+        say(f"[{index}/{len(configs)}] {setting.label} -np {n}: {done} ({record['total_s']:.1f} s in all)")
+
+    reference = _finish(records, workers, settings[0][0].label)
+    shape = "x".join(map(str, model_inputs(args.model, args.image_size, args.num_classes)[1]))
+    network = f"links shaped to {netns.parse_network(args.network).label} (network namespaces)" if args.network \
+        else "Gloo over loopback"
+    say("")
+    say(f"{args.model} on synthetic {shape} inputs, batch {args.batch} per worker, {args.iters} iterations of "
+        f"{args.batches_per_iter} step(s) after {args.warmup} warm-up steps, {args.threads} thread(s) per worker, "
+        f"{cores} usable cores, {network}; mean +- 1.96 sigma over iterations; "
+        f"efficiency = total(N) / (N / {reference} x total({reference}))")
+    rows = table_rows(records)
+    say(compare.format_table(COLUMNS, rows, right=_RIGHT))
+    failed = [r for r in records if r["status"] != "ok"]
+    for r in failed:
+        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
+        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
+
+    json_path = Path(args.json) if args.json else out / "throughput.json"
+    document = {
+        "benchmark": "throughput",
+        "command": shlex.join(sys.argv),
+        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
+        "reference_workers": reference,
+        "machine": {**compare._machine(args.threads), "load_average_before": load_before,
+                    "load_average_after": compare._load_average()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        "columns": list(COLUMNS),
+        "table": rows,
+        "configs": records,
+    }
+    write_json(str(json_path), document)
+    say(f"JSON: {json_path}")
+    if not args.no_plots:
+        path = plot_throughput(records, Path(args.plots) if args.plots else out / "plots", args.model, reference)
+        if path is not None:
+            say(f"plot: {path}")
+    if interrupted:
+        return 130
+    return 1 if failed else 0
+
+
+def plot_throughput(records: Sequence[dict[str, Any]], directory: Path, model: str, reference: int) -> Path | None:
+    """``throughput.png``: total images/s (with the +-1.96 sigma bars and ideal scaling) and efficiency against workers."""
+    from bunsan.bench import plots
+
+    ok = [r for r in records if r.get("status") == "ok"]
+    if not ok:
+        return None
+    figure, (rate_axes, efficiency_axes) = plots._new_figure(2)
+    counts = sorted({r["workers"] for r in ok})
+    for label in dict.fromkeys(r["label"] for r in ok):
+        rs = sorted((r for r in ok if r["label"] == label), key=lambda r: r["workers"])
+        x = [r["workers"] for r in rs]
+        line = rate_axes.errorbar(x, [r["total_mean"] for r in rs], yerr=[r["total_spread"] for r in rs],
+                                  marker="o", capsize=3, label=label)
+        base = next((r["total_mean"] for r in rs if r["workers"] == reference), None)
+        if base is not None:
+            rate_axes.plot(counts, [n / reference * base for n in counts], linestyle=":",
+                           color=line[0].get_color(), label=f"{label}, linear")
+        with_efficiency = [r for r in rs if r.get("efficiency") is not None]
+        efficiency_axes.plot([r["workers"] for r in with_efficiency], [r["efficiency"] for r in with_efficiency],
+                             marker="o", label=label)
+    rate_axes.set_ylabel("images/s, all workers")
+    efficiency_axes.set_ylabel(f"scaling efficiency vs {reference} worker{'s' if reference > 1 else ''}")
+    efficiency_axes.axhline(1.0, color="grey", linewidth=0.8)
+    efficiency_axes.set_ylim(0, 1.15)
+    for axes in (rate_axes, efficiency_axes):
+        axes.set_xlabel("workers")
+        axes.set_xticks(counts)
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
+    rate_axes.set_ylim(bottom=0)
+    figure.suptitle(f"{model}: synthetic-data throughput")
+    return plots._save(figure, Path(directory) / "throughput.png")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bunsan.bench.throughput``: the same as ``bunsan bench throughput``; ``--worker SPEC`` runs one job's worker."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(json.loads(argv[1]))
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
