@@ -30,45 +30,13 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import TensorDataset
 
 import bunsan
 from bunsan.datasets import digits
 from bunsan.datasets.idx import mnist_idx
+from bunsan.models import MNISTConvNet
 from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, classification_error, schedule
-
-
-class ConvNet(nn.Module):
-    """The CNTK sample's ConvNet for 1-channel images of any size from 8x8 up.
-
-    CNTK leaves the 3x3 convolutions unpadded (28x28 -> 4x4x64 before the dense layer).
-    On images too small for that (8x8 digits would shrink below 1 pixel) they are
-    padded instead; the flatten size is computed from a dummy input either way.
-    """
-
-    def __init__(self, image_size: int, num_classes: int = 10) -> None:
-        super().__init__()
-        unpadded = (image_size // 2 - 2) // 2 - 2  # side after the last conv without padding
-        pad = 0 if unpadded >= 1 else 1
-        self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
-            nn.Conv2d(32, 48, 3, padding=pad), nn.ReLU(), nn.MaxPool2d(2, 2),
-            nn.Conv2d(48, 64, 3, padding=pad), nn.ReLU(),
-            nn.Flatten(),
-        )
-        with torch.no_grad():
-            flat = self.features(torch.zeros(1, 1, image_size, image_size)).shape[1]
-        self.classifier = nn.Sequential(
-            nn.Linear(flat, 96), nn.ReLU(), nn.Dropout(0.5), nn.Linear(96, num_classes),
-        )
-        for layer in self.modules():  # CNTK's default initialization: glorot_uniform weights, zero biases
-            if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,7 +72,7 @@ cv_set = TensorDataset(x[order[:held_out]], y[order[:held_out]])
 sweeps = args.sweeps_per_epoch or (1 if args.mnist else 10)
 epoch_size = sweeps * len(train_set)
 
-model = ConvNet(image_size=x.shape[-1]).to(bunsan.device())
+model = MNISTConvNet(image_size=x.shape[-1]).to(bunsan.device())  # the sample's ConvNet, bunsan.models
 optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr and momentum come from the schedules below
 lr_per_sample = 0.001
 log = print if bunsan.is_main() else (lambda *a, **k: None)
