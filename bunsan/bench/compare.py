@@ -68,6 +68,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "record_document",
+    "report_failures",
     "DESCRIPTION",
     "EPILOG",
     "AlgorithmSetting",
@@ -707,25 +709,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         say(format_table(COLUMNS, rows, right=_RIGHT))
     if args.layout in ("columns", "both"):
         say(format_transposed(COLUMNS, rows))
-    failed = [r for r in records if r["status"] != "ok"]
-    for r in failed:
-        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
-        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
+    failed = report_failures(records, say)
 
     json_path = Path(args.json) if args.json else out / "compare.json"
-    document = {
-        "benchmark": "compare",
-        "command": shlex.join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
-        "reference_workers": reference,
-        "machine": {**_machine(args.threads), "load_average_before": load_before,
-                    "load_average_after": _load_average()},
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "columns": list(COLUMNS),
-        "table": rows,
-        "configs": records,
-    }
+    document = record_document("compare", args, reference, load_before, started, COLUMNS, rows, records)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(document, indent=1, default=str))
     say(f"JSON: {json_path}")
@@ -738,6 +725,33 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     if interrupted:
         return 130
     return 1 if failed else 0
+
+
+def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Say which jobs failed, with the last lines of their stderr; return those records."""
+    failed = [r for r in records if r["status"] != "ok"]
+    for r in failed:
+        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
+        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
+    return failed
+
+
+def record_document(benchmark: str, args: argparse.Namespace, reference: int, load_before: Any, started: float,
+                    columns: Sequence[str], rows: Any, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON record every job-running benchmark writes: what ran, where, when, and its table."""
+    return {
+        "benchmark": benchmark,
+        "command": shlex.join(sys.argv),
+        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
+        "reference_workers": reference,
+        "machine": {**_machine(args.threads), "load_average_before": load_before,
+                    "load_average_after": _load_average()},
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+        "columns": list(columns),
+        "table": rows,
+        "configs": list(records),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

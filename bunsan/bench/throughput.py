@@ -430,25 +430,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         f"efficiency = total(N) / (N / {reference} x total({reference}))")
     rows = table_rows(records)
     say(compare.format_table(COLUMNS, rows, right=_RIGHT))
-    failed = [r for r in records if r["status"] != "ok"]
-    for r in failed:
-        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
-        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
+    failed = compare.report_failures(records, say)
 
     json_path = Path(args.json) if args.json else out / "throughput.json"
-    document = {
-        "benchmark": "throughput",
-        "command": shlex.join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
-        "reference_workers": reference,
-        "machine": {**compare._machine(args.threads), "load_average_before": load_before,
-                    "load_average_after": compare._load_average()},
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "columns": list(COLUMNS),
-        "table": rows,
-        "configs": records,
-    }
+    document = compare.record_document("throughput", args, reference, load_before, started, COLUMNS, rows, records)
     write_json(str(json_path), document)
     say(f"JSON: {json_path}")
     if not args.no_plots:
