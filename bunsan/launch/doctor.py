@@ -126,25 +126,6 @@ def probe(data: str | None, port: int | None) -> dict[str, Any]:
     }
 
 
-def _allreduce_worker() -> int:
-    """One worker of the tiny all-reduce job: every rank adds rank + 1; print the result as JSON."""
-    import bunsan
-    from bunsan import comm
-
-    info = bunsan.init(timeout_s=60.0)
-    import torch
-
-    value = torch.tensor([float(info.rank + 1)])
-    started = time.perf_counter()
-    comm.all_reduce(value)
-    elapsed_ms = (time.perf_counter() - started) * 1e3
-    expected = info.world_size * (info.world_size + 1) / 2
-    print(json.dumps({"rank": info.rank, "host": socket.gethostname(), "sum": value.item(), "expected": expected,
-                      "ms": round(elapsed_ms, 2)}), flush=True)
-    bunsan.finalize()
-    return 0 if value.item() == expected else 1
-
-
 # ---------------------------------------------------------------------------
 # On the launcher's machine.
 
@@ -309,7 +290,7 @@ def _run_allreduce(
     """One worker per host through ``bunsan run``; fills ``report.allreduce``."""
     spec = ",".join(f"{h}:1" for h in hosts)
     argv = [sys.executable, "-m", "bunsan", "run", "-H", spec, "--tag-output", *ssh_args,
-            "--", "python", "-m", "bunsan.launch.doctor", "--allreduce"]
+            "--", "python", "-m", "bunsan.bench.probe"]  # the training side stays out of launch/
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUNSAN_") or k == "BUNSAN_TIMEOUT"}
     try:
         result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
@@ -403,15 +384,12 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None, stderr: IO[str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bunsan.launch.doctor --probe`` (on each host) or ``--allreduce`` (a worker)."""
+    """``python -m bunsan.launch.doctor --probe``: this host's report as JSON (run on each host)."""
     parser = argparse.ArgumentParser(prog="python -m bunsan.launch.doctor")
     parser.add_argument("--probe", action="store_true")
-    parser.add_argument("--allreduce", action="store_true")
     parser.add_argument("--data")
     parser.add_argument("--port", type=int)
     args = parser.parse_args(argv)
-    if args.allreduce:
-        return _allreduce_worker()
     print(json.dumps(probe(args.data, args.port)), flush=True)
     return 0
 

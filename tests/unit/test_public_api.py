@@ -50,3 +50,46 @@ def test_comm_is_the_only_package_calling_torch_distributed():
             if re.search(r"\bdist\.\w+\(|torch\.distributed\.(?!pipelining)\w+\(|import torch\.distributed as", code):
                 offenders.append(f"{rel}: {line.strip()}")
     assert not offenders, "torch.distributed called outside bunsan.comm:\n" + "\n".join(offenders)
+
+
+def _imports_of(path) -> set[str]:
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+# DESIGN.md: comm <- compression/algorithms/nn/parallel/data <- optim <- train <- bench/cli;
+# launch/ imports nothing of the training side.
+_FORBIDDEN = {
+    "comm": ("bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench", "bunsan.runtime", "bunsan.data", "bunsan.nn"),
+    "compression": ("bunsan.comm", "bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench"),
+    "algorithms": ("bunsan.optim", "bunsan.train", "bunsan.bench", "bunsan.cli", "bunsan.hpo"),
+    "data": ("bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench"),
+    "nn": ("bunsan.optim", "bunsan.train", "bunsan.bench"),
+    "parallel": ("bunsan.optim", "bunsan.train", "bunsan.bench"),
+    "train": ("bunsan.bench", "bunsan.cli", "bunsan.hpo"),
+    "launch": ("torch", "bunsan.comm", "bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.runtime",
+               "bunsan.data", "bunsan.nn", "bunsan.parallel", "bunsan.bench"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(_FORBIDDEN))
+def test_lower_layers_never_import_higher_ones(package):
+    import pathlib
+
+    root = pathlib.Path(bunsan.__file__).parent / package
+    offenders = []
+    for path in root.rglob("*.py"):
+        for name in _imports_of(path):
+            if name in ("bunsan", "bunsan.__version__") and package == "launch":
+                offenders.append(f"{path.name}: imports the bunsan package (its training-side re-exports)")
+            elif any(name == bad or name.startswith(bad + ".") for bad in _FORBIDDEN[package]):
+                offenders.append(f"{path.name}: {name}")
+    assert not offenders, f"bunsan.{package} imports a higher layer:\n" + "\n".join(offenders)
