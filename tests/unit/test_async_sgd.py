@@ -95,8 +95,7 @@ def test_builds_without_a_process_group_and_names_itself():
 
 
 def test_registered_as_async():
-    if "async" not in algorithms.names():
-        pytest.skip("AsyncSGD is not registered yet in bunsan/algorithms/__init__.py")
+    assert "async" in algorithms.names()
     assert isinstance(algorithms.create("async", sync_period=32), AsyncSGD)
     from bunsan.bench.compare import AlgorithmSetting, check_setting
 
