@@ -70,6 +70,7 @@ from typing import Any
 __all__ = [
     "record_document",
     "report_failures",
+    "run_recorded_job",
     "DESCRIPTION",
     "EPILOG",
     "AlgorithmSetting",
@@ -665,27 +666,18 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         result_path = directory / "result.json"
         result_path.unlink(missing_ok=True)  # never report a previous run's result
         record = _record(setting, described, n, args, directory)
+        command = _command(n, _job_spec(args, setting, result_path.resolve()), getattr(args, "network", None))
         try:
-            status, code, total_s = run_job(_command(n, _job_spec(args, setting, result_path.resolve()),
-                                                     getattr(args, "network", None)),
-                                            directory, args.timeout_s, env)
+            result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
         except KeyboardInterrupt:  # run_job has stopped the job; report what finished
             say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
             interrupted = True
             break
-        record.update(status=status, exit_code=code, total_s=total_s)
-        if status == "ok":
-            try:
-                result = json.loads(result_path.read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                record.update(status="failed", error=f"no result file: {err}")
-            else:
-                for key in ("wall_s", "startup_s", "test_error", "test_loss", "train_loss", "test_error_curve",
-                            "epoch_end_s", "samples", "samples_per_s", "steps", "bytes_sent_per_sample",
-                            "bytes_sent_per_step", "replicas_equal", "threads", "stats"):
-                    record[key] = result.get(key)
-        if record["status"] != "ok":
-            record["stderr_tail"] = _tail(directory / "stderr.txt")
+        if result is not None:
+            for key in ("wall_s", "startup_s", "test_error", "test_loss", "train_loss", "test_error_curve",
+                        "epoch_end_s", "samples", "samples_per_s", "steps", "bytes_sent_per_sample",
+                        "bytes_sent_per_step", "replicas_equal", "threads", "stats"):
+                record[key] = result.get(key)
         records.append(record)
         say(_progress(index, len(configs), record))
 
@@ -725,6 +717,27 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     if interrupted:
         return 130
     return 1 if failed else 0
+
+
+def run_recorded_job(command: Sequence[str], directory: Path, result_path: Path, record: dict[str, Any],
+                     timeout_s: float, env: dict[str, str]) -> dict[str, Any] | None:
+    """Run one benchmark job and note in ``record`` how it went.
+
+    Returns the job's result file (written by rank 0) when the job succeeded and
+    left one; otherwise None, with the status and the stderr tail in ``record``.
+    KeyboardInterrupt passes through (``run_job`` has stopped the job by then).
+    """
+    status, code, total_s = run_job(list(command), directory, timeout_s, env)
+    record.update(status=status, exit_code=code, total_s=total_s)
+    result = None
+    if status == "ok":
+        try:
+            result = json.loads(result_path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            record.update(status="failed", error=f"no result file: {err}")
+    if record["status"] != "ok":
+        record["stderr_tail"] = _tail(directory / "stderr.txt")
+    return result
 
 
 def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None]) -> list[dict[str, Any]]:

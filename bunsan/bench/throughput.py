@@ -388,32 +388,24 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                                   **described}
         if oversubscribed(n, args.threads, cores):
             record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
+        command = _command(n, _spec(args, setting, result_path.resolve()), args.network)
         try:
-            status, code, total_s = compare.run_job(_command(n, _spec(args, setting, result_path.resolve()),
-                                                             args.network), directory, args.timeout_s, env)
+            result = compare.run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
         except KeyboardInterrupt:
             say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
             interrupted = True
             break
-        record.update(status=status, exit_code=code, total_s=total_s)
-        if status == "ok":
-            try:
-                result = json.loads(result_path.read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                record.update(status="failed", error=f"no result file: {err}")
-            else:
-                images = args.batch * args.batches_per_iter
-                per_worker, total = throughputs(result["times_s"], images)
-                record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
-                record["total_mean"], record["total_spread"] = summarize(total)
-                record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) \
-                    / args.batches_per_iter
-                record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
-                for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape",
-                            "algorithm_repr"):
-                    record[key] = result.get(key)
-        if record["status"] != "ok":
-            record["stderr_tail"] = compare._tail(directory / "stderr.txt")
+        if result is not None:
+            images = args.batch * args.batches_per_iter
+            per_worker, total = throughputs(result["times_s"], images)
+            record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
+            record["total_mean"], record["total_spread"] = summarize(total)
+            record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) \
+                / args.batches_per_iter
+            record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
+            for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape",
+                        "algorithm_repr"):
+                record[key] = result.get(key)
         records.append(record)
         done = f"{record['total_mean']:.1f} img/s in total" if record["status"] == "ok" else \
             f"{record['status'].upper()}; see {directory}/stderr.txt"
