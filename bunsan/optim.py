@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from bunsan import algorithms as _algorithms
 from bunsan.algorithms.base import Algorithm
-from bunsan.comm import all_gather_object, broadcast_tensors, global_rank
+from bunsan.comm import all_gather_object, broadcast_tensors, global_rank, is_initialized
 from bunsan.errors import CheckpointError, ModelMismatchError
 
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
@@ -201,6 +201,8 @@ def distribute(
 ) -> tuple[nn.Module, DistributedOptimizer]:
     """Make a single-process model and optimizer data-parallel. Collective.
 
+    Calls :func:`bunsan.init` first if this process has not joined the job yet.
+
     Args:
         model: the model; it is returned as the same object (no wrapper, so its
             ``state_dict()`` keys do not change), with hooks added.
@@ -219,6 +221,12 @@ def distribute(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not is_initialized():
+        # Join the job from the launcher's variables, as bunsan.init() would; a lone
+        # process becomes a job of one. A script that forgot init() still does the right thing.
+        from bunsan import runtime
+
+        runtime.init()
     if isinstance(algorithm, str) or algorithm is None:
         options = {"group": group, **algorithm_options}
         algorithm = _algorithms.create(algorithm or "data_parallel", **options)

@@ -34,6 +34,10 @@ def workers4(tmp_path_factory: pytest.TempPathFactory):
 def no_process_group_left():
     """In-process tests must not leave a process group for the next test."""
     yield
+    from bunsan import runtime
+
+    if runtime.is_initialized():
+        runtime.finalize()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -60,8 +60,12 @@ class Schedule:
         for count, value in self.pairs:
             if isinstance(count, bool) or not isinstance(count, int) or count < 1:
                 raise ValueError(f"schedule counts must be integers >= 1, got {count!r}; e.g. [(5, 0.01), (1, 0.005)]")
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-                raise ValueError(f"schedule values must be real numbers, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"schedule values must be finite real numbers, got {value!r}")
+            if value < 0:
+                # Every schedule bunsan takes (minibatch size, learning rate per sample,
+                # momentum time constant) is >= 0: a negative one is a typo, not a setting.
+                raise ValueError(f"schedule values must be >= 0, got {value!r}")
         if self.epoch_size is not None and (
             isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size < 1
         ):

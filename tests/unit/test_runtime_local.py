@@ -70,3 +70,20 @@ def test_distribute_refuses_wrong_types_and_reuse():
         other = torch.nn.Linear(2, 2)
         with pytest.raises(ValueError, match="none of the model's trainable parameters"):
             bunsan.distribute(other, torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+
+
+def test_distribute_without_init_joins_a_job_of_one():
+    import torch.nn.functional as F
+
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    model = torch.nn.Linear(3, 2)
+    reference = torch.nn.Linear(3, 2)
+    reference.load_state_dict(model.state_dict())
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))  # no bunsan.init()
+    assert bunsan.is_initialized() and bunsan.size() == 1
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for m, opt in ((model, optimizer), (reference, ref_opt)):
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    torch.testing.assert_close(model.weight, reference.weight)  # a job of one is plain SGD

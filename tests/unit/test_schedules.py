@@ -126,3 +126,9 @@ def test_plan_stops_at_max_samples():
     assert plan_minibatches(33, 0, 0, mb, 2, max_samples=40) == [8, 8, 4]
     assert plan_minibatches(33, 0, 0, mb, 2, max_samples=33) == [8, 8]  # 1 sample left cannot be split over 2
     assert plan_minibatches(33, 0, 40, mb, 2, max_samples=40) == []
+
+
+@pytest.mark.parametrize("values", [[1, -2], [float("inf")], [(2, float("nan"))]])
+def test_negative_or_non_finite_values_are_refused(values):
+    with pytest.raises(ValueError, match="schedule values must be"):
+        schedule(values, 10)
