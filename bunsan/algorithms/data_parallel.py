@@ -47,6 +47,10 @@ __all__ = ["DataParallelSGD", "plan_stripes"]
 
 _COMPRESSIONS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early in backward
+# SGD momentum from which 1-bit training is warned about (docs/design-notes.md, "1 bit and
+# heavy momentum"): measured on MNIST-1D at 4 workers, 0.7 stayed within 2 points of exact
+# SGD with a warm start, 0.9 did not.
+HEAVY_MOMENTUM_1BIT = 0.8
 
 
 @dataclass
@@ -262,6 +266,23 @@ class DataParallelSGD(Algorithm):
 
     def __repr__(self) -> str:
         return f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start})"
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        super().attach_optimizer(optimizer)
+        self._group_of = {}
+        if self.bits != 1 or not isinstance(optimizer, torch.optim.SGD):
+            return
+        heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
+        if heavy >= HEAVY_MOMENTUM_1BIT and get_rank(self.group) == 0:
+            warnings.warn(
+                f"DataParallelSGD(bits=1) with SGD momentum {heavy}: 1-bit error feedback delays part of "
+                f"every gradient by several steps, and momentum >= {HEAVY_MOMENTUM_1BIT} leaves too little "
+                "damping for such delays (measured on MNIST-1D at 4 workers, momentum 0.9, 40,000-sample "
+                "warm start: 42.5% test error at 1 bit, 8.4% at 2 bits, 9.0% exact). "
+                "Use bits=2 or more, or momentum <= 0.7 with lr scaled to keep lr / (1 - momentum); "
+                "see docs/design-notes.md",
+                stacklevel=3,
+            )
 
     def _update_mode(self) -> None:
         was = self.quantizing

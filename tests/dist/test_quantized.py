@@ -219,3 +219,24 @@ def test_local_momentum_is_momentum_sgd_up_to_quantization(workers, nesterov):
     # 16 bits per value: the local-momentum run tracks exact momentum SGD closely; had the
     # momentum or the weight decay been applied twice, the parameters would be far off
     assert (torch.tensor(local) - torch.tensor(exact)).abs().max() < 1e-3
+
+
+def _body_heavy_momentum_warning(rank, world_size, bits, momentum):
+    import warnings
+
+    model = nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                          DataParallelSGD(bits=bits))
+    return [str(w.message) for w in caught if "momentum" in str(w.message)]
+
+
+def test_one_bit_with_heavy_momentum_warns_once_on_rank_0(workers):
+    """1 bit with SGD momentum >= 0.8 measured far off exact SGD (docs/design-notes.md): say so."""
+    rank0, rank1 = workers.run(f"{__name__}:_body_heavy_momentum_warning", bits=1, momentum=0.9)
+    assert len(rank0) == 1 and rank1 == []
+    assert "bits=2" in rank0[0] and "momentum 0.9" in rank0[0]
+    for bits, momentum in [(1, 0.7), (2, 0.9), (32, 0.9)]:
+        quiet = workers.run(f"{__name__}:_body_heavy_momentum_warning", bits=bits, momentum=momentum)
+        assert quiet == [[], []], (bits, momentum)

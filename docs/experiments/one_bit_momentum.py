@@ -1,0 +1,144 @@
+"""One-process simulation of DataParallelSGD(bits=1) on MNIST-1D, to ask *why* 1 bit
+fails with heavy SGD momentum (docs/design-notes.md, "1 bit and heavy momentum").
+
+N simulated workers take interleaved shares of each global minibatch. Each quantizes
+its mean-scaled gradient with its own residual (stage 1); the decoded sum is quantized
+again with a second residual (stage 2, the stripe owner's re-quantization), and the
+result goes to torch.optim.SGD. This is the arithmetic of the real striped exchange
+without the processes, so variants the package does not ship can be tried in a minute:
+
+  --mode exact | after | local   exact averaging; momentum applied by the optimizer
+                                 after decompression; momentum taken per worker before
+                                 compression (the package's default, Zheng et al. 2019)
+  --codec twomeans | scaledsign | dither | none
+                                 Seide et al. 2014's two means per chunk (the package's
+                                 codec); sign times the chunk's mean |x| (Karimireddy et
+                                 al. 2019, "Error Feedback Fixes SignSGD"); unbiased
+                                 stochastic rounding between the two means; no
+                                 quantization (must reproduce --mode exact)
+  --stages 1 | 2                 without / with the owner's second quantization
+  --bits, --chunk, --warm (epochs of exact averaging first)
+
+Run from the repository root, e.g. (about a minute each on one core):
+
+  .venv/bin/python docs/experiments/one_bit_momentum.py --mode after --momentum 0.9 --lr 0.05 --warm 10
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bunsan.compression import Quantizer
+from bunsan.datasets import mnist1d
+from bunsan.models import MNIST1DCNN
+
+
+def chunked(values: torch.Tensor, chunk: int, fn) -> torch.Tensor:
+    out = torch.empty_like(values)
+    for start in range(0, values.numel(), chunk):
+        out[start : start + chunk] = fn(values[start : start + chunk])
+    return out
+
+
+def two_means(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = c >= 0
+    hi = c[pos].mean() if pos.any() else c.new_zeros(())
+    lo = c[~pos].mean() if (~pos).any() else c.new_zeros(())
+    return lo, hi
+
+
+def dither(c: torch.Tensor) -> torch.Tensor:
+    lo, hi = two_means(c)
+    if hi <= lo:
+        return torch.where(c >= 0, hi, lo)
+    up = ((c - lo) / (hi - lo)).clamp(0, 1)
+    return torch.where(torch.rand_like(c) < up, hi, lo)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--mode", choices=["exact", "after", "local"], default="local")
+    ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "none"], default="twomeans")
+    ap.add_argument("--stages", type=int, choices=[1, 2], default=2)
+    ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--warm", type=int, default=0, help="epochs of exact averaging first")
+    ap.add_argument("--batch", type=int, default=128, help="global minibatch")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    n = a.workers
+    quantizer = Quantizer(a.bits, a.chunk)
+
+    def compress(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if a.codec == "twomeans":
+            return quantizer.decode(quantizer.encode_with_feedback(x, residual), x.numel())
+        v = x + residual
+        if a.codec == "scaledsign":
+            out = chunked(v, a.chunk, lambda c: c.abs().mean() * torch.where(c >= 0, 1.0, -1.0))
+        elif a.codec == "dither":
+            out = chunked(v, a.chunk, dither)
+        else:
+            out = v.clone()
+        residual.copy_(v - out)
+        return out
+
+    train, test = mnist1d("train"), mnist1d("test")
+    x_all, y_all = train.tensors
+    model = MNIST1DCNN()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum)
+    worker_res = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
+    owner_res = [torch.zeros(p.numel()) for p in params]
+    worker_mom = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
+    for epoch in range(a.epochs):
+        quantized = a.mode != "exact" and epoch >= a.warm
+        local = quantized and a.mode == "local"
+        if local and epoch == a.warm and a.warm > 0:  # continue from the global momentum
+            for w in range(n):
+                for k, p in enumerate(params):
+                    worker_mom[w][k] = opt.state[p]["momentum_buffer"].reshape(-1).clone()
+        perm = torch.randperm(len(y_all))
+        for i in range(0, len(y_all) - a.batch + 1, a.batch):
+            idx = perm[i : i + a.batch]
+            grads = []
+            for w in range(n):
+                model.zero_grad()
+                F.cross_entropy(model(x_all[idx[w::n]]), y_all[idx[w::n]]).backward()
+                grads.append([p.grad.reshape(-1).clone() for p in params])
+            for k, p in enumerate(params):
+                if not quantized:
+                    g = sum(gr[k] for gr in grads) / n
+                else:
+                    sent = []
+                    for w in range(n):
+                        u = grads[w][k]
+                        if local:
+                            u = worker_mom[w][k].mul_(a.momentum).add_(u)
+                        sent.append(compress(u / n, worker_res[w][k]))
+                    g = sum(sent)
+                    if a.stages == 2:
+                        g = compress(g, owner_res[k])
+                p.grad = g.view_as(p).clone()
+            if local:
+                for group in opt.param_groups:
+                    group["momentum"] = 0.0
+            opt.step()
+            for group in opt.param_groups:
+                group["momentum"] = a.momentum
+        with torch.no_grad():
+            err = (model(test.tensors[0]).argmax(1) != test.tensors[1]).float().mean().item()
+        res = sum(float(r.norm() ** 2) for r in owner_res) ** 0.5
+        print(f"epoch {epoch:2d}  test error {100 * err:5.1f}%  owner residual norm {res:.3g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
