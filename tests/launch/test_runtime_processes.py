@@ -37,7 +37,12 @@ SCRIPT = textwrap.dedent(
     t = torch.ones(1)
     all_reduce(t)  # without bunsan's failure watch, a survivor waits here for 60 s
     print(f"rank {bunsan.rank()} of {bunsan.size()} done {t.item():.0f}", flush=True)
+    if mode == "threads":  # building an optimizer imports torch._dynamo, and with it torch.distributed.nn
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     bunsan.finalize()
+    if mode == "threads":
+        names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print("gloo threads after finalize:", sum("gloo" in n for n in names), flush=True)
     """
 )
 
@@ -115,6 +120,20 @@ def test_collective_timeout_names_the_missing_rank(script):
     assert "timed out: ranks [1] never reached it" in outs[0]
     assert "stopping because rank 0 failed" in outs[1]
     assert elapsed < 25  # rank 1 would sleep 30 s: the watch ended it
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from Linux's /proc")
+def test_finalize_frees_the_gloo_threads(script):
+    """Gloo threads alive at interpreter exit crashed finished jobs (SIGABRT) now and then.
+
+    torch.distributed.nn, imported by the first optimizer after the group exists, kept
+    the group alive through a default argument (see comm.group, create_world).
+    """
+    codes, outs, _ = _wait_all(_start_bare(script, "threads"), timeout_s=60)
+    assert codes == [0, 0], outs
+    for out in outs:
+        assert "gloo threads after finalize: 0" in out, out
 
 
 @pytest.mark.timeout(90)
