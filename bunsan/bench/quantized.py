@@ -1,4 +1,4 @@
-"""Step time and bytes of DataParallelSGD at 32, 16, 8, 4, 2 and 1 bits, side by side.
+"""Step time and bytes of DataParallelSGD at 32, 16, 8, 4, 2 and 1 bits (and 1 bit rotated), side by side.
 
 Run on N workers (the table is per N)::
 
@@ -54,15 +54,26 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tup
     return (time.perf_counter() - start) / len(batches)
 
 
-def measure(name: str, bits_list: list[int], batch: int, steps: int, rounds: int) -> list[dict[str, float]]:
+def parse_setting(label: str) -> tuple[int, bool]:
+    """``"8"`` -> 8 bits; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``)."""
+    rotate = label.endswith("r")
+    try:
+        bits = int(label[:-1] if rotate else label)
+    except ValueError:
+        raise SystemExit(f"--bits takes numbers, optionally with r for rotated chunks (1r), got {label!r}") from None
+    return bits, rotate
+
+
+def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int) -> list[dict[str, float]]:
     """Collective: every rank measures every bit width; rank 0's numbers are reported."""
     trainers = []
-    for bits in bits_list:
+    for label in bits_list:
         torch.manual_seed(0)
         model, shape = MODELS[name]()
-        algorithm = DataParallelSGD(bits=bits)
+        bits, rotate = parse_setting(label)
+        algorithm = DataParallelSGD(bits=bits, rotate=rotate)
         model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm)
-        trainers.append((bits, model, optimizer, algorithm))
+        trainers.append((label, model, optimizer, algorithm))
     g = torch.Generator().manual_seed(bunsan.rank())
     batches = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
     for _, model, optimizer, algorithm in trainers:  # warm up, then count from zero
@@ -70,11 +81,11 @@ def measure(name: str, bits_list: list[int], batch: int, steps: int, rounds: int
         algorithm.traffic.reset()
         algorithm.step = algorithm.local_samples = 0
         algorithm._encode_s = algorithm._decode_s = 0.0
-    times: dict[int, list[float]] = {bits: [] for bits in bits_list}
+    times: dict[str, list[float]] = {label: [] for label in bits_list}
     for _ in range(rounds):
         for bits, model, optimizer, _ in trainers:
             times[bits].append(_steps(model, optimizer, batches))
-    base = statistics.median(times[32]) if 32 in times else None
+    base = statistics.median(times["32"]) if "32" in times else None
     rows = []
     for bits, _, _, algorithm in trainers:
         stats = algorithm.stats()
@@ -84,7 +95,7 @@ def measure(name: str, bits_list: list[int], batch: int, steps: int, rounds: int
             "bytes_per_step": stats["bytes_sent_per_step"],
             "codec_ms_per_step": (stats.get("encode_s", 0.0) + stats.get("decode_s", 0.0)) * 1e3 / max(stats["steps"], 1),
         })
-    exact = next((r["bytes_per_step"] for r in rows if r["bits"] == 32), None)
+    exact = next((r["bytes_per_step"] for r in rows if r["bits"] == "32"), None)
     for r in rows:
         r["bytes_ratio"] = r["bytes_per_step"] / exact if exact else float("nan")
     return rows
@@ -93,14 +104,17 @@ def measure(name: str, bits_list: list[int], batch: int, steps: int, rounds: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.quantized", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp-10m,cnn")
-    parser.add_argument("--bits", default="32,16,8,4,2,1")
+    parser.add_argument("--bits", default="32,16,8,4,2,1,1r",
+                        help="bit widths; r = rotated chunks (DataParallelSGD(rotate=True)), e.g. 1r")
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch")
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file (rank 0)")
     args = parser.parse_args(argv)
     bunsan.init()
-    bits_list = [int(b) for b in args.bits.split(",")]
+    bits_list = [b.strip() for b in args.bits.split(",")]
+    for label in bits_list:
+        parse_setting(label)
     rows = [row for m in args.models.split(",") for row in measure(m, bits_list, args.batch, args.steps, args.rounds)]
     if bunsan.is_main():
         print(f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "

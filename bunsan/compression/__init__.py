@@ -4,6 +4,9 @@
 * :mod:`~bunsan.compression.quantize`: :class:`Quantizer`, chunked 1-bit
   (Seide et al., 2014) and 2..16-bit quantization into one uint8 payload of a
   size known in advance, with error feedback into a caller-owned residual.
+* :mod:`~bunsan.compression.rotation`: :class:`RotatedQuantizer`, the same
+  codec applied to chunks rotated by random signs and a Walsh-Hadamard
+  transform (same bytes, less error on heavy-tailed chunks).
 * :mod:`~bunsan.compression.casts`: fp16 / bf16 casts with an optional
   pre-scale and fp16 saturation.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
 from bunsan.compression.casts import HALF_DTYPES, from_half, half_dtype, to_half
 from bunsan.compression.quantize import CLIP_ALPHA, DEFAULT_CHUNK_SIZE, Quantizer
+from bunsan.compression.rotation import RotatedQuantizer, hadamard
 
 __all__ = [
     "CLIP_ALPHA",
@@ -20,8 +24,10 @@ __all__ = [
     "HALF_DTYPES",
     "MAX_BITS",
     "Quantizer",
+    "RotatedQuantizer",
     "code_dtype",
     "from_half",
+    "hadamard",
     "half_dtype",
     "pack_bits",
     "packed_size",

@@ -10,12 +10,13 @@ without the processes, so variants the package does not ship can be tried in a m
   --mode exact | after | local   exact averaging; momentum applied by the optimizer
                                  after decompression; momentum taken per worker before
                                  compression (the package's default, Zheng et al. 2019)
-  --codec twomeans | scaledsign | dither | none
+  --codec twomeans | rotated | scaledsign | dither | none
                                  Seide et al. 2014's two means per chunk (the package's
-                                 codec); sign times the chunk's mean |x| (Karimireddy et
-                                 al. 2019, "Error Feedback Fixes SignSGD"); unbiased
-                                 stochastic rounding between the two means; no
-                                 quantization (must reproduce --mode exact)
+                                 codec); the same after a random rotation of each chunk
+                                 (the package's rotate=True); sign times the chunk's mean
+                                 |x| (Karimireddy et al. 2019, "Error Feedback Fixes
+                                 SignSGD"); unbiased stochastic rounding between the two
+                                 means; no quantization (must reproduce --mode exact)
   --stages 1 | 2                 without / with the owner's second quantization
   --bits, --chunk, --warm (epochs of exact averaging first)
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bunsan.compression import Quantizer
+from bunsan.compression.rotation import RotatedQuantizer
 from bunsan.datasets import mnist1d
 from bunsan.models import MNIST1DCNN
 
@@ -64,7 +66,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--mode", choices=["exact", "after", "local"], default="local")
-    ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "none"], default="twomeans")
+    ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "rotated", "none"], default="twomeans")
     ap.add_argument("--stages", type=int, choices=[1, 2], default=2)
     ap.add_argument("--bits", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=512)
@@ -77,11 +79,19 @@ def main() -> None:
     torch.manual_seed(a.seed)
     n = a.workers
     quantizer = Quantizer(a.bits, a.chunk)
+    rotated_quantizer = RotatedQuantizer(a.bits, a.chunk) if a.codec == "rotated" else None
 
-    def compress(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if a.codec == "twomeans":
-            return quantizer.decode(quantizer.encode_with_feedback(x, residual), x.numel())
+    drop = [0.0, 0]  # sum of ||v - C(v)||^2 / ||v||^2 over stage-1 encodes, and their count
+
+    def compress(x: torch.Tensor, residual: torch.Tensor, stage1: bool = False) -> torch.Tensor:
         v = x + residual
+        if a.codec in ("twomeans", "rotated"):
+            codec = quantizer if rotated_quantizer is None else rotated_quantizer
+            out = codec.decode(codec.encode_with_feedback(x, residual), x.numel())
+            if stage1 and v.norm() > 0:
+                drop[0] += float((v - out).norm() ** 2 / v.norm() ** 2)
+                drop[1] += 1
+            return out
         if a.codec == "scaledsign":
             out = chunked(v, a.chunk, lambda c: c.abs().mean() * torch.where(c >= 0, 1.0, -1.0))
         elif a.codec == "dither":
@@ -89,6 +99,9 @@ def main() -> None:
         else:
             out = v.clone()
         residual.copy_(v - out)
+        if stage1 and v.norm() > 0:
+            drop[0] += float((v - out).norm() ** 2 / v.norm() ** 2)
+            drop[1] += 1
         return out
 
     train, test = mnist1d("train"), mnist1d("test")
@@ -123,7 +136,7 @@ def main() -> None:
                         u = grads[w][k]
                         if local:
                             u = worker_mom[w][k].mul_(a.momentum).add_(u)
-                        sent.append(compress(u / n, worker_res[w][k]))
+                        sent.append(compress(u / n, worker_res[w][k], stage1=True))
                     g = sum(sent)
                     if a.stages == 2:
                         g = compress(g, owner_res[k])
@@ -137,7 +150,9 @@ def main() -> None:
         with torch.no_grad():
             err = (model(test.tensors[0]).argmax(1) != test.tensors[1]).float().mean().item()
         res = sum(float(r.norm() ** 2) for r in owner_res) ** 0.5
-        print(f"epoch {epoch:2d}  test error {100 * err:5.1f}%  owner residual norm {res:.3g}", flush=True)
+        lost = f"  stage-1 relative squared error {drop[0] / drop[1]:.2f}" if drop[1] else ""
+        drop[0], drop[1] = 0.0, 0
+        print(f"epoch {epoch:2d}  test error {100 * err:5.1f}%  owner residual norm {res:.3g}{lost}", flush=True)
 
 
 if __name__ == "__main__":

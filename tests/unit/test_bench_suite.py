@@ -237,3 +237,13 @@ def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# -- quantized: bit-width settings -----------------------------------------------------------------
+def test_quantized_settings_take_an_r_for_rotated_chunks():
+    from bunsan.bench.quantized import parse_setting
+
+    assert parse_setting("32") == (32, False)
+    assert parse_setting("1r") == (1, True)
+    with pytest.raises(SystemExit, match="1r"):
+        parse_setting("one")

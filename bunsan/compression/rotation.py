@@ -1,0 +1,199 @@
+"""Quantization after a random rotation of each chunk.
+
+A chunk is multiplied by fixed random signs and then by the orthonormal
+Walsh-Hadamard matrix before it is quantized, and rotated back after it is
+decoded. The rotation spreads every entry over the whole chunk, so the rotated
+chunk is close to Gaussian whatever the gradient looked like, and the 1-bit
+two-means codec of Seide et al. (2014) then keeps about ``2 / pi`` of the
+chunk's energy (relative squared error ``1 - 2 / pi = 0.36``) instead of
+whatever a heavy-tailed chunk allows. That is the idea of DRIVE (Vargaftik et
+al., 2021, "DRIVE: One-bit Distributed Mean Estimation"), here combined with
+error feedback instead of DRIVE's unbiased scaling: the residual is taken in
+the original coordinates, so nothing is lost, only delayed, exactly as with
+the plain codec.
+
+Measured (relative squared error of one 1-bit encode, chunks of 512):
+
+    data                                  plain    rotated
+    N(0, 1)                               0.363    0.363
+    N(0, 1) x U(0, 1)**4 (heavy-tailed)   0.80     0.35
+    MNIST-1D CNN, per-worker momentum     0.73     0.51   (docs/experiments/one_bit_momentum.py)
+
+Why it matters: with SGD momentum 0.9 the plain 1-bit exchange drops so much
+per step that the delayed remainder destabilizes training (MNIST-1D, 4 workers,
+warm start: 19.4-42.5% test error against 9.0-11.2% exact); rotated, the same
+bytes gave 9.5-12.3% (docs/design-notes.md, "1 bit and heavy momentum").
+
+Cost: ``log2(chunk_size)`` butterfly passes in each direction (9 for the
+default 512), and a chunk at the end of a tensor is padded with zeros to the
+next power of two (at most doubling that one chunk's codes). One CPU thread
+here, 10 M elements, 1 bit: encode with feedback 49 ms plain, about 220 ms
+rotated (a rotation each way, 72 ms each); decode 22 ms plain, about 130 ms
+rotated. On a GPU the passes are cheap next to the exchange.
+
+The chunk size must be a power of two. Pure tensor code like
+:class:`~bunsan.compression.quantize.Quantizer`, whose interface this class
+repeats: ``payload_bytes``, ``encode``, ``encode_with_feedback``, ``decode``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer
+
+__all__ = ["RotatedQuantizer", "hadamard"]
+
+_SIGN_SEED = 0x5EED  # the same signs in every process: a rotation is part of the format
+_BLOCK_ELEMENTS = 1 << 16  # 256 KiB of float32 per buffer: two buffers stay in a 2 MiB L2
+
+
+def hadamard(rows: Tensor, pre: Tensor | None = None, post: Tensor | float | None = None,
+             out: Tensor | None = None) -> Tensor:
+    """Orthonormal fast Walsh-Hadamard transform of every row of a 2-D float tensor.
+
+    Computes ``(rows * pre) @ H / sqrt(n) * post`` row by row, ``H`` the n x n
+    Sylvester-Hadamard matrix (n, the row length, a power of two), by ``log2(n)``
+    butterfly passes of additions and subtractions. Those are exact IEEE operations
+    in a fixed order, so every process computes the same bits (a matrix product
+    could sum in another order on another CPU or GPU, and replicas would drift).
+    The transform is its own inverse. Rows are taken in blocks of about 64 K
+    elements so that each pass reads the cache, not memory (7x faster than
+    whole-tensor passes for 10 M elements on one CPU thread here).
+
+    Args:
+        rows: ``(count, n)`` tensor, read only.
+        pre: optional length-``n`` factor applied before the transform.
+        post: optional factor (length ``n`` or a number) applied after it.
+        out: optional ``(count, n)`` result buffer.
+    """
+    count, n = rows.shape
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two length, got {n}")
+    if out is None:
+        out = torch.empty_like(rows)
+    scale = n**-0.5
+    block = max(1, _BLOCK_ELEMENTS // n) if rows.device.type == "cpu" else count
+    first = torch.empty(min(block, count) * n, dtype=rows.dtype, device=rows.device)
+    second = torch.empty_like(first)
+    for r0 in range(0, count, block):
+        r = min(block, count - r0)
+        a, b = first[: r * n].view(r, n), second[: r * n].view(r, n)
+        if pre is None:
+            a.copy_(rows[r0 : r0 + r])
+        else:
+            torch.mul(rows[r0 : r0 + r], pre, out=a)
+        h = 1
+        while h < n:
+            pa, pb = a.view(r, n // (2 * h), 2, h), b.view(r, n // (2 * h), 2, h)
+            torch.add(pa[:, :, 0], pa[:, :, 1], out=pb[:, :, 0])
+            torch.sub(pa[:, :, 0], pa[:, :, 1], out=pb[:, :, 1])
+            a, b = b, a
+            h *= 2
+        target = out[r0 : r0 + r]
+        if post is None:
+            torch.mul(a, scale, out=target)
+        else:
+            torch.mul(a, post, out=target).mul_(scale)
+    return out
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class RotatedQuantizer:
+    """A :class:`Quantizer` applied to randomly rotated chunks.
+
+    Args:
+        bits: Bits per element, 1..16.
+        chunk_size: Elements per chunk, a power of two (default 512).
+
+    Example::
+
+        codec = RotatedQuantizer(bits=1)
+        residual = torch.zeros(grad.numel())
+        payload = codec.encode_with_feedback(grad, residual)
+        decoded = codec.decode(payload, grad.numel())
+    """
+
+    def __init__(self, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0 and chunk_size & (chunk_size - 1):
+            raise ValueError(f"a rotated codec needs a power-of-two chunk_size, got {chunk_size}")
+        self.inner = Quantizer(bits, chunk_size)
+        self.bits, self.chunk_size = bits, chunk_size
+        generator = torch.Generator().manual_seed(_SIGN_SEED)
+        self._signs_cpu = torch.randint(0, 2, (chunk_size,), generator=generator).float().mul_(2).sub_(1)
+        self._signs: dict[torch.device, Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"RotatedQuantizer(bits={self.bits}, chunk_size={self.chunk_size})"
+
+    def padded_numel(self, numel: int) -> int:
+        """Elements actually encoded: whole chunks, then the tail padded to a power of two."""
+        whole, tail = divmod(numel, self.chunk_size)
+        return whole * self.chunk_size + (_next_power_of_two(tail) if tail else 0)
+
+    def payload_bytes(self, numel: int) -> int:
+        return self.inner.payload_bytes(self.padded_numel(numel))
+
+    def _signs_on(self, device: torch.device) -> Tensor:
+        signs = self._signs.get(device)
+        if signs is None:
+            signs = self._signs[device] = self._signs_cpu.to(device)
+        return signs
+
+    def _rotate(self, values: Tensor, inverse: bool) -> Tensor:
+        """Rotate (or rotate back) a flat vector laid out as whole chunks plus a padded tail."""
+        n, c = values.numel(), self.chunk_size
+        whole = (n // c) * c  # the rest is one padded tail chunk, a power of two long
+        signs = self._signs_on(values.device)
+        out = torch.empty_like(values)
+        for start, length, width in ((0, whole, c), (whole, n - whole, n - whole)):
+            if length == 0:
+                continue
+            rows, target = values[start : start + length].view(-1, width), out[start : start + length].view(-1, width)
+            if inverse:  # H is its own inverse; the signs come after it
+                hadamard(rows, post=signs[:width], out=target)
+            else:
+                hadamard(rows, pre=signs[:width], out=target)
+        return out
+
+    def _forward(self, values: Tensor) -> Tensor:
+        """Pad the tail to a power of two and rotate: ``padded_numel`` elements."""
+        n = values.numel()
+        padded = self.padded_numel(n)
+        if padded != n:
+            values = torch.cat((values, values.new_zeros(padded - n)))
+        return self._rotate(values, inverse=False)
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        return self.inner.encode(self._forward(x.reshape(-1).float()), out=out)
+
+    def encode_with_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
+        """Quantize ``x + residual`` in rotated coordinates; the residual stays in the original ones.
+
+        ``residual`` becomes ``x + residual - decode(payload)``, bit for bit what
+        :meth:`decode` returns, so the error-feedback identity holds as for
+        :meth:`Quantizer.encode_with_feedback`.
+        """
+        if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.numel() != x.numel():
+            raise ValueError(
+                f"residual must be a contiguous float32 tensor of {x.numel()} elements, got "
+                f"{residual.dtype} with {residual.numel()} (contiguous={residual.is_contiguous()})"
+            )
+        values = residual.view(-1)
+        values.add_(x.reshape(-1))
+        payload = self.encode(values, out=out)
+        values.sub_(self.decode(payload, values.numel()))
+        return payload
+
+    def decode(self, payload: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        padded = self.padded_numel(numel)
+        rotated = self.inner.decode(payload, padded)
+        values = self._rotate(rotated, inverse=True)[:numel]
+        if out is None:
+            return values
+        out.view(-1).copy_(values)
+        return out.view(-1)
