@@ -72,3 +72,17 @@ def test_every_process_decodes_the_same_rotation():
     x = torch.randn(700)
     a, b = RotatedQuantizer(1), RotatedQuantizer(1)
     assert torch.equal(b.decode(a.encode(x), 700), a.decode(a.encode(x), 700))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("bits", [1, 2])
+def test_rotated_codec_on_cuda_matches_the_cpu_and_loses_nothing(bits):
+    codec = RotatedQuantizer(bits)
+    x = _heavy_tailed(5000, 7)
+    residual = torch.zeros(5000, device="cuda")
+    payload = codec.encode_with_feedback(x.cuda(), residual)
+    decoded = codec.decode(payload, 5000)
+    torch.testing.assert_close(decoded + residual, x.cuda(), atol=1e-6, rtol=1e-5)  # nothing lost
+    cpu = codec.decode(payload.cpu(), 5000)
+    torch.testing.assert_close(decoded.cpu(), cpu, atol=1e-6, rtol=1e-5)  # the same format on both devices
