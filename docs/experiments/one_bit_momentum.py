@@ -18,6 +18,7 @@ without the processes, so variants the package does not ship can be tried in a m
                                  SignSGD"); unbiased stochastic rounding between the two
                                  means; no quantization (must reproduce --mode exact)
   --stages 1 | 2                 without / with the owner's second quantization
+  --vary-signs                   with --codec rotated: new random signs every step
   --bits, --chunk, --warm (epochs of exact averaging first)
 
 Run from the repository root, e.g. (about a minute each on one core):
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="epochs of exact averaging first")
     ap.add_argument("--batch", type=int, default=128, help="global minibatch")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vary-signs", action="store_true",
+                    help="with --codec rotated: new random signs every step (the package keeps them fixed)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -127,6 +130,10 @@ def main() -> None:
                 model.zero_grad()
                 F.cross_entropy(model(x_all[idx[w::n]]), y_all[idx[w::n]]).backward()
                 grads.append([p.grad.reshape(-1).clone() for p in params])
+            if a.vary_signs and rotated_quantizer is not None:  # the same new signs on every worker
+                signs = torch.Generator().manual_seed(epoch * 100_000 + i)
+                rotated_quantizer._signs_cpu = torch.randint(0, 2, (a.chunk,), generator=signs).float() * 2 - 1
+                rotated_quantizer._signs = {}
             for k, p in enumerate(params):
                 if not quantized:
                     g = sum(gr[k] for gr in grads) / n
