@@ -138,7 +138,7 @@ def _bind_torch_defaults_before_the_group_exists() -> None:
     job and, when one of them releases a finished collective while the interpreter is
     shutting down, it needs the GIL, is ended by Python, and the process dies in
     ``std::terminate`` (SIGABRT, exit 134) after its work is done. Measured with
-    torch 2.13: 2 of 14 benchmark jobs under load (core file: a ``pt_gloo_runloop`` thread in
+    torch 2.13: 2 of 12 30-epoch benchmark jobs under load (core file: a ``pt_gloo_runloop`` thread in
     ``~AsyncAllgatherWork`` -> ``gil_scoped_acquire`` -> ``pthread_exit``). Imported
     first, the default is None and the group dies with ``destroy_process_group()``.
     """
