@@ -29,7 +29,8 @@ default 512), and a chunk at the end of a tensor is padded with zeros to the
 next power of two (at most doubling that one chunk's codes). One CPU thread
 here, 10 M elements, 1 bit: encode with feedback 49 ms plain, about 220 ms
 rotated (a rotation each way, 72 ms each); decode 22 ms plain, about 130 ms
-rotated. On a GPU the passes are cheap next to the exchange.
+rotated. On a GPU they should cost little next to the exchange (not measured
+here: no GPU).
 
 The chunk size must be a power of two. Pure tensor code like
 :class:`~bunsan.compression.quantize.Quantizer`, whose interface this class
