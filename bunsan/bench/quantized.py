@@ -57,10 +57,10 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tup
 def parse_setting(label: str) -> tuple[int, bool]:
     """``"8"`` -> 8 bits; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``)."""
     rotate = label.endswith("r")
-    try:
-        bits = int(label[:-1] if rotate else label)
-    except ValueError:
-        raise SystemExit(f"--bits takes numbers, optionally with r for rotated chunks (1r), got {label!r}") from None
+    digits = label[:-1] if rotate else label
+    bits = int(digits) if digits.isdigit() else 0
+    if not (1 <= bits <= 16 or (bits == 32 and not rotate)):
+        raise ValueError(f"--bits takes 32 or 1..16, optionally with r for rotated chunks (1r), got {label!r}")
     return bits, rotate
 
 
@@ -111,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file (rank 0)")
     args = parser.parse_args(argv)
-    bunsan.init()
     bits_list = [b.strip() for b in args.bits.split(",")]
-    for label in bits_list:
-        parse_setting(label)
+    for label in bits_list:  # refuse bad input before joining the job
+        try:
+            parse_setting(label)
+        except ValueError as e:
+            parser.error(str(e))
+    bunsan.init()
     rows = [row for m in args.models.split(",") for row in measure(m, bits_list, args.batch, args.steps, args.rounds)]
     if bunsan.is_main():
         print(f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "

@@ -197,18 +197,7 @@ class Quantizer:
             ValueError: If ``x`` is not floating point, ``residual`` does not
                 match it, or ``out`` is unsuitable.
         """
-        if x.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-        if residual.dtype != torch.float32 or not residual.is_contiguous():
-            raise ValueError(
-                f"residual must be a contiguous float32 tensor, got dtype {residual.dtype} "
-                f"(contiguous={residual.is_contiguous()}); create it with torch.zeros(numel, dtype=torch.float32)"
-            )
-        if residual.numel() != x.numel() or residual.device != x.device:
-            raise ValueError(
-                f"residual must match x: {x.numel()} elements on {x.device}, "
-                f"got {residual.numel()} on {residual.device}"
-            )
+        check_residual(x, residual)
         values = residual.view(-1)
         payload = self._payload_buffer(values.numel(), values.device, out)
         if values.numel():
@@ -459,6 +448,22 @@ def _squared_error(
     scratch.add_(0.5).floor_().clamp_(0, top)
     scratch.mul_(step[:, None]).add_(low[:, None]).sub_(values)
     return torch.linalg.vector_norm(scratch, dim=1).square_()
+
+
+def check_residual(x: Tensor, residual: Tensor) -> None:
+    """Raise ValueError unless ``x`` is floating and ``residual`` is a matching float32 buffer."""
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if residual.dtype != torch.float32 or not residual.is_contiguous():
+        raise ValueError(
+            f"residual must be a contiguous float32 tensor, got dtype {residual.dtype} "
+            f"(contiguous={residual.is_contiguous()}); create it with torch.zeros(numel, dtype=torch.float32)"
+        )
+    if residual.numel() != x.numel() or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x: {x.numel()} elements on {x.device}, "
+            f"got {residual.numel()} on {residual.device}"
+        )
 
 
 def _as_flat_float32(x: Tensor, name: str) -> Tensor:

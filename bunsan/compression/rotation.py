@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer
+from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_float32, _check_buffer, check_residual
 
 __all__ = ["RotatedQuantizer", "hadamard"]
 
@@ -69,6 +69,8 @@ def hadamard(rows: Tensor, pre: Tensor | None = None, post: Tensor | float | Non
         post: optional factor (length ``n`` or a number) applied after it.
         out: optional ``(count, n)`` result buffer.
     """
+    if rows.dim() != 2:
+        raise ValueError(f"hadamard transforms the rows of a 2-D tensor, got shape {tuple(rows.shape)}")
     count, n = rows.shape
     if n & (n - 1):
         raise ValueError(f"the Hadamard transform needs a power-of-two length, got {n}")
@@ -110,6 +112,8 @@ class RotatedQuantizer:
     Args:
         bits: Bits per element, 1..16.
         chunk_size: Elements per chunk, a power of two (default 512).
+        seed: Seed of the random signs. Encoder and decoder must use the same one;
+            the default is fixed, so every process agrees without a message.
 
     Example::
 
@@ -119,12 +123,12 @@ class RotatedQuantizer:
         decoded = codec.decode(payload, grad.numel())
     """
 
-    def __init__(self, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        if isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0 and chunk_size & (chunk_size - 1):
+    def __init__(self, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE, seed: int = _SIGN_SEED) -> None:
+        self.inner = Quantizer(bits, chunk_size)  # checks bits and chunk_size first
+        if chunk_size & (chunk_size - 1):
             raise ValueError(f"a rotated codec needs a power-of-two chunk_size, got {chunk_size}")
-        self.inner = Quantizer(bits, chunk_size)
         self.bits, self.chunk_size = bits, chunk_size
-        generator = torch.Generator().manual_seed(_SIGN_SEED)
+        generator = torch.Generator().manual_seed(seed)
         self._signs_cpu = torch.randint(0, 2, (chunk_size,), generator=generator).float().mul_(2).sub_(1)
         self._signs: dict[torch.device, Tensor] = {}
 
@@ -170,7 +174,7 @@ class RotatedQuantizer:
         return self._rotate(values, inverse=False)
 
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        return self.inner.encode(self._forward(x.reshape(-1).float()), out=out)
+        return self.inner.encode(self._forward(_as_flat_float32(x, "x")), out=out)
 
     def encode_with_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
         """Quantize ``x + residual`` in rotated coordinates; the residual stays in the original ones.
@@ -179,11 +183,7 @@ class RotatedQuantizer:
         :meth:`decode` returns, so the error-feedback identity holds as for
         :meth:`Quantizer.encode_with_feedback`.
         """
-        if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.numel() != x.numel():
-            raise ValueError(
-                f"residual must be a contiguous float32 tensor of {x.numel()} elements, got "
-                f"{residual.dtype} with {residual.numel()} (contiguous={residual.is_contiguous()})"
-            )
+        check_residual(x, residual)
         values = residual.view(-1)
         values.add_(x.reshape(-1))
         payload = self.encode(values, out=out)
@@ -196,5 +196,4 @@ class RotatedQuantizer:
         values = self._rotate(rotated, inverse=True)[:numel]
         if out is None:
             return values
-        out.view(-1).copy_(values)
-        return out.view(-1)
+        return _check_buffer(out, numel, torch.float32, payload.device, "out").copy_(values)

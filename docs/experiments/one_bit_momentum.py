@@ -131,9 +131,7 @@ def main() -> None:
                 F.cross_entropy(model(x_all[idx[w::n]]), y_all[idx[w::n]]).backward()
                 grads.append([p.grad.reshape(-1).clone() for p in params])
             if a.vary_signs and rotated_quantizer is not None:  # the same new signs on every worker
-                signs = torch.Generator().manual_seed(epoch * 100_000 + i)
-                rotated_quantizer._signs_cpu = torch.randint(0, 2, (a.chunk,), generator=signs).float() * 2 - 1
-                rotated_quantizer._signs = {}
+                rotated_quantizer = RotatedQuantizer(a.bits, a.chunk, seed=epoch * 100_000 + i)
             for k, p in enumerate(params):
                 if not quantized:
                     g = sum(gr[k] for gr in grads) / n

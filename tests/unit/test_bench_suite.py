@@ -1,4 +1,5 @@
-"""``bunsan bench throughput``, ``bunsan bench comm`` and the shaped network: the pure parts, no processes."""
+"""``bunsan bench throughput``, ``bunsan bench comm``, the shaped network and the bit-width settings of
+``bench.quantized``: the pure parts, no processes."""
 
 from __future__ import annotations
 
@@ -245,5 +246,6 @@ def test_quantized_settings_take_an_r_for_rotated_chunks():
 
     assert parse_setting("32") == (32, False)
     assert parse_setting("1r") == (1, True)
-    with pytest.raises(SystemExit, match="1r"):
-        parse_setting("one")
+    for bad in ("one", "r", "0", "17", "32r", "-1"):
+        with pytest.raises(ValueError, match="32 or 1..16"):
+            parse_setting(bad)

@@ -30,11 +30,26 @@ def test_hadamard_is_orthonormal_and_its_own_inverse():
     torch.testing.assert_close(hadamard(hadamard(x, pre=signs), post=signs), x)
 
 
-def test_hadamard_refuses_other_lengths():
+def test_bad_input_is_one_clear_error():
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(torch.zeros(2, 12))
+    with pytest.raises(ValueError, match="2-D"):
+        hadamard(torch.zeros(16))
     with pytest.raises(ValueError, match="power-of-two chunk_size"):
         RotatedQuantizer(1, chunk_size=500)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        RotatedQuantizer(1, chunk_size=0)
+    with pytest.raises(ValueError, match="bits must be an int"):
+        RotatedQuantizer(0)
+    codec = RotatedQuantizer(1)
+    with pytest.raises(ValueError, match="x must be float32"):
+        codec.encode(torch.arange(10))
+    with pytest.raises(ValueError, match="residual must match x"):
+        codec.encode_with_feedback(torch.zeros(10), torch.zeros(9))
+    with pytest.raises(ValueError, match="out must have exactly 10 elements"):
+        codec.decode(codec.encode(torch.zeros(10)), 10, out=torch.zeros(11))
+    with pytest.raises(ValueError, match="payload has"):
+        codec.decode(codec.encode(torch.zeros(10)), 700)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -68,10 +83,14 @@ def test_rotation_cuts_the_one_bit_error_on_heavy_tailed_chunks():
     assert 0.3 < err_rotated < 0.4  # ~ 1 - 2/pi, the Gaussian optimum of one bit
 
 
-def test_every_process_decodes_the_same_rotation():
+def test_the_signs_are_part_of_the_format():
     x = torch.randn(700)
-    a, b = RotatedQuantizer(1), RotatedQuantizer(1)
-    assert torch.equal(b.decode(a.encode(x), 700), a.decode(a.encode(x), 700))
+    payload = RotatedQuantizer(1).encode(x)
+    # another instance (another process) decodes the same values; another seed does not
+    assert torch.equal(RotatedQuantizer(1).decode(payload, 700), RotatedQuantizer(1).decode(payload, 700))
+    assert not torch.equal(RotatedQuantizer(1, seed=1).decode(payload, 700), RotatedQuantizer(1).decode(payload, 700))
+    out = torch.empty(700)
+    assert torch.equal(RotatedQuantizer(1).decode(payload, 700, out=out), out)
 
 
 @pytest.mark.gpu
