@@ -10,6 +10,7 @@ around the user's own update rule.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,7 +19,8 @@ from torch import Tensor, nn
 
 from bunsan import algorithms as _algorithms
 from bunsan.algorithms.base import Algorithm
-from bunsan.comm import all_gather_object, broadcast_tensors, global_rank, is_initialized
+from bunsan.algorithms.buffers import synced_buffer_modules
+from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, global_rank, is_initialized
 from bunsan.errors import CheckpointError, ModelMismatchError
 
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
@@ -27,9 +29,17 @@ __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
 class DistributedOptimizer(torch.optim.Optimizer):
     """Run ``algorithm``'s collective hooks around ``optimizer.step()``.
 
-    It is a :class:`torch.optim.Optimizer` (so learning-rate schedulers accept it)
-    whose ``param_groups``, ``state`` and ``defaults`` are those of the wrapped
-    optimizer: the object the user built stays the one that updates parameters.
+    It is a :class:`torch.optim.Optimizer` (learning-rate schedulers, step pre/post
+    hooks and ``GradScaler`` accept it) whose ``param_groups``, ``state`` and
+    ``defaults`` are those of the wrapped optimizer: the object the user built
+    stays the one that updates parameters.
+
+    What a training loop sees (DESIGN.md, "Your training loop" in the README):
+    gradient-exchanging algorithms complete their exchange when ``loss.backward()``
+    returns, so anything between backward and ``step()`` (clipping,
+    ``GradScaler.unscale_`` and its inf check, inspection, edits) sees the global
+    average. ``step()`` then runs the user's update rule and the algorithm's
+    model exchange, if it has one.
 
     Args:
         optimizer: any torch optimizer over the model's parameters.
@@ -46,12 +56,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already distributed; pass the original torch optimizer")
         self.optimizer = optimizer
         self.algorithm = algorithm
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        # torch's hook registries (OrderedDicts: RemovableHandle keeps a weak reference).
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        # Wrap step() as torch.optim.Optimizer.__init__ does, so step hooks fire.
+        self._patch_step_function()
 
     # The wrapped optimizer's attributes, seen through this object.
     @property  # type: ignore[override]
@@ -105,6 +118,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.algorithm.step += 1
         return loss
 
+    def synchronize(self) -> None:
+        """Collective. Complete this step's gradient exchange now (Horovod's spelling).
+
+        Never needed: the exchange already completes when ``loss.backward()``
+        returns. It exists so that ported Horovod code (``optimizer.synchronize()``
+        before clipping) keeps working; it is a no-op when there is nothing pending.
+        """
+        self.algorithm.complete_exchange()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's ``with optimizer.skip_synchronize(): optimizer.step()``: nothing to skip here.
+
+        The exchange completed in backward (or in :meth:`synchronize`); ``step()``
+        never exchanges gradients twice.
+        """
+        yield
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes inside send nothing.
@@ -126,24 +157,124 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self.algorithm.join()
 
-    def synchronize(self) -> None:
-        """Collective. Bring every replica to the same model now."""
-        self.algorithm.synchronize()
+    def sync_replicas(self) -> None:
+        """Collective. Bring every replica to the same model now.
+
+        Block algorithms finish their partial block; AsyncSGD pulls the global
+        model; exact data parallelism has nothing to do (the replicas are equal).
+        """
+        self.algorithm.sync_replicas()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state plus the algorithm's (this rank's part)."""
-        return {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict()}
+        """The wrapped optimizer's state in torch's format, plus ``"algorithm"`` (this rank's part).
+
+        A plain torch optimizer loads it as it is (torch ignores the extra key).
+        """
+        state = dict(self.optimizer.state_dict())
+        state["algorithm"] = self.algorithm.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output; a plain torch optimizer state is accepted too."""
-        if "optimizer" in state_dict and "algorithm" in state_dict:
+        """Restore :meth:`state_dict`'s output; a plain torch optimizer's state is accepted too."""
+        if not isinstance(state_dict, dict):
+            raise CheckpointError(f"not an optimizer state: expected a dict, got {type(state_dict).__name__}")
+        if "optimizer" in state_dict and "algorithm" in state_dict:  # the format before 0.2
             self.optimizer.load_state_dict(state_dict["optimizer"])
             self.algorithm.load_state_dict(state_dict["algorithm"])
         elif "param_groups" in state_dict:
-            self.optimizer.load_state_dict(state_dict)
+            plain = {k: v for k, v in state_dict.items() if k != "algorithm"}
+            self.optimizer.load_state_dict(plain)
+            if "algorithm" in state_dict:
+                self.algorithm.load_state_dict(state_dict["algorithm"])
         else:
             raise CheckpointError("not an optimizer state: expected the output of optimizer.state_dict()")
 
+
+class _Attachment:
+    """What :func:`distribute` leaves on a model: the algorithm, without making the model unpicklable.
+
+    A copy (``copy.deepcopy``) or a pickled and loaded model (``torch.save(model)``)
+    gets an empty attachment: it is an ordinary model again, bound to no job.
+    """
+
+    def __init__(self, algorithm: Algorithm | None) -> None:
+        self.algorithm = algorithm
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Attachment:
+        return _Attachment(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Attachment, (None,))
+
+
+def _tensors_in(value: Any, limit: int = 16) -> list[Tensor]:
+    """Up to ``limit`` tensors that require grad in a forward's output (tensors, tuples, lists, dicts)."""
+    found: list[Tensor] = []
+    stack = [value]
+    while stack and len(found) < limit:
+        item = stack.pop()
+        if isinstance(item, Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif hasattr(item, "__dataclass_fields__"):
+            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
+    return found
+
+
+class _SampleCounter:
+    """Forward hooks that count a forward's samples once its output is back-propagated.
+
+    The count is the leading dimension of the forward's first tensor input. It is
+    confirmed to the algorithm when a gradient first flows into one of the
+    forward's outputs, i.e. in the backward that leads to the optimizer step. A
+    forward whose output is never back-propagated (a metric computed in train mode)
+    counts nothing, unless no forward of the step was confirmed (a loss taken from
+    an intermediate tensor): then the unconfirmed ones count. A forward that returns
+    no tensor requiring grad counts at once.
+    Picklable and deep-copyable: the copy is inert (see :class:`_Attachment`).
+    """
+
+    def __init__(self, attachment: _Attachment) -> None:
+        self.attachment = attachment
+        self._pending: list[int] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _SampleCounter:
+        return _SampleCounter(_Attachment(None))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_SampleCounter, (_Attachment(None),))
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.attachment.algorithm is None or not (module.training and torch.is_grad_enabled()):
+            return
+        first = _first_tensor(args, kwargs)
+        self._pending.append(first.shape[0] if first is not None and first.dim() > 0 else 0)
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not self._pending:
+            return
+        n = self._pending.pop()
+        algorithm = self.attachment.algorithm
+        if algorithm is None or n == 0:
+            return
+        outputs = _tensors_in(output)
+        if not outputs:
+            algorithm.count_samples(n)
+            return
+        algorithm.note_forward(n)
+        confirmed = [False]
+
+        def confirm(grad: Tensor) -> None:
+            if not confirmed[0]:
+                confirmed[0] = True
+                algorithm.confirm_forward(n)
+
+        for t in outputs:
+            t.register_hook(confirm)
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     entries = [(f"parameter {n}", tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
@@ -197,6 +328,7 @@ def distribute(
     *,
     group: Any = None,
     broadcast: bool = True,
+    check: bool = True,
     **algorithm_options: Any,
 ) -> tuple[nn.Module, DistributedOptimizer]:
     """Make a single-process model and optimizer data-parallel. Collective.
@@ -211,6 +343,8 @@ def distribute(
             ...), or None for exact ``DataParallelSGD()``.
         group: process group for a name-built algorithm.
         broadcast: copy rank 0's parameters and buffers to every rank first.
+        check: with ``broadcast=False``, check (one small all-reduce) that every
+            rank starts from the same parameter values, and raise if not.
         **algorithm_options: options for a name-built algorithm.
 
     Returns:
@@ -234,28 +368,54 @@ def distribute(
         raise TypeError(f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)")
     if not isinstance(algorithm, Algorithm):
         raise TypeError(f"algorithm must be a bunsan Algorithm or a registered name, got {type(algorithm).__name__}")
-    if getattr(model, "_bunsan_algorithm", None) is not None:
+    attached = getattr(model, "_bunsan_algorithm", None)
+    if attached is not None and getattr(attached, "algorithm", None) is not None:
         raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")
 
     check_same_model(model, group=algorithm.group)
-    if broadcast:
-        with torch.no_grad():
-            tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+    with torch.no_grad():
+        tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+        if broadcast:
             broadcast_tensors(tensors, src=global_rank(algorithm.group, 0), group=algorithm.group)
+        elif check:
+            _check_same_values(model, algorithm.group)
 
     in_optimizer = {p for g in optimizer.param_groups for p in g["params"]}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p in in_optimizer]
     if not named:
         raise ValueError("the optimizer holds none of the model's trainable parameters")
     algorithm.setup(named)
+    algorithm.setup_buffers(synced_buffer_modules(model))
     algorithm.attach_optimizer(optimizer)
 
-    def count_samples(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if module.training and torch.is_grad_enabled():
-            first = _first_tensor(args, kwargs)
-            if first is not None and first.dim() > 0:
-                algorithm.count_samples(first.shape[0])
-
-    model.register_forward_pre_hook(count_samples, with_kwargs=True)
-    model._bunsan_algorithm = algorithm  # type: ignore[assignment]
+    attachment = _Attachment(algorithm)
+    counter = _SampleCounter(attachment)
+    model.register_forward_pre_hook(counter.pre, with_kwargs=True)
+    model.register_forward_hook(counter.post, with_kwargs=True)
+    model._bunsan_algorithm = attachment  # type: ignore[assignment]
     return model, DistributedOptimizer(optimizer, algorithm)
+
+
+def _check_same_values(model: nn.Module, group: Any) -> None:
+    """Collective: raise on every rank unless every rank starts from the same parameter values.
+
+    One float64 all-reduce of per-tensor checksums (sum and sum of squares of
+    each tensor): cheap, and any difference a user would care about shows.
+    """
+    tensors = list(model.named_parameters())
+    if not tensors:
+        return
+    sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                        for _, p in tensors]).reshape(-1)
+    low, high = sums.clone(), sums.clone()
+    all_reduce(low, op="min", group=group)
+    all_reduce(high, op="max", group=group)
+    differ = (high - low).abs() > 1e-9 * (1 + high.abs())
+    if bool(differ.any()):
+        first = int(differ.nonzero()[0].item()) // 2
+        name = tensors[first][0]
+        raise ModelMismatchError(
+            f"distribute(broadcast=False): parameter {name} has different values on different ranks; "
+            "seed every rank alike, load the same checkpoint on every rank, or leave broadcast=True "
+            "(pass check=False to skip this check)"
+        )

@@ -67,7 +67,7 @@ current model back. Each thread is the only user of its pair group on rank 0,
 and the worker's main thread the only user on the worker, so no process group
 is ever used by two threads at once; rank 0's main thread never touches the
 pair groups, and the server threads never touch ``group`` (the main thread's
-collectives in :meth:`AsyncSGD.join` and :meth:`AsyncSGD.synchronize`). The
+collectives in :meth:`AsyncSGD.join` and :meth:`AsyncSGD.sync_replicas`). The
 threads are daemons: they never keep a process alive.
 
 Messages. One message each way per synchronization: a ``uint8`` buffer holding
@@ -392,7 +392,7 @@ class ParameterServer:
                 self.cond.wait(timeout=_LOCAL_POLL_S)
 
     def mark_all_pulled(self) -> None:
-        """Every worker now holds the current model (after a synchronize)."""
+        """Every worker now holds the current model (after a sync_replicas())."""
         with self.cond:
             for w in self.pulled:
                 self.pulled[w] = self.version
@@ -539,7 +539,7 @@ class AsyncSGD(Algorithm):
     done, then every rank receives the final global model. Uneven data is fine:
     a worker that runs out early simply waits in ``join()`` (keep-alives keep its
     wait from timing out). Afterwards every replica equals the server's model.
-    ``optimizer.synchronize()`` (:meth:`synchronize`) gives every replica the
+    ``optimizer.sync_replicas()`` (:meth:`sync_replicas`) gives every replica the
     same global model in the middle of training (for an evaluation); every rank
     must call it, and none may have joined.
 
@@ -819,7 +819,7 @@ class AsyncSGD(Algorithm):
         self._channels = {}
 
     @torch.no_grad()
-    def synchronize(self) -> None:
+    def sync_replicas(self) -> None:
         """Collective. Every replica takes the current global model (all ranks, none joined).
 
         Each worker pushes what it has; after a barrier (so every push is applied)

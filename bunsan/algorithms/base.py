@@ -3,16 +3,22 @@
 An algorithm is driven by :class:`bunsan.optim.DistributedOptimizer`. For every
 optimizer step the wrapper calls, in this order::
 
-    algorithm.reduce_gradients()   # after loss.backward()
+    algorithm.reduce_gradients()   # in optimizer.step(), after loss.backward()
     optimizer.step()               # the user's own torch optimizer
     algorithm.after_step()
     algorithm.step += 1
 
 Both hooks are *collective*: every rank of ``group`` calls them the same number
-of times. Each algorithm overrides what it needs:
+of times. Algorithms that average gradients do it *during* backward: per-parameter
+hooks start the exchange as gradients become ready and a callback queued on the
+autograd engine completes it before ``loss.backward()`` returns, so whatever the
+user puts between backward and step (clipping, ``GradScaler.unscale_``) sees the
+global average; ``reduce_gradients`` then only runs an exchange that no backward
+started on this rank (a rank whose backward reached none of the parameters).
+Each algorithm overrides what it needs:
 
 ================  ===============================  ==================================
-algorithm         ``reduce_gradients``             ``after_step``
+algorithm         during backward                  ``after_step``
 ================  ===============================  ==================================
 exact / N-bit     average (quantized) gradients    nothing
 model averaging   only during warm start           average parameters every block
@@ -22,8 +28,12 @@ asynchronous      nothing                          push update, pull model (p2p)
 
 Two more collectives end training cleanly: :meth:`join`, called by a rank that
 has run out of data (it keeps answering the others' synchronizations until every
-rank has joined), and :meth:`synchronize`, which brings every replica to the same
-model now (block algorithms have a partial block to finish).
+rank has joined), and :meth:`sync_replicas`, which brings every replica to the
+same model now (block algorithms have a partial block to finish).
+
+Buffers (BatchNorm running statistics) are averaged over the ranks whenever the
+replicas' parameters are made equal: every step for gradient averaging, every
+block for the block algorithms (:mod:`bunsan.algorithms.buffers`).
 
 Samples are counted for the algorithm by the model's forward pre-hook that
 :func:`bunsan.distribute` installs (leading dimension of the first input);
@@ -39,6 +49,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan.algorithms.buffers import BufferSync
 from bunsan.comm import Traffic, get_world_size
 from bunsan.errors import CheckpointError
 
@@ -63,11 +74,17 @@ class Algorithm:
         self.named_params: list[tuple[str, Tensor]] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._pending_samples = 0  # counted in forward, not yet part of a step
+        self._unconfirmed_samples = 0  # train-mode forwards whose output no backward has reached yet
+        self.buffer_sync: BufferSync | None = None  # set by setup_buffers()
 
     # -- set-up -----------------------------------------------------------------
     def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
         """Called once by :func:`bunsan.distribute` with the trainable parameters."""
         self.named_params = list(named_params)
+
+    def setup_buffers(self, modules: Sequence[tuple[str, Any, list[str]]]) -> None:
+        """Called once by :func:`bunsan.distribute` with the modules whose buffers stay equal across ranks."""
+        self.buffer_sync = BufferSync(modules, self.group, self.traffic) if modules else None
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Called once by :func:`bunsan.distribute` with the user's (unwrapped) optimizer.
@@ -86,11 +103,27 @@ class Algorithm:
         return get_world_size(self.group)
 
     def count_samples(self, n: int) -> None:
-        """Record ``n`` local training samples seen in a forward pass."""
+        """Record ``n`` local training samples of a forward pass that leads to this step."""
         self._pending_samples += int(n)
 
+    def note_forward(self, n: int) -> None:
+        """Record a train-mode forward of ``n`` samples not yet known to lead to this step.
+
+        :func:`bunsan.distribute`'s hooks call it at every forward and confirm it
+        (:meth:`count_samples`) when a backward reaches the forward's output. If a
+        step confirmed nothing (a loss computed from an intermediate tensor, not from
+        the model's output), the unconfirmed forwards count instead.
+        """
+        self._unconfirmed_samples += int(n)
+
+    def confirm_forward(self, n: int) -> None:
+        """A noted forward's output was back-propagated: its samples belong to this step."""
+        self._unconfirmed_samples = max(0, self._unconfirmed_samples - int(n))
+        self.count_samples(n)
+
     def _take_local_samples(self) -> int:
-        n, self._pending_samples = self._pending_samples, 0
+        n = self._pending_samples or self._unconfirmed_samples
+        self._pending_samples = self._unconfirmed_samples = 0
         self.local_samples += n
         return n
 
@@ -104,7 +137,10 @@ class Algorithm:
     def join(self) -> None:
         """Collective. This rank has no more data: take part in the others' syncs until all join."""
 
-    def synchronize(self) -> None:
+    def complete_exchange(self) -> None:
+        """Collective. Finish a gradient exchange that is still pending (none is, after backward)."""
+
+    def sync_replicas(self) -> None:
         """Collective. Bring every replica to the same model now."""
 
     def begin_accumulation(self) -> None:
@@ -152,10 +188,3 @@ class Algorithm:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
-def params_by_name(named_params: Sequence[tuple[str, Tensor]]) -> dict[str, Tensor]:
-    return dict(named_params)
-
-
-def zeros_like_params(params: Sequence[Tensor]) -> list[Tensor]:
-    return [torch.zeros_like(p, memory_format=torch.contiguous_format) for p in params]

@@ -64,6 +64,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank, unflatten_into, wait
 from bunsan.errors import CheckpointError
 
@@ -243,13 +244,20 @@ class BlockwiseSGD(Algorithm):
     Phases of training, on every rank alike:
 
     1. *Warm start* (while ``samples < warm_start``, global count): exact
-       synchronous SGD. Every step all-reduces the gradients, averaged over the
-       ranks still training, as ``DataParallelSGD()`` does.
+       synchronous SGD by an inner ``DataParallelSGD()``: gradients averaged over
+       the ranks still training, the exchange completed before ``backward()``
+       returns and overlapped with it, unused parameters and buffers handled alike.
     2. *Blocks*: the model at the switch is ``W`` (with ``D = 0``); every worker
        trains locally and synchronizes once it has trained ``block_size``
        samples since its last synchronization.
     3. *End*: :meth:`join` finishes the last partial block and answers the other
        ranks' rounds until all have joined; then every replica holds the same model.
+
+    Between ``backward()`` and ``step()`` during blocks, ``p.grad`` is this
+    worker's own gradient: clipping, ``GradScaler`` and gradient edits act on the
+    local step, as the local optimizer does (the model change, not the gradient,
+    is what the block averages). Buffers (BatchNorm statistics) are averaged at
+    every block synchronization.
 
     ``samples`` (the global count) grows at every exchange: every step during the
     warm start, at every synchronization afterwards; ``local_samples`` every step.
@@ -284,6 +292,8 @@ class BlockwiseSGD(Algorithm):
         self.block_steps = 0  # local steps in the current block
         self.blocks = 0  # block synchronizations that applied an update
         self._flats: list[_Flat] = []
+        self._warm: DataParallelSGD | None = None  # the exact exchange of the warm start
+        self._warm_seen = (0, 0)  # (samples, local_samples) of the warm engine already counted here
         self._blocks_started = False
         self._ended_warm_start = False  # this step's round was the last of the warm start
         self._fresh = True  # this rank's model is the others' (False: joined and missed warm steps)
@@ -304,6 +314,43 @@ class BlockwiseSGD(Algorithm):
         super().setup(named_params)
         self._flats = _group_params(self.named_params)
         self._blocks_started = False
+        if self._warm is not None:
+            self._warm.remove_hooks()
+            self._warm = None
+        if self.in_warm_start:
+            self._warm = DataParallelSGD(group=self.group)
+            self._warm.traffic = self.traffic
+            self._warm.setup(self.named_params)
+            if self.buffer_sync is not None:
+                self._warm.setup_buffers(self.buffer_sync.modules)
+            self._sync_warm_counts()
+
+    def setup_buffers(self, modules: Sequence[tuple[str, Any, list[str]]]) -> None:
+        super().setup_buffers(modules)
+        if self._warm is not None:
+            self._warm.setup_buffers(modules)
+
+    def count_samples(self, n: int) -> None:
+        if self._warm is not None:
+            self._warm.count_samples(n)  # the warm exchange reports them
+        else:
+            super().count_samples(n)
+
+    def _sync_warm_counts(self) -> None:
+        """Start the warm engine's counters from this algorithm's."""
+        assert self._warm is not None
+        self._warm.samples, self._warm.local_samples = self.samples, self.local_samples
+        self._warm_seen = (self.samples, self.local_samples)
+
+    def _take_warm_counts(self) -> int:
+        """Add what the warm engine counted since last time; return the local samples among it."""
+        assert self._warm is not None
+        samples, local = self._warm.samples, self._warm.local_samples
+        new_local = local - self._warm_seen[1]
+        self.samples += samples - self._warm_seen[0]
+        self.local_samples += new_local
+        self._warm_seen = (samples, local)
+        return new_local
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Called by :func:`bunsan.distribute` with the user's optimizer, whose momentum is reset after syncs."""
@@ -318,19 +365,27 @@ class BlockwiseSGD(Algorithm):
 
     # -- collective hooks -----------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """Collective. Warm start: average the gradients. Blocks: count the step's samples."""
-        n = self._take_local_samples()
-        if not self._checked_first_step:
-            self._check_first_step(n)
+        """Collective. Warm start: the gradients were averaged in backward. Blocks: count the step's samples."""
         if self.in_warm_start:
-            self._warm_round(n, active=True)
+            assert self._warm is not None
+            self._warm.reduce_gradients()  # completes the exchange if no backward did
+            n = self._take_warm_counts()
+            if not self._checked_first_step:
+                self._check_first_step(n)
             # The global count just grew identically on every rank: so does this decision.
             self._ended_warm_start = not self.in_warm_start
             return
+        n = self._take_local_samples()
+        if not self._checked_first_step:
+            self._check_first_step(n)
         if not self._blocks_started:
             self._begin_blocks()  # warm_start=0: the block starts from the broadcast model
         self.block_samples += n
         self.block_steps += 1
+
+    def complete_exchange(self) -> None:
+        if self.in_warm_start and self._warm is not None:
+            self._warm.complete_exchange()
 
     def after_step(self) -> None:
         """Collective. Switch to blocks after the warm start; synchronize at the end of a block."""
@@ -349,7 +404,13 @@ class BlockwiseSGD(Algorithm):
         """
         # 1. Warm start: mirror the active ranks' gradient all-reduces with zeros.
         while self.in_warm_start:
-            if self._warm_round(0, active=False) == 0:
+            assert self._warm is not None
+            active = self._warm._exchange(active=False)
+            self._warm._exchanged = False
+            self._take_warm_counts()
+            if active > 0:
+                self._fresh = False  # the active ranks take a step this rank does not
+            if active == 0:
                 # Every rank has joined during the warm start; ranks that joined early
                 # missed the last exact steps and take the model of one that did not.
                 self._equalize()
@@ -363,7 +424,7 @@ class BlockwiseSGD(Algorithm):
         while self._block_round(contribute=contribute, still_active=False) > 0:
             contribute = False
 
-    def synchronize(self) -> None:
+    def sync_replicas(self) -> None:
         """Collective. Finish the current partial block now: every active replica gets ``W_start``.
 
         During the warm start the replicas are already equal and nothing is sent.
@@ -377,43 +438,24 @@ class BlockwiseSGD(Algorithm):
     # -- rounds -----------------------------------------------------------------
     def _meta(self, samples: int, contributes: bool, still_active: bool) -> Tensor:
         device = self._flats[0].buffer.device if self._flats else "cpu"
+        changed = []
+        if self.buffer_sync is not None:
+            changed = self.buffer_sync.changed() if contributes else [0.0] * len(self.buffer_sync)
         # float64: sample counts stay exact up to 2**53.
-        return torch.tensor([float(samples), float(contributes), float(still_active)], dtype=torch.float64, device=device)
+        values = [float(samples), float(contributes), float(still_active), *changed]
+        return torch.tensor(values, dtype=torch.float64, device=device)
 
-    def _exchange(self, meta: Tensor, what: str) -> tuple[int, int, int]:
+    def _exchange(self, meta: Tensor, what: str) -> tuple[int, int, int, list[float]]:
         """All-reduce every flat buffer and ``meta`` (in this order on every rank); return ``meta``'s sums."""
         works = [all_reduce(f.buffer, group=self.group, async_op=True, traffic=self.traffic) for f in self._flats]
         meta_work = all_reduce(meta, group=self.group, async_op=True, traffic=self.traffic)
         for work in works:
             wait(work, what)
         wait(meta_work, "sample count all-reduce")
-        total, contributors, active = (int(v) for v in meta.tolist())
+        sums = meta.tolist()
+        total, contributors, active = (int(v) for v in sums[:3])
         self.samples += total
-        return total, contributors, active
-
-    @torch.no_grad()
-    def _warm_round(self, samples: int, *, active: bool) -> int:
-        """One exact gradient exchange; returns the number of ranks that contributed."""
-        n = self.world_size
-        for f in self._flats:
-            if active:
-                f.pack([p.grad for p in f.params])
-                f.buffer.div_(n)  # divide before the sum
-            else:
-                f.buffer.zero_()  # a joined rank adds nothing
-        _, n_active, _ = self._exchange(self._meta(samples, active, active), "gradient all-reduce")
-        if active:
-            for f in self._flats:
-                if n_active != n:
-                    f.buffer.mul_(n / n_active)  # the mean over the ranks that trained
-                for p, avg in zip(f.params, f.views(f.buffer)):
-                    if p.grad is None:
-                        p.grad = avg.clone()
-                    else:
-                        p.grad.copy_(avg)
-        elif n_active > 0:
-            self._fresh = False  # the active ranks take a step this rank does not
-        return n_active
+        return total, contributors, active, sums[3:]
 
     @torch.no_grad()
     def _block_round(self, *, contribute: bool, still_active: bool) -> int:
@@ -427,7 +469,8 @@ class BlockwiseSGD(Algorithm):
             else:
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
-        total, contributors, active = self._exchange(self._meta(samples, contribute, still_active), "block all-reduce")
+        total, contributors, active, changed = self._exchange(self._meta(samples, contribute, still_active),
+                                                              "block all-reduce")
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
         if contributors > 0:
             per_worker = total / contributors if total > 0 else float(self.block_size)
@@ -438,9 +481,11 @@ class BlockwiseSGD(Algorithm):
                 update_global_model_(f.global_model, f.momentum, f.buffer, bm, gain)
                 update_block_start_(f.start, f.global_model, f.momentum, self.lookahead_momentum, self.nesterov)
             self.blocks += 1
-        # 3. Every replica, joined ones included, starts over from W_start.
+        # 3. Every replica, joined ones included, starts over from W_start, with the mean buffers.
         for f in self._flats:
             unflatten_into(f.start, f.params)
+        if self.buffer_sync is not None:
+            self.buffer_sync.average(changed, contribute=contribute, contributors=contributors)
         self.block_samples = self.block_steps = 0
         if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
             reset_momentum_buffers(self.optimizer)
@@ -448,6 +493,11 @@ class BlockwiseSGD(Algorithm):
 
     def _end_warm_start(self) -> None:
         """Collective. Make every replica equal, then start block 1 from the current model."""
+        if self._warm is not None:
+            self._take_warm_counts()
+            self._pending_samples += self._warm._pending_samples  # counted after the last warm exchange
+            self._warm.remove_hooks()
+            self._warm = None
         self._equalize()
         self._begin_blocks()
 
@@ -539,6 +589,12 @@ class BlockwiseSGD(Algorithm):
         self.blocks = int(state["blocks"])
         self._ended_warm_start = False
         self._fresh = True
+        if self._warm is not None:
+            if self.in_warm_start:
+                self._sync_warm_counts()
+            else:
+                self._warm.remove_hooks()
+                self._warm = None
         if not state["blocks_started"]:
             self._blocks_started = False
             return
@@ -584,7 +640,7 @@ class BlockMomentumSGD(BlockwiseSGD):
     synchronizations (with weight 0: the average is over the ranks that trained)
     until all have joined. Afterwards every replica holds the same model,
     ``W_start`` of the last synchronization. For evaluation in the middle of
-    training call ``optimizer.synchronize()`` (:meth:`synchronize`) on every rank: it
+    training call ``optimizer.sync_replicas()`` (:meth:`sync_replicas`) on every rank: it
     ends the current block now, leaving every replica at the same ``W_start``,
     and training goes on with a new block.
 

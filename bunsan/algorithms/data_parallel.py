@@ -13,12 +13,23 @@ Distributed invariants kept here:
 * Buckets are launched strictly in index order on every rank (a bucket whose
   gradients are ready waits for its predecessors), so the ranks' collectives
   match even when gradients become ready in different orders.
-* A parameter that got no gradient in a step contributes zeros.
-* Every step also sums ``(samples, active ranks)``: two slots at the end of the
-  last bucket (or a separate float64 all-reduce when that bucket is compressed).
-  The global sample count is exact, and a rank that has run out of data
-  (:meth:`join`) contributes zeros without biasing the average, which is taken
-  over the active ranks only.
+* The exchange completes before ``loss.backward()`` returns: the first gradient
+  hook of a backward queues a callback on the autograd engine, which launches
+  the buckets still waiting (parameters this backward did not reach), waits for
+  every bucket and sets ``p.grad`` to the average. Code between backward and
+  ``optimizer.step()`` (clipping, ``GradScaler``) sees the global gradient, as
+  with DDP.
+* Unused parameters need no flag: a parameter without a gradient on a rank
+  contributes zeros and a flag 0; the flags are summed with the gradients. A
+  parameter no rank used keeps ``grad = None`` (so momentum and weight decay do
+  not move it, as in one process); one used by some ranks gets the average over
+  all ranks, as DDP does.
+* Every step also sums ``(samples, active ranks, gradient flags, buffer flags)``:
+  slots at the end of the last bucket (or a separate float64 all-reduce when that
+  bucket is compressed). The global sample count is exact, and a rank that has
+  run out of data (:meth:`join`) contributes zeros without biasing the average,
+  which is taken over the active ranks only. Buffers that changed on any rank
+  (BatchNorm statistics) are then averaged (:mod:`bunsan.algorithms.buffers`).
 * After the step a parameter's ``.grad`` is a view of its bucket: the reduced
   gradient is not copied back, and the next backward's gradient is copied in
   with the division by the world size fused into the copy.
@@ -64,8 +75,8 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)  # positions whose gradient is in ``buffer``
     work: Any = None
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
-    with_meta: Tensor | None = None  # ``buffer`` plus two trailing slots, one allocation
-    meta: Tensor | None = None  # the two slots: (samples, active ranks)
+    with_meta: Tensor | None = None  # ``buffer`` plus the metadata slots, one allocation
+    meta: Tensor | None = None  # the slots: samples, active ranks, gradient flags, buffer flags
 
 
 Segment = tuple[int, int, int]  # (offset in the bucket, length, offset in the stripe's payload)
@@ -129,8 +140,12 @@ class _Stripes:
     work: Any = None
 
 
-def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -> list[_Bucket]:
-    """Group parameters into buckets, last layers first (their gradients are ready first)."""
+def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int, meta_slots: int = 2) -> list[_Bucket]:
+    """Group parameters into buckets, last layers first (their gradients are ready first).
+
+    Every bucket's storage has ``meta_slots`` trailing elements; only the last
+    bucket's are used (see :meth:`DataParallelSGD.setup`).
+    """
     buckets: list[_Bucket] = []
     current: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -144,7 +159,7 @@ def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int) -
         for _, p in members:
             offsets.append(total)
             total += p.numel()
-        storage = torch.zeros(total + 2, dtype=key[0], device=key[1])
+        storage = torch.zeros(total + meta_slots, dtype=key[0], device=key[1])
         buckets.append(_Bucket(len(buckets), [n for n, _ in members], [p for _, p in members], offsets,
                                storage[:total], with_meta=storage, meta=storage[total:]))
 
@@ -270,11 +285,14 @@ class DataParallelSGD(Algorithm):
         self._where: dict[Tensor, tuple[_Bucket, int]] = {}
         self._next_launch = 0
         self._accumulating = False
-        self._reduce_again = False  # a gradient changed after its bucket had left
-        self._warned_double_backward = False
         self._hook_handles: list[Any] = []
-        self._round: tuple[int, float] | None = None  # (samples, active) of a round started in step()
+        self._round: tuple[int, float] | None = None  # (samples, active) of the round under way
         self._separate_meta: Tensor | None = None
+        self._index: dict[Tensor, int] = {}  # parameter -> its gradient flag's position
+        self._has_grad: list[float] = []  # this round: 1.0 where this rank sends a gradient
+        self._callback_queued = False  # the current backward will complete the exchange
+        self._exchanged = False  # an exchange completed since the last optimizer step
+        self._last_quantized = False  # that exchange was quantized (momentum already applied)
 
     def __repr__(self) -> str:
         rotate = ", rotate=True" if self.rotate else ""
@@ -309,9 +327,9 @@ class DataParallelSGD(Algorithm):
         super().setup(named_params)
         for handle in self._hook_handles:
             handle.remove()
-        self._buckets = _build_buckets(self.named_params, int(self.bucket_size_mb * 2**20))
-        # The per-step (samples, active ranks) count rides in the last bucket when that
-        # bucket travels uncompressed in float32/64 (exact for counts below 2**24);
+        self._buckets = _build_buckets(self.named_params, int(self.bucket_size_mb * 2**20), self._meta_slots())
+        # The per-step metadata (samples, active ranks, flags) rides in the last bucket when
+        # that bucket travels uncompressed in float32/64 (exact for counts below 2**24);
         # otherwise it is a separate small float64 all-reduce.
         last = self._buckets[-1] if self._buckets else None
         rides = (
@@ -324,8 +342,10 @@ class DataParallelSGD(Algorithm):
             if bucket is not last or not rides:
                 bucket.with_meta = bucket.meta = None
         device = last.buffer.device if last is not None else torch.device("cpu")
-        self._separate_meta = None if rides else torch.zeros(2, dtype=torch.float64, device=device)
+        self._separate_meta = None if rides else torch.zeros(self._meta_slots(), dtype=torch.float64, device=device)
         self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._index = {p: k for k, (_, p) in enumerate(self.named_params)}
+        self._has_grad = [0.0] * len(self.named_params)
         self._name_of = {p: n for n, p in self.named_params}
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         if self._quantizer is not None:
@@ -333,6 +353,20 @@ class DataParallelSGD(Algorithm):
             if self._loaded_residuals is not None:
                 self._apply_loaded_residuals()
         self._update_mode()
+
+    def remove_hooks(self) -> None:
+        """Stop exchanging gradients in backward (the block algorithms' warm start has ended)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def setup_buffers(self, modules: Sequence[tuple[str, Any, list[str]]]) -> None:
+        super().setup_buffers(modules)
+        if self._buckets:  # the metadata slots depend on the number of buffer modules
+            self.setup(self.named_params)
+
+    def _meta_slots(self) -> int:
+        return 2 + len(self.named_params) + (len(self.buffer_sync) if self.buffer_sync is not None else 0)
 
     def _build_stripes(self, bucket: _Bucket) -> _Stripes:
         assert self._quantizer is not None
@@ -371,19 +405,21 @@ class DataParallelSGD(Algorithm):
     def _on_grad_ready(self, p: Tensor) -> None:
         if self._accumulating or p not in self._where:
             return
+        if not self._callback_queued:
+            # The first gradient of this backward: finish the exchange when the
+            # engine is done, before loss.backward() returns (as DDP does).
+            self._callback_queued = True
+            self._round = (self._take_local_samples(), 1.0)
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         bucket, i = self._where[p]
-        if bucket.work is not None:  # a second backward without no_sync(): reduce again in step()
-            if self._is_view(bucket, i, p.grad):
-                raise RuntimeError(
-                    "a gradient was accumulated into a buffer that was being all-reduced: run all but the "
-                    "last backward pass of a step inside `with optimizer.no_sync():`"
-                )
-            self._reduce_again = True
-            return
         self._copy_in(bucket, i)
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params):
             self._launch_in_order()
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self._exchange(active=True)
 
     @staticmethod
     def _view(bucket: _Bucket, i: int) -> Tensor:
@@ -401,6 +437,7 @@ class DataParallelSGD(Algorithm):
         """
         p = bucket.params[i]
         grad, view = p.grad, self._view(bucket, i)
+        self._has_grad[self._index[p]] = 0.0 if grad is None else 1.0
         group = self._momentum_group(p) if grad is not None else None
         if group is not None:
             torch.div(self._momentum_step(p, grad, group), self.world_size, out=view)
@@ -481,9 +518,17 @@ class DataParallelSGD(Algorithm):
         else:
             bucket.wire = bucket.buffer.to(dtype)
         if bucket.meta is not None:
-            samples, active = self._round if self._round is not None else (self._pending_samples, 1.0)
-            bucket.meta[0], bucket.meta[1] = float(samples), float(active)
+            self._fill_meta(bucket.meta)
         bucket.work = all_reduce(bucket.wire, group=self.group, async_op=True, traffic=self.traffic)
+
+    def _fill_meta(self, meta: Tensor) -> None:
+        """This rank's (samples, active, gradient flags, buffer flags), in ``meta``'s dtype."""
+        assert self._round is not None
+        samples, active = self._round
+        values = [float(samples), float(active), *self._has_grad]
+        if self.buffer_sync is not None:
+            values += self.buffer_sync.changed() if active else [0.0] * len(self.buffer_sync)
+        meta.copy_(torch.tensor(values, dtype=meta.dtype))
 
     def _launch_stripes(self, bucket: _Bucket) -> None:
         """Phase 1: quantize every stripe (with this rank's residual) and send it to its owner."""
@@ -554,21 +599,28 @@ class DataParallelSGD(Algorithm):
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
 
     # -- in optimizer.step() ------------------------------------------------------
-    def _exchange(self, local_samples: int, active: bool) -> int:
-        """One synchronization round: all buckets and the (samples, active ranks) count."""
-        self._round = (local_samples, 1.0 if active else 0.0)
+    def _exchange(self, *, active: bool) -> int:
+        """Complete one synchronization round: all buckets and the metadata.
+
+        Started by the gradient hooks during backward (``self._round`` is set) or,
+        when no backward reached a parameter on this rank, here. Returns the number
+        of ranks that trained in this round.
+        """
+        if self._round is None:
+            self._round = (self._take_local_samples() if active else 0, 1.0 if active else 0.0)
         for bucket in self._buckets[self._next_launch :]:
             for i in range(len(bucket.params)):
                 if i not in bucket.ready:
                     if active:
-                        self._copy_in(bucket, i)
+                        self._copy_in(bucket, i)  # an unreached parameter: its gradient, or zeros
                     else:
                         self._view(bucket, i).zero_()
+                        self._has_grad[self._index[bucket.params[i]]] = 0.0
             bucket.ready = set(range(len(bucket.params)))
         self._launch_in_order()
         meta_work = None
         if self._separate_meta is not None:
-            self._separate_meta.copy_(torch.tensor(self._round, dtype=torch.float64))
+            self._fill_meta(self._separate_meta)
             meta_work = all_reduce(self._separate_meta, group=self.group, async_op=True, traffic=self.traffic)
         quantized = self.quantizing
         sent_before = self.traffic.sent
@@ -579,8 +631,11 @@ class DataParallelSGD(Algorithm):
         self._round = None
         meta = self._separate_meta if self._separate_meta is not None else self._buckets[-1].meta
         assert meta is not None
-        self.samples += int(round(meta[0].item()))
-        n_active = int(round(meta[1].item()))
+        sums = meta.tolist()
+        self.samples += int(round(sums[0]))
+        n_active = int(round(sums[1]))
+        n_params = len(self.named_params)
+        used = sums[2 : 2 + n_params]
         if quantized:
             self._finish_stripes(n_active)  # also does the scaling to the active ranks
             self._quantized_bytes += self.traffic.sent - sent_before
@@ -592,38 +647,37 @@ class DataParallelSGD(Algorithm):
                 if scale is not None:
                     bucket.buffer.mul_(scale)
                 for i, p in enumerate(bucket.params):
-                    p.grad = self._view(bucket, i)  # no copy back: the gradient is the reduced buffer
+                    if used[self._index[p]] > 0:
+                        p.grad = self._view(bucket, i)  # no copy back: the gradient is the reduced buffer
+                    # else: no rank had a gradient for p; it keeps grad None, as in one process
+        if self.buffer_sync is not None:
+            self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active)
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.wire = set(), None, None
         self._next_launch = 0
+        self._exchanged = True
+        self._last_quantized = quantized and active
         self._update_mode()  # the same global count on every rank: the same decision
         return n_active
 
+    def complete_exchange(self) -> None:
+        """Collective. Run this step's exchange now if no backward has completed one."""
+        if not self._exchanged:
+            if self._callback_queued:
+                raise RuntimeError("optimizer.synchronize() was called during backward")
+            self._exchange(active=True)
+
     def reduce_gradients(self) -> None:
-        if self._reduce_again:
-            # Gradients were accumulated over several backward passes after their
-            # buckets had left: discard the early all-reduces and send the sums.
-            for bucket in self._buckets:
-                wait(bucket.work, "gradient all-reduce")
-                bucket.ready, bucket.work, bucket.wire = set(), None, None
-            self._next_launch = 0
-            self._reduce_again = False
-            if not self._warned_double_backward:
-                self._warned_double_backward = True
-                warnings.warn(
-                    "several backward passes before one optimizer step: gradients were sent twice. "
-                    "Run all but the last backward inside `with optimizer.no_sync():`",
-                    stacklevel=3,
-                )
-        quantized = self.quantizing  # _exchange decides the next step's mode
-        self._exchange(self._take_local_samples(), active=True)
-        if quantized:
-            self._hold_momentum()
+        """Collective (in ``optimizer.step()``). The exchange normally completed in backward already."""
+        self.complete_exchange()
+        self._exchanged = False
+        if self._last_quantized:
+            self._hold_momentum()  # the workers applied momentum before compression
 
     def join(self) -> None:
         """Collective. Answer the other ranks' gradient exchanges with zeros until all have joined."""
-        while self._exchange(0, active=False) > 0:
-            pass
+        while self._exchange(active=False) > 0:
+            self._exchanged = False
 
     # -- measurement and state ------------------------------------------------------
     def stats(self) -> dict[str, float]:

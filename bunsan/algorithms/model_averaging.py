@@ -9,7 +9,7 @@ It is BMUF (:mod:`bunsan.algorithms.block_momentum`) with the filter turned off:
 ``bm = 0`` and ``zeta = 1`` give ``W = W_start + mean_i(w_i - W_start) =
 mean_i(w_i)``, whatever the number of samples in a block. It shares all of
 :class:`~bunsan.algorithms.block_momentum.BlockwiseSGD`'s machinery: warm start,
-uneven data (:meth:`join`), :meth:`synchronize`, checkpoints.
+uneven data (:meth:`join`), :meth:`sync_replicas`, checkpoints.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ModelAveragingSGD(BlockwiseSGD):
 
     Call ``optimizer.join()`` on every rank after the training loop (it averages
     the last partial block and handles ranks whose data ended early; afterwards
-    every replica is equal), and ``optimizer.synchronize()`` on every rank to
+    every replica is equal), and ``optimizer.sync_replicas()`` on every rank to
     average now, e.g. before evaluating in the middle of training.
 
     Args:

@@ -773,7 +773,7 @@ class TrainingSession:
                 # from the restoring session's arguments, so a run can be extended.
                 self._stopped = "cross_validation" if stop == "cross_validation" else None
                 if ckpt is not None and (stop or (_crossed(before, self.samples, ckpt.every) if ckpt.every else epoch_done)):
-                    # The last checkpoint comes before join() and synchronize(): a run restored
+                    # The last checkpoint comes before join() and sync_replicas(): a run restored
                     # from it continues the trajectory of one that never stopped.
                     self._save()
                 if epoch_summary is not None:
@@ -786,9 +786,9 @@ class TrainingSession:
                     raise RuntimeError("no minibatch could be planned; this is a bug in bunsan")
         seconds = time.perf_counter() - started
         # Uneven data cannot happen here (every rank runs the same steps), but join()
-        # is the contract's clean end; synchronize() brings block algorithms' replicas together.
+        # is the contract's clean end; sync_replicas() brings block algorithms' replicas together.
         self.optimizer.join()
-        self.optimizer.synchronize()
+        self.optimizer.sync_replicas()
         epochs = list(self.epochs)
         if self.position > 0:
             # Collective: every rank has the same position, so all of them enter.

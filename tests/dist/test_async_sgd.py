@@ -213,7 +213,7 @@ def _body_synchronize(rank: int, world_size: int) -> None:
     model, optimizer = _build(algorithm)
     for x, y in _data(rank, 4 + 3 * rank):
         _step(model, optimizer, x, y)
-    optimizer.synchronize()
+    optimizer.sync_replicas()
     models = all_gather_object(_flat(model))
     assert torch.equal(models[0], models[1])
     if rank == 0:

@@ -251,7 +251,7 @@ def test_uneven_data_four_workers(workers4):
         assert r["diff"] <= 1e-6
 
 
-# -- synchronize() ----------------------------------------------------------------------
+# -- sync_replicas() ----------------------------------------------------------------------
 def _body_synchronize(rank, world_size, warm_start):
     model = nn.Linear(4, 2)
     algorithm = BlockMomentumSGD(block_size=12, warm_start=warm_start)
@@ -263,7 +263,7 @@ def _body_synchronize(rank, world_size, warm_start):
         optimizer.step()
         if i in (1, 4):  # mid-block (blocks hold 3 minibatches)
             sent = algorithm.traffic.sent
-            optimizer.synchronize()
+            optimizer.sync_replicas()
             out.append((_flat(model).tolist(), algorithm.traffic.sent - sent, algorithm.block_steps))
     optimizer.join()
     return out, _flat(model).tolist()

@@ -71,9 +71,12 @@ def test_fp16_compression_close_to_exact(workers):
 
 def test_stats_count_bytes_and_samples(workers):
     n_params = sum(p.numel() for p in _net().parameters())
-    # A ring all-reduce over 2 ranks sends the message once. The (samples, active) count
-    # rides as two float32 slots in an uncompressed bucket, else as 2 float64 of its own.
-    for compression, per_step in ((None, (n_params + 2) * 4), ("fp16", n_params * 2 + 16)):
+    n_tensors = len(list(_net().parameters()))
+    # A ring all-reduce over 2 ranks sends the message once. The metadata (samples, active
+    # ranks, one gradient flag per parameter tensor) rides as float32 slots in an
+    # uncompressed bucket, else as float64 values of its own.
+    meta = 2 + n_tensors
+    for compression, per_step in ((None, (n_params + meta) * 4), ("fp16", n_params * 2 + meta * 8)):
         results = workers.run(f"{__name__}:_body_equivalence", steps=5, batch=4, compression=compression, bucket_size_mb=25.0)
         for _, _, stats in results:
             assert stats["bytes_sent_per_step"] == per_step

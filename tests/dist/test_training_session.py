@@ -132,9 +132,14 @@ def test_resumed_run_equals_uninterrupted_run(workers, tmp_path, algorithm, opti
     results = workers.run(f"{__name__}:_body_exact_resume", tmp=str(tmp_path), algorithm=algorithm, options=options,
                           stop=stop)
     for result in results:
-        assert result["diff"] <= 1e-7
-        straight_losses, resumed_losses = result["epoch_losses"]
-        assert straight_losses == resumed_losses  # the epoch sums survive a mid-epoch restore
+        if algorithm != "async":
+            # AsyncSGD applies updates in arrival order, which the OS scheduler decides: two
+            # runs (resumed or not) of 2 asynchronous workers need not take the same path.
+            # Its resume is checked by the counts and the callback state below, and by
+            # tests/dist/test_async_sgd.py::test_state_round_trip.
+            assert result["diff"] <= 1e-7
+            straight_losses, resumed_losses = result["epoch_losses"]
+            assert straight_losses == resumed_losses  # the epoch sums survive a mid-epoch restore
         assert result["lr"][0] == result["lr"][1]  # the callback's halvings were checkpointed
         assert result["calls"][0] == result["calls"][1] == {"calls": 5}
         assert result["samples"][0] == result["samples"][1] == 4 * 66
