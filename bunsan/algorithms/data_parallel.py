@@ -39,6 +39,7 @@ Distributed invariants kept here:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -77,6 +78,8 @@ class _Bucket:
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
     with_meta: Tensor | None = None  # ``buffer`` plus the metadata slots, one allocation
     meta: Tensor | None = None  # the slots: samples, active ranks, gradient flags, buffer flags
+    views: list[Tensor] = field(default_factory=list)  # each parameter's gradient slot in ``buffer``
+    indices: list[int] = field(default_factory=list)  # each parameter's position in the gradient flags
 
 
 Segment = tuple[int, int, int]  # (offset in the bucket, length, offset in the stripe's payload)
@@ -282,7 +285,6 @@ class DataParallelSGD(Algorithm):
         self._exact_bytes = 0  # what the quantized steps would have sent at 32 bits
         self._quantized_bytes = 0
         self._buckets: list[_Bucket] = []
-        self._where: dict[Tensor, tuple[_Bucket, int]] = {}
         self._next_launch = 0
         self._accumulating = False
         self._hook_handles: list[Any] = []
@@ -343,11 +345,18 @@ class DataParallelSGD(Algorithm):
                 bucket.with_meta = bucket.meta = None
         device = last.buffer.device if last is not None else torch.device("cpu")
         self._separate_meta = None if rides else torch.zeros(self._meta_slots(), dtype=torch.float64, device=device)
-        self._where = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._index = {p: k for k, (_, p) in enumerate(self.named_params)}
         self._has_grad = [0.0] * len(self.named_params)
+        self._n = self.world_size
+        for b in self._buckets:
+            b.views = [b.buffer[offset : offset + p.numel()].view_as(p) for p, offset in zip(b.params, b.offsets)]
+            b.indices = [self._index[p] for p in b.params]
         self._name_of = {p: n for n, p in self.named_params}
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # Each hook knows its bucket and slot: no dictionary lookup per gradient.
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
+            for b in self._buckets for i, p in enumerate(b.params)
+        ]
         if self._quantizer is not None:
             self._stripes = {b.index: self._build_stripes(b) for b in self._buckets}
             if self._loaded_residuals is not None:
@@ -402,8 +411,8 @@ class DataParallelSGD(Algorithm):
         self._accumulating = False
 
     # -- during backward ----------------------------------------------------------
-    def _on_grad_ready(self, p: Tensor) -> None:
-        if self._accumulating or p not in self._where:
+    def _on_grad_ready(self, bucket: _Bucket, i: int, p: Tensor) -> None:
+        if self._accumulating:
             return
         if not self._callback_queued:
             # The first gradient of this backward: finish the exchange when the
@@ -411,7 +420,6 @@ class DataParallelSGD(Algorithm):
             self._callback_queued = True
             self._round = (self._take_local_samples(), 1.0)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        bucket, i = self._where[p]
         self._copy_in(bucket, i)
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params):
@@ -423,11 +431,10 @@ class DataParallelSGD(Algorithm):
 
     @staticmethod
     def _view(bucket: _Bucket, i: int) -> Tensor:
-        p, offset = bucket.params[i], bucket.offsets[i]
-        return bucket.buffer[offset : offset + p.numel()].view_as(p)
+        return bucket.views[i]
 
     def _is_view(self, bucket: _Bucket, i: int, grad: Tensor | None) -> bool:
-        return grad is not None and grad.data_ptr() == self._view(bucket, i).data_ptr()
+        return grad is not None and grad.data_ptr() == bucket.views[i].data_ptr()
 
     def _copy_in(self, bucket: _Bucket, i: int) -> None:
         """Put this rank's gradient, divided by the world size, into the bucket.
@@ -436,17 +443,19 @@ class DataParallelSGD(Algorithm):
         the mean would not; fused with the copy it costs no extra pass.
         """
         p = bucket.params[i]
-        grad, view = p.grad, self._view(bucket, i)
-        self._has_grad[self._index[p]] = 0.0 if grad is None else 1.0
-        group = self._momentum_group(p) if grad is not None else None
-        if group is not None:
-            torch.div(self._momentum_step(p, grad, group), self.world_size, out=view)
-        elif grad is None:
+        grad, view = p.grad, bucket.views[i]
+        if grad is None:
+            self._has_grad[bucket.indices[i]] = 0.0
             view.zero_()  # an unused parameter contributes zeros on this rank
-        elif self._is_view(bucket, i, grad):
-            view.div_(self.world_size)  # the gradient already lives in the bucket
+            return
+        self._has_grad[bucket.indices[i]] = 1.0
+        group = self._momentum_group(p) if self.quantizing else None
+        if group is not None:
+            torch.div(self._momentum_step(p, grad, group), self._n, out=view)
+        elif grad.data_ptr() == view.data_ptr():
+            view.div_(self._n)  # the gradient already lives in the bucket
         else:
-            torch.div(grad, self.world_size, out=view)
+            torch.div(grad, self._n, out=view)
 
     def _momentum_group(self, p: Tensor) -> dict[str, Any] | None:
         """The SGD param group whose momentum this worker applies before compression, if any."""
@@ -614,8 +623,8 @@ class DataParallelSGD(Algorithm):
                     if active:
                         self._copy_in(bucket, i)  # an unreached parameter: its gradient, or zeros
                     else:
-                        self._view(bucket, i).zero_()
-                        self._has_grad[self._index[bucket.params[i]]] = 0.0
+                        bucket.views[i].zero_()
+                        self._has_grad[bucket.indices[i]] = 0.0
             bucket.ready = set(range(len(bucket.params)))
         self._launch_in_order()
         meta_work = None
@@ -647,8 +656,10 @@ class DataParallelSGD(Algorithm):
                 if scale is not None:
                     bucket.buffer.mul_(scale)
                 for i, p in enumerate(bucket.params):
-                    if used[self._index[p]] > 0:
-                        p.grad = self._view(bucket, i)  # no copy back: the gradient is the reduced buffer
+                    if used[bucket.indices[i]] > 0:
+                        view = bucket.views[i]
+                        if p.grad is not view:
+                            p.grad = view  # no copy back: the gradient is the reduced buffer
                     # else: no rank had a gradient for p; it keeps grad None, as in one process
         if self.buffer_sync is not None:
             self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active)
