@@ -249,8 +249,14 @@ class _SampleCounter:
         return (_SampleCounter, (_Attachment(None),))
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.attachment.algorithm is None or not (module.training and torch.is_grad_enabled()):
+        algorithm = self.attachment.algorithm
+        if algorithm is None or not (module.training and torch.is_grad_enabled()):
             return
+        # DDP's attribute, set by scripts written for it (nanoGPT toggles it per micro-step):
+        # honoured the same way, read at forward time for the backward that follows.
+        sync = module.__dict__.get("require_backward_grad_sync")
+        if sync is not None:
+            algorithm.set_gradient_sync(bool(sync))
         first = _first_tensor(args, kwargs)
         self._pending.append(first.shape[0] if first is not None and first.dim() > 0 else 0)
 

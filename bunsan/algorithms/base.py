@@ -143,6 +143,13 @@ class Algorithm:
     def sync_replicas(self) -> None:
         """Collective. Bring every replica to the same model now."""
 
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward exchanges gradients (DDP's ``require_backward_grad_sync``)."""
+        if enabled:
+            self.end_accumulation()
+        else:
+            self.begin_accumulation()
+
     def begin_accumulation(self) -> None:
         """Gradients of the next backward passes must not be communicated yet (``no_sync``)."""
 

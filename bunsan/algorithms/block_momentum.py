@@ -336,6 +336,14 @@ class BlockwiseSGD(Algorithm):
         else:
             super().count_samples(n)
 
+    def begin_accumulation(self) -> None:
+        if self._warm is not None:
+            self._warm.begin_accumulation()
+
+    def end_accumulation(self) -> None:
+        if self._warm is not None:
+            self._warm.end_accumulation()
+
     def _sync_warm_counts(self) -> None:
         """Start the warm engine's counters from this algorithm's."""
         assert self._warm is not None

@@ -594,3 +594,63 @@ def test_broadcast_false_checks_that_ranks_start_equal(workers):
     messages = workers.run(f"{__name__}:_body_no_broadcast", same=False, check=True)
     assert all(m is not None and "different values on different ranks" in m for m in messages)
     assert workers.run(f"{__name__}:_body_no_broadcast", same=False, check=False) == [None, None]
+
+
+# -- a nanoGPT-style loop, as written for DDP ------------------------------------------------
+class _TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 16, d: int = 32, block: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block), persistent=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(t))
+        logits = self.head(self.blocks(h, mask=self.mask[:t, :t], is_causal=True))
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def _body_nanogpt(rank, world_size, wrap):
+    """nanoGPT's train loop shape: AdamW with decay groups, bf16 autocast, accumulation by
+    ``require_backward_grad_sync``, clipping, a cosine learning rate set by hand."""
+    torch.manual_seed(0)
+    raw = _TinyGPT()
+    decay = [p for n, p in raw.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in raw.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95))
+    if wrap == "bunsan":
+        model, optimizer = bunsan.distribute(raw, optimizer)
+    else:
+        model = DistributedDataParallel(raw)
+    g = torch.Generator().manual_seed(3)
+    accumulation, iters = 2, 5
+    for it in range(iters):
+        lr = 1e-3 * 0.5 * (1 + math.cos(math.pi * it / iters))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(accumulation):
+            x = torch.randint(0, 16, (2 * world_size, 8), generator=g)[rank::world_size]
+            y = torch.roll(x, -1, dims=1)
+            model.require_backward_grad_sync = micro == accumulation - 1
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            (loss / accumulation).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sent = optimizer.algorithm.stats()["collectives"] if wrap == "bunsan" else None
+    return _flat(raw).tolist(), sent
+
+
+def test_nanogpt_style_loop_equals_ddp(workers):
+    bunsan_runs = workers.run(f"{__name__}:_body_nanogpt", wrap="bunsan")
+    ddp_runs = workers.run(f"{__name__}:_body_nanogpt", wrap="ddp")
+    for (ours, collectives), (theirs, _) in zip(bunsan_runs, ddp_runs):
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-5
+        assert collectives == 5  # one exchange per iteration: the first micro-step sent nothing
+    assert bunsan_runs[0][0] == bunsan_runs[1][0]
