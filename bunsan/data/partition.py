@@ -172,6 +172,20 @@ class Partition(Sampler[int]):
     ``DistributedSampler``, or let :func:`bunsan.data.loader` do it. The
     order depends only on ``(seed, epoch)``, never on global random state.
 
+    It takes the place of ``DistributedSampler`` in any ``DataLoader``::
+
+        sampler = bunsan.data.Partition(train_set, shuffle=True, seed=0)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=64, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader: ...
+
+    ``DistributedSampler``'s keyword ``num_replicas`` is accepted for
+    ``world_size``, and its attributes ``num_replicas``, ``total_size`` and
+    ``dataset`` exist. One difference: ``num_samples`` here is the length of
+    the whole data set; ``DistributedSampler.num_samples`` (this worker's
+    share) is :attr:`shard_size`.
+
     Args:
         dataset_or_len: A sized dataset, or its length as an int.
         rank: This worker; ``None`` means the rank in the default process
@@ -181,8 +195,10 @@ class Partition(Sampler[int]):
         shuffle: Reshuffle every epoch.
         seed: Shuffle seed; must be the same on every rank.
         drop_last: Drop the ``len % world_size`` remainder instead of padding.
+        num_replicas: ``DistributedSampler``'s name for ``world_size``; give one of the two.
 
     Attributes:
+        dataset: The data set given, or ``None`` when a length was given.
         num_samples: Length of the whole dataset.
         shard_size: Samples this worker gets per epoch, the same on every worker.
         epoch: The epoch the next iteration yields.
@@ -198,7 +214,17 @@ class Partition(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        num_replicas: int | None = None,
     ) -> None:
+        if num_replicas is not None:
+            if world_size is not None and world_size != num_replicas:
+                raise ValueError(
+                    f"world_size={world_size} and num_replicas={num_replicas} disagree; "
+                    "they are the same thing: give one of them"
+                )
+            world_size = num_replicas
+        self.dataset = dataset_or_len if isinstance(dataset_or_len, Sized) else None
         if isinstance(dataset_or_len, Sized):
             num_samples = len(dataset_or_len)
         elif isinstance(dataset_or_len, bool) or not hasattr(dataset_or_len, "__index__"):
@@ -219,6 +245,16 @@ class Partition(Sampler[int]):
         self.shard_size = shard_size(self.num_samples, self.world_size, self.drop_last)
         self.epoch = 0
         self.start = 0
+
+    @property
+    def num_replicas(self) -> int:
+        """``DistributedSampler``'s name for :attr:`world_size`."""
+        return self.world_size
+
+    @property
+    def total_size(self) -> int:
+        """Samples of one epoch over all workers, padding included (as ``DistributedSampler.total_size``)."""
+        return self.shard_size * self.world_size
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Make the next iterations yield ``epoch``'s shard, skipping its first ``start`` samples.
