@@ -27,10 +27,19 @@ __all__ = ["Partition", "epoch_order", "shard_indices", "shard_size"]
 def _default_rank_size() -> tuple[int, int]:
     """Return this worker's ``(rank, world_size)``, or ``(0, 1)`` outside a job.
 
-    The one place of ``bunsan.data`` that asks for the defaults.
+    The one place of ``bunsan.data`` that asks for the defaults. A script
+    started by a launcher as a job of several workers that builds its loader
+    before ``bunsan.init()`` (a port that kept its DataLoader line first) joins
+    the job here, as :func:`bunsan.distribute` does: otherwise every worker
+    would silently train on all of the data as a job of one.
     """
-    from bunsan.comm import get_rank, get_world_size
+    from bunsan.comm import get_rank, get_world_size, is_initialized
 
+    if not is_initialized():
+        from bunsan import runtime
+
+        if runtime.detect_environment().world_size > 1:
+            runtime.init()
     return get_rank(), get_world_size()
 
 
@@ -189,7 +198,8 @@ class Partition(Sampler[int]):
     Args:
         dataset_or_len: A sized dataset, or its length as an int.
         rank: This worker; ``None`` means the rank in the default process
-            group (0 when there is none).
+            group (0 when there is none; a launcher's job of several workers
+            is joined first, as by :func:`bunsan.init`).
         world_size: Number of workers; ``None`` means the default group's size
             (1 when there is none).
         shuffle: Reshuffle every epoch.
