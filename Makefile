@@ -28,7 +28,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -m "not gpu"
 
 bench: $(STAMP)
-	$(VENV)/bin/bunsan run -np 2 benchmarks/ddp_overhead.py
+	$(VENV)/bin/bunsan run -np 2 $(PY) -m bunsan.bench.ddp_overhead
 
 clean:
 	rm -rf $(VENV) build *.egg-info
