@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bunsan-installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all bench golden golden-update bench-docs bench-docs-dry-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/bunsan run -np 2 $(PY) -m bunsan.bench.ddp_overhead
+
+# Golden runs (tests/golden): short deterministic trainings stored in tests/golden/values.json.
+# `make test` checks them; after an intended change in training dynamics, regenerate and commit.
+golden: $(STAMP)
+	$(PY) -m tests.golden --verbose
+
+golden-update: $(STAMP)
+	$(PY) -m tests.golden --update --verbose
 
 clean:
 	rm -rf $(VENV) build *.egg-info
