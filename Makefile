@@ -38,5 +38,14 @@ golden: $(STAMP)
 golden-update: $(STAMP)
 	$(PY) -m tests.golden --update --verbose
 
+# Every benchmark table and plot of README.md and docs/benchmarks.md, measured again at this
+# commit and written between their <!-- bench:NAME --> markers (bunsan/bench/report.py).
+# Estimated ~18 min on the 2-core machine of the docs; the network blocks need root.
+bench-docs: $(STAMP)
+	$(PY) -m bunsan.bench.report
+
+bench-docs-dry-run: $(STAMP)
+	$(PY) -m bunsan.bench.report --dry-run
+
 clean:
 	rm -rf $(VENV) build *.egg-info
