@@ -116,7 +116,8 @@ def job_table(path: Path, columns: Sequence[str], keep: Callable[[list[str], dic
     for row in doc["table"]:
         by_name = {name: row[i] for name, i in index.items()}
         if keep is None or keep(row, by_name):
-            rows.append([value for _, value in prefix] + [by_name[c] for c in columns])
+            # The text tables print "mean +- spread"; Markdown gets the sign.
+            rows.append([value for _, value in prefix] + [by_name[c].replace(" +- ", " ± ") for c in columns])
     return [name for name, _ in prefix] + list(columns), rows
 
 
