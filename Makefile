@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bunsan-installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all bench golden golden-update bench-docs bench-docs-dry-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,24 @@ test-all: $(STAMP)
 	$(PY) -m pytest -m "not gpu"
 
 bench: $(STAMP)
-	$(VENV)/bin/bunsan run -np 2 benchmarks/ddp_overhead.py
+	$(VENV)/bin/bunsan run -np 2 $(PY) -m bunsan.bench.ddp_overhead
+
+# Golden runs (tests/golden): short deterministic trainings stored in tests/golden/values.json.
+# `make test` checks them; after an intended change in training dynamics, regenerate and commit.
+golden: $(STAMP)
+	$(PY) -m tests.golden --verbose
+
+golden-update: $(STAMP)
+	$(PY) -m tests.golden --update --verbose
+
+# Every benchmark table and plot of README.md and docs/benchmarks.md, measured again at this
+# commit and written between their <!-- bench:NAME --> markers (bunsan/bench/report.py).
+# Estimated ~18 min on the 2-core machine of the docs; the network blocks need root.
+bench-docs: $(STAMP)
+	$(PY) -m bunsan.bench.report
+
+bench-docs-dry-run: $(STAMP)
+	$(PY) -m bunsan.bench.report --dry-run
 
 clean:
 	rm -rf $(VENV) build *.egg-info

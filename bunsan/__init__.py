@@ -44,6 +44,13 @@ _EXPORTS: dict[str, str] = {
     "Test": "bunsan.train",
     "TrainingSession": "bunsan.train",
     "schedule": "bunsan.train",
+    "RankFilter": "bunsan.console",
+    "print": "bunsan.console",
+    "rank_zero_only": "bunsan.console",
+    "broadcast_optimizer_state": "bunsan.sync",
+    "broadcast_parameters": "bunsan.sync",
+    "all_reduce_metrics": "bunsan.evaluation",
+    "evaluate": "bunsan.evaluation",
     "algorithms": "",
     "comm": "",
     "data": "",
@@ -56,7 +63,9 @@ _EXPORTS: dict[str, str] = {
     "train": "",
 }
 
-__all__ = sorted(_EXPORTS)
+# `print` is bunsan.print, not part of `from bunsan import *`: that would silently
+# turn every print of the importing script into a rank-0 print.
+__all__ = sorted(set(_EXPORTS) - {"print"})
 
 
 def __getattr__(name: str) -> Any:
@@ -76,6 +85,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, AsyncSGD, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
+    from bunsan.console import RankFilter, print, rank_zero_only
+    from bunsan.evaluation import all_reduce_metrics, evaluate
+    from bunsan.sync import broadcast_optimizer_state, broadcast_parameters
     from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule
     from bunsan.runtime import (
         device,

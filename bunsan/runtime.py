@@ -230,9 +230,10 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
     Returns:
         This process's :class:`WorldInfo`.
 
-    On CPU each worker uses one intra-op thread unless ``OMP_NUM_THREADS`` is set:
-    several workers on one machine each using every core slowed a step 15x on a
-    2-core machine.
+    On CPU each worker of a job of several (or of any job ``bunsan run`` started)
+    uses one intra-op thread unless ``OMP_NUM_THREADS`` is set: several workers on
+    one machine each using every core slowed a step 15x on a 2-core machine. A
+    lone process keeps torch's default.
     """
     if _state.info is not None:
         return _state.info
@@ -266,7 +267,10 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
         torch.cuda.set_device(_state.device)
     else:
         _state.device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:
+        # Several workers sharing a machine must not each use every core; a lone
+        # `python script.py` (a job of one that no launcher started) keeps torch's
+        # default threads. `bunsan run -np 1` still gets one thread, as documented.
+        if "OMP_NUM_THREADS" not in os.environ and (info.world_size > 1 or info.launcher == "bunsan"):
             torch.set_num_threads(1)
 
     master = _resolve_master(info) if info.world_size > 1 else "127.0.0.1"

@@ -4,20 +4,37 @@ Run on 2 workers::
 
     bunsan run -np 2 python -m bunsan.bench.ddp_overhead
     torchrun --nproc-per-node 2 -m bunsan.bench.ddp_overhead
+    bunsan run -np 2 python -m bunsan.bench.ddp_overhead --models many-small --profile 20   # where the time goes
 
 Both trainers live in the same processes, start from the same weights and take
-the same batches. Rounds alternate between them (DDP, bunsan, DDP, bunsan, ...)
-so that whatever else the machine is doing slows both alike; each round times
-``--steps`` steps, and the ratio of the medians over rounds is printed for each
-model. The ratio is the claim; absolute times depend on the machine's load.
+the same batches. Rounds alternate between them, and the one that goes first
+alternates too (DDP, bunsan, then bunsan, DDP, ...), so that whatever else the
+machine is doing slows both alike; each round times ``--steps`` steps. Printed
+per model: the median step time of each, ``ratio`` = the median over rounds of
+the paired ratio bunsan/DDP (with its minimum and maximum), and the largest
+difference between the two models' parameters at the end (0 when both did the
+same arithmetic). The ratio is the claim; absolute times depend on the
+machine's load.
+
+Models: two small ones (``digits-cnn``, ``mlp-1m``), ResNet-20 for CIFAR
+(272,474 parameters in 65 tensors, BatchNorm) and ``many-small``: 100 linear
+layers of 32x32, 200 parameter tensors of 4 KB or less, where per-tensor
+overheads (hooks, copies into buckets) dominate the step.
+
+``--profile N`` then runs N steps of each trainer under cProfile on rank 0 and
+prints the functions with the most own time: what makes one slower.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,20 +43,46 @@ from torch import nn
 import bunsan
 from bunsan.bench import write_json
 
-__all__ = ["main", "measure"]
+__all__ = ["ModelCase", "cases", "main", "measure", "profile"]
 
 
-def _models() -> dict[str, Callable[[], tuple[nn.Module, tuple[int, ...], int]]]:
-    from bunsan.models import DigitsCNN
+@dataclass(frozen=True)
+class ModelCase:
+    """A model of the benchmark: how to build it, its input shape, classes and default batch and steps."""
+
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    classes: int
+    batch: int
+    steps: int
+
+
+def _many_small(layers: int = 100, width: int = 32) -> nn.Module:
+    blocks: list[nn.Module] = []
+    for _ in range(layers - 1):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(width, 10))
+
+
+def cases() -> dict[str, ModelCase]:
+    from bunsan.models import DigitsCNN, ResNet20
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
+                             nn.Linear(256, 10))
 
     return {
-        "digits-cnn": lambda: (DigitsCNN(), (1, 8, 8), 10),
-        "mlp-1m": lambda: (nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256),
-                                         nn.ReLU(), nn.Linear(256, 10)), (1, 28, 28), 10),
+        "digits-cnn": ModelCase(DigitsCNN, (1, 8, 8), 10, 64, 20),
+        "mlp-1m": ModelCase(mlp, (1, 28, 28), 10, 64, 20),
+        "resnet20": ModelCase(ResNet20, (3, 32, 32), 10, 32, 5),
+        "many-small": ModelCase(_many_small, (32,), 10, 64, 20),
     }
 
 
-def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches) -> float:
     start = time.perf_counter()
     for x, y in batches:
         optimizer.zero_grad()
@@ -48,46 +91,107 @@ def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: li
     return (time.perf_counter() - start) / len(batches)
 
 
-def measure(name: str, batch: int, steps: int, rounds: int) -> dict[str, float]:
-    """Median step time of DDP and of bunsan's DataParallelSGD on model ``name``. Collective."""
-    build = _models()[name]
+def _pair(name: str, batch: int | None, steps: int | None) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module,
+                                                                   torch.optim.Optimizer, Batches, ModelCase]:
+    case = cases()[name]
+    batch = batch or case.batch
+    steps = steps or case.steps
     torch.manual_seed(0)
-    ddp_model, shape, classes = build()
-    ours, _, _ = build()
+    ddp_model = case.build()
+    ours = case.build()
     ours.load_state_dict(ddp_model.state_dict())
     ddp = nn.parallel.DistributedDataParallel(ddp_model)
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     ours, our_opt = bunsan.distribute(ours, torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9))
     g = torch.Generator().manual_seed(bunsan.rank())
-    batches = [(torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g)) for _ in range(steps)]
+    batches = [(torch.randn(batch, *case.input_shape, generator=g), torch.randint(0, case.classes, (batch,), generator=g))
+               for _ in range(steps)]
+    return ddp, ddp_opt, ours, our_opt, batches, case
+
+
+def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dict[str, float | int | str]:
+    """Step times of DDP and of bunsan's DataParallelSGD on model ``name``, alternating. Collective."""
+    ddp, ddp_opt, ours, our_opt, batches, case = _pair(name, batch, steps)
     _train_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
     _train_steps(ours, our_opt, batches[:3])
     ddp_times, our_times = [], []
-    for _ in range(rounds):
-        ddp_times.append(_train_steps(ddp, ddp_opt, batches))
-        our_times.append(_train_steps(ours, our_opt, batches))
-    ddp_ms, our_ms = statistics.median(ddp_times) * 1e3, statistics.median(our_times) * 1e3
-    return {"model": name, "batch": batch, "ddp_ms": ddp_ms, "bunsan_ms": our_ms, "ratio": our_ms / ddp_ms}
+    for r in range(rounds):
+        if r % 2 == 0:
+            ddp_times.append(_train_steps(ddp, ddp_opt, batches))
+            our_times.append(_train_steps(ours, our_opt, batches))
+        else:
+            our_times.append(_train_steps(ours, our_opt, batches))
+            ddp_times.append(_train_steps(ddp, ddp_opt, batches))
+    ratios = [o / d for o, d in zip(our_times, ddp_times, strict=True)]
+    with torch.no_grad():
+        pairs = zip(ddp.module.parameters(), ours.parameters(), strict=True)
+        diff = max(float((p - q).abs().max()) for p, q in pairs)
+    return {
+        "model": name,
+        "tensors": sum(1 for _ in ours.parameters()),
+        "parameters": sum(p.numel() for p in ours.parameters()),
+        "batch": len(batches[0][1]),
+        "steps": len(batches),
+        "rounds": rounds,
+        "ddp_ms": statistics.median(ddp_times) * 1e3,
+        "bunsan_ms": statistics.median(our_times) * 1e3,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "max_param_diff": diff,
+    }
+
+
+def profile(name: str, batch: int | None, steps: int, top: int = 25) -> str:
+    """cProfile of ``steps`` steps of each trainer (rank 0's view), most own time first. Collective."""
+    ddp, ddp_opt, ours, our_opt, batches, _ = _pair(name, batch, steps)
+    _train_steps(ddp, ddp_opt, batches[:3])
+    _train_steps(ours, our_opt, batches[:3])
+    report = io.StringIO()
+    for label, model, optimizer in (("DDP", ddp, ddp_opt), ("bunsan", ours, our_opt)):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        seconds = _train_steps(model, optimizer, batches)
+        profiler.disable()
+        report.write(f"\n=== {label} on {name}: {seconds * 1e3:.3f} ms/step over {len(batches)} steps "
+                     f"(under the profiler) ===\n")
+        pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(top)
+    return report.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.ddp_overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="digits-cnn,mlp-1m", help="comma-separated: " + ",".join(_models()))
-    parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
-    parser.add_argument("--steps", type=int, default=20, help="steps per round")
-    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per trainer")
+    parser.add_argument("--models", default="digits-cnn,mlp-1m,resnet20,many-small",
+                        help="comma-separated: " + ",".join(cases()))
+    parser.add_argument("--batch", type=int, help="per-worker batch (default: the model's, 32 for resnet20, else 64)")
+    parser.add_argument("--steps", type=int, help="steps per round (default: the model's, 5 for resnet20, else 20)")
+    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds per trainer")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N steps of each trainer with cProfile and print where the time goes")
     parser.add_argument("--json", help="also write the results to this file (rank 0)")
     args = parser.parse_args(argv)
+    names = args.models.split(",")
+    unknown = sorted(set(names) - set(cases()))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose among {sorted(cases())}")
+    if args.rounds < 1 or (args.batch is not None and args.batch < 1) or (args.steps is not None and args.steps < 1):
+        parser.error("--rounds, --batch and --steps must be >= 1")
     bunsan.init()
-    results = [measure(m, args.batch, args.steps, args.rounds) for m in args.models.split(",")]
+    results = [measure(m, args.batch, args.steps, args.rounds) for m in names]
     if bunsan.is_main():
-        print(f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} thread(s) each, "
-              f"median of {args.rounds} alternating rounds x {args.steps} steps")
-        print(f"{'model':<12} {'batch':>5} {'DDP ms/step':>12} {'bunsan ms/step':>15} {'ratio':>7}")
+        print(f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
+              f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round")
+        print(f"{'model':<11} {'tensors':>7} {'batch':>5} {'DDP ms/step':>12} {'bunsan ms/step':>15} {'ratio':>6} "
+              f"{'min':>6} {'max':>6} {'param diff':>10}")
         for r in results:
-            print(f"{r['model']:<12} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} {r['ratio']:>7.3f}")
+            print(f"{r['model']:<11} {r['tensors']:>7} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} "
+                  f"{r['ratio']:>6.3f} {r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f} {r['max_param_diff']:>10.2g}")
         if args.json:
-            write_json(args.json, {"workers": bunsan.size(), "results": results})
+            write_json(args.json, {"workers": bunsan.size(), "threads": torch.get_num_threads(), "results": results})
+    for name in names if args.profile else ():
+        text = profile(name, args.batch, args.profile)
+        if bunsan.is_main():
+            print(text)
     bunsan.finalize()
     return 0
 

@@ -15,6 +15,25 @@ __all__ = ["DistributedLoader", "loader"]
 # break the equal-batches-on-every-worker guarantee.
 _RESERVED = ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last")
 
+# Attributes of torch.utils.data.DataLoader that read the same on this loader (a
+# ported script reads e.g. ``len(train_loader.dataset)`` or ``loader.num_workers``).
+# The rest of DataLoader's attributes concern its own iteration, which this
+# loader drives, and are not forwarded.
+_FORWARDED = (
+    "batch_sampler",
+    "collate_fn",
+    "generator",
+    "in_order",
+    "multiprocessing_context",
+    "num_workers",
+    "persistent_workers",
+    "pin_memory",
+    "pin_memory_device",
+    "prefetch_factor",
+    "timeout",
+    "worker_init_fn",
+)
+
 
 class DistributedLoader:
     """Iterate this worker's share of ``dataset`` in batches, epoch after epoch.
@@ -33,10 +52,21 @@ class DistributedLoader:
     in the same order as the uninterrupted run. (Random transforms inside the
     dataset, and ``num_workers > 0`` worker seeds, are the dataset's business.)
 
+    It reads like the ``torch.utils.data.DataLoader`` it wraps, so a ported
+    script keeps its ``len(loader)``, ``len(loader.dataset)``,
+    ``loader.batch_size``, ``loader.sampler.set_epoch(epoch)`` and
+    ``loader.num_workers``.
+
     Attributes:
-        partition: The :class:`~bunsan.data.Partition` sampler.
+        dataset: The whole data set (every worker's share together), as
+            ``DataLoader.dataset``.
+        sampler: The :class:`~bunsan.data.Partition` (also ``partition``).
         dataloader: The wrapped ``torch.utils.data.DataLoader``.
         batch_size: Samples per batch on this worker.
+        drop_last: Whether the remainder and the last partial batch are dropped.
+        num_workers, collate_fn, pin_memory, timeout, worker_init_fn,
+        prefetch_factor, persistent_workers, batch_sampler, generator:
+            Those of the wrapped DataLoader.
     """
 
     def __init__(
@@ -73,6 +103,23 @@ class DistributedLoader:
         self._epoch = 0
         self._batches = 0  # consumed in self._epoch
         self._continue = True  # the next iteration continues self._epoch instead of starting a new one
+
+    @property
+    def dataset(self) -> Dataset:
+        """The whole data set, as ``DataLoader.dataset`` (``len()`` counts every worker's samples)."""
+        return self.dataloader.dataset
+
+    @property
+    def sampler(self) -> Partition:
+        """This worker's :class:`~bunsan.data.Partition`, as ``DataLoader.sampler``."""
+        return self.partition
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not found normally: forward DataLoader's settings.
+        # The guard keeps copy/pickle (which probe before __init__ ran) from recursing.
+        if name in _FORWARDED and "dataloader" in self.__dict__:
+            return getattr(self.__dict__["dataloader"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def epoch(self) -> int:

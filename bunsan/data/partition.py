@@ -27,10 +27,19 @@ __all__ = ["Partition", "epoch_order", "shard_indices", "shard_size"]
 def _default_rank_size() -> tuple[int, int]:
     """Return this worker's ``(rank, world_size)``, or ``(0, 1)`` outside a job.
 
-    The one place of ``bunsan.data`` that asks for the defaults.
+    The one place of ``bunsan.data`` that asks for the defaults. A script
+    started by a launcher as a job of several workers that builds its loader
+    before ``bunsan.init()`` (a port that kept its DataLoader line first) joins
+    the job here, as :func:`bunsan.distribute` does: otherwise every worker
+    would silently train on all of the data as a job of one.
     """
-    from bunsan.comm import get_rank, get_world_size
+    from bunsan.comm import get_rank, get_world_size, is_initialized
 
+    if not is_initialized():
+        from bunsan import runtime
+
+        if runtime.detect_environment().world_size > 1:
+            runtime.init()
     return get_rank(), get_world_size()
 
 
@@ -172,17 +181,34 @@ class Partition(Sampler[int]):
     ``DistributedSampler``, or let :func:`bunsan.data.loader` do it. The
     order depends only on ``(seed, epoch)``, never on global random state.
 
+    It takes the place of ``DistributedSampler`` in any ``DataLoader``::
+
+        sampler = bunsan.data.Partition(train_set, shuffle=True, seed=0)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=64, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for x, y in loader: ...
+
+    ``DistributedSampler``'s keyword ``num_replicas`` is accepted for
+    ``world_size``, and its attributes ``num_replicas``, ``total_size`` and
+    ``dataset`` exist. One difference: ``num_samples`` here is the length of
+    the whole data set; ``DistributedSampler.num_samples`` (this worker's
+    share) is :attr:`shard_size`.
+
     Args:
         dataset_or_len: A sized dataset, or its length as an int.
         rank: This worker; ``None`` means the rank in the default process
-            group (0 when there is none).
+            group (0 when there is none; a launcher's job of several workers
+            is joined first, as by :func:`bunsan.init`).
         world_size: Number of workers; ``None`` means the default group's size
             (1 when there is none).
         shuffle: Reshuffle every epoch.
         seed: Shuffle seed; must be the same on every rank.
         drop_last: Drop the ``len % world_size`` remainder instead of padding.
+        num_replicas: ``DistributedSampler``'s name for ``world_size``; give one of the two.
 
     Attributes:
+        dataset: The data set given, or ``None`` when a length was given.
         num_samples: Length of the whole dataset.
         shard_size: Samples this worker gets per epoch, the same on every worker.
         epoch: The epoch the next iteration yields.
@@ -198,7 +224,17 @@ class Partition(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        num_replicas: int | None = None,
     ) -> None:
+        if num_replicas is not None:
+            if world_size is not None and world_size != num_replicas:
+                raise ValueError(
+                    f"world_size={world_size} and num_replicas={num_replicas} disagree; "
+                    "they are the same thing: give one of them"
+                )
+            world_size = num_replicas
+        self.dataset = dataset_or_len if isinstance(dataset_or_len, Sized) else None
         if isinstance(dataset_or_len, Sized):
             num_samples = len(dataset_or_len)
         elif isinstance(dataset_or_len, bool) or not hasattr(dataset_or_len, "__index__"):
@@ -219,6 +255,16 @@ class Partition(Sampler[int]):
         self.shard_size = shard_size(self.num_samples, self.world_size, self.drop_last)
         self.epoch = 0
         self.start = 0
+
+    @property
+    def num_replicas(self) -> int:
+        """``DistributedSampler``'s name for :attr:`world_size`."""
+        return self.world_size
+
+    @property
+    def total_size(self) -> int:
+        """Samples of one epoch over all workers, padding included (as ``DistributedSampler.total_size``)."""
+        return self.shard_size * self.world_size
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Make the next iterations yield ``epoch``'s shard, skipping its first ``start`` samples.

@@ -1,0 +1,1 @@
+"""Golden-run regression tests: see :mod:`tests.golden.runs`."""
