@@ -239,8 +239,13 @@ def _run(args: argparse.Namespace) -> int:
             plans = ssh.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
         else:
             argv = local.worker_command(config.command)
+        here = sum(1 for slot in slots if slot.host in local_names)  # remote hosts: their agent checks
+        warning = hostlib.check_oversubscription(here, hostlib.usable_cores(), local_names[0] if here else "",
+                                                 config.oversubscribe) if here else None
     except ValueError as err:
         return fail(str(err))
+    if warning is not None and not config.dry_run:
+        print(f"bunsan run: warning: {warning}", file=sys.stderr, flush=True)
 
     job_id = config.job_id or local.new_job_id()
     base_env = {**os.environ, **exports}
@@ -278,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         if remote:
             return ssh.run_hosts(plans, job_id, env=exports, ssh=ssh_options, restart=restart,
                                  master_addr=config.master_addr, master_port=config.master_port,
-                                 tag_output=config.tag_output)
+                                 tag_output=config.tag_output, oversubscribe=config.oversubscribe)
         # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
         port = config.master_port or local.find_free_port()
         specs = local.plan_workers(slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id,

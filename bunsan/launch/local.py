@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bunsan.launch.hosts import Slot
+from bunsan.launch.quoting import quoted
 
 __all__ = [
     "GRACE_S",
@@ -157,12 +158,12 @@ def worker_command(command: Sequence[str], python: str | None = None, check: boo
     first, rest = command[0], list(command[1:])
     if first.endswith(".py"):
         if check and not os.path.isfile(first):
-            raise ValueError(f"script {first!r} does not exist (looked in {os.getcwd()}); check the path")
+            raise ValueError(f"script {quoted(first)} does not exist (looked in {os.getcwd()}); check the path")
         return [python or sys.executable, "-u", first, *rest]
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]
     if check and shutil.which(first) is None:
-        raise ValueError(f"command {first!r} is neither a .py script nor an executable on PATH; check the spelling")
+        raise ValueError(f"command {quoted(first)} is neither a .py script nor an executable on PATH; check the spelling")
     return [first, *rest]
 
 

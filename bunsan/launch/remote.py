@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bunsan.launch import local
-from bunsan.launch.hosts import Slot
+from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
@@ -167,6 +167,7 @@ class AgentInit:
         check_port: Port to check (0: pick a free one), or ``None`` on hosts other than rank 0's.
         grace_s: Seconds between SIGTERM and SIGKILL when the job stops.
         heartbeat_timeout_s: Silence from the launcher that counts as its death.
+        oversubscribe: ``--oversubscribe``: more workers than this host has cores are fine.
     """
 
     job_id: str
@@ -181,6 +182,7 @@ class AgentInit:
     check_port: int | None = None
     grace_s: float = local.GRACE_S
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    oversubscribe: bool = False
     op: str = field(default="init")
 
     def to_line(self) -> bytes:
@@ -378,9 +380,15 @@ def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, st
     return env
 
 
-def _prepare(init: AgentInit) -> tuple[str | None, int | None]:
-    """Check the working directory, the script and the port. Returns (error, port)."""
+def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None, int | None]:
+    """Check the working directory, the script, the core count and the port. Returns (error, port)."""
     host = socket.gethostname()
+    try:
+        warning = check_oversubscription(len(init.slots), usable_cores(), host, init.oversubscribe)
+    except ValueError as err:
+        return str(err), None
+    if warning is not None and outbox is not None:
+        outbox.message(f"warning: {warning}")
     try:
         os.chdir(init.cwd)
     except OSError as err:
@@ -399,7 +407,7 @@ def _prepare(init: AgentInit) -> tuple[str | None, int | None]:
 
 
 def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
-    error, port = _prepare(init)
+    error, port = _prepare(init, outbox)
     if error is not None:
         outbox.status("error", message=error)
         return 2

@@ -522,6 +522,7 @@ def run_hosts(
     start_timeout_s: float = START_TIMEOUT_S,
     stdout: IO[Any] | None = None,
     stderr: IO[Any] | None = None,
+    oversubscribe: bool = False,
 ) -> local.JobOutcome:
     """Run one attempt of a multi-host job: an agent per host, until the job ends everywhere.
 
@@ -538,6 +539,8 @@ def run_hosts(
         grace_s: Seconds between SIGTERM and SIGKILL, on every host.
         start_timeout_s: How long every agent may take to be ready.
         stdout, stderr: Where output and messages go; ``None`` means ``sys.stdout``/``sys.stderr``.
+        oversubscribe: Let a host run more workers than it has cores (each
+            agent checks its own host, see :func:`bunsan.launch.hosts.check_oversubscription`).
 
     Returns:
         How the job ended: ``code`` is 0, the earliest failed worker's exit
@@ -562,6 +565,7 @@ def run_hosts(
                     job_id=job_id, group_rank=plan.group_rank, hosts=hosts, restart=restart, cwd=plan.cwd,
                     argv=list(plan.argv), script=plan.script, env=dict(env), slots=[list(s) for s in plan.slots],
                     check_port=(master_port or 0) if plan is plans[0] else None, grace_s=grace_s,
+                    oversubscribe=oversubscribe,
                 ).to_line())
             return _watch(fanout, plans, signals, master_addr, start_timeout_s, grace_s)
         finally:
