@@ -36,9 +36,11 @@ Protocol (private between the launcher and the agent of the same version):
   ``e`` carry whole lines of a worker's stdout and stderr, ``m`` a message of
   the agent, ``s`` a status event in JSON: ``ready`` (host name, the ssh
   connection's addresses, the checked port), ``error`` (cannot start:
-  working directory, script or port), ``failed`` (a worker failed, with the
-  time, sent before the others are stopped) and ``done`` (the outcome, once
-  every worker here is gone). The agent's own stderr is not framed: a traceback
+  working directory, script or port), ``report`` (a worker raised: it is
+  about to exit and the job will end because of it), ``failed`` (a worker
+  failed, with the time, sent before the others are stopped; ``origin`` false
+  when it only stopped because a rank of another host failed) and ``done``
+  (the outcome, once every worker here is gone). The agent's own stderr is not framed: a traceback
   of the agent itself reaches the launcher's stderr as it is.
 """
 
@@ -448,9 +450,14 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         # Reported at once, with the time: the launcher reports the earliest
         # failure of all hosts, not the first consequence to reach it.
         on_failure=lambda failed: outbox.status("failed", code=failed.code, rank=failed.rank, cause=failed.cause,
-                                                time=time.time()),
+                                                time=time.time(), origin=failed.origin),
+        # A rank that raised says so before it exits (and before its peers stop):
+        # forwarded at once, so the launcher names it even if this host is stopped first.
+        on_report=lambda item: outbox.status("report", rank=item.rank, code=item.code, what=item.what,
+                                             time=item.time) if item.event == "raised" else None,
     )
-    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause)
+    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause,
+                  origin=outcome.origin)
     return outcome.code
 
 

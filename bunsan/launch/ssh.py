@@ -268,6 +268,7 @@ class _Failure:
     cause: str
     rank: int | None = None
     time: float = field(default_factory=time.time)
+    origin: bool = True  # False: this host's workers only stopped because a rank elsewhere failed
 
 
 class _Agent:
@@ -340,6 +341,7 @@ class _Fanout:
         self.selector = selectors.DefaultSelector()
         self.agents: list[_Agent] = []
         self.failure: _Failure | None = None
+        self.raised: list[_Failure] = []  # ranks that reported their own exception, on any host
 
     # -- messages and output
 
@@ -377,20 +379,34 @@ class _Fanout:
             agent.ready = status
         elif event == "error":
             self.fail(_Failure(2, "start", f"{agent.host}: {status.get('message')}"))
+        elif event == "report":
+            what = str(status.get("what", ""))[:300]
+            self.raised.append(_Failure(int(status.get("code", 1)), "failed",
+                                        f"rank {status.get('rank')} on host {agent.host} failed first ({what})",
+                                        status.get("rank"), float(status.get("time", time.time()))))
         elif event == "failed":
             cause = f"{status.get('cause')} on host {agent.host}"
-            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"])))
+            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"]),
+                               bool(status.get("origin", True))))
         elif event == "done":
             agent.done = status
             if status.get("kind") == "failed" and status.get("code"):
                 cause = f"{status.get('cause')} on host {agent.host}"
-                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time()))
+                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time(),
+                                   bool(status.get("origin", True))))
 
     def fail(self, failure: _Failure) -> None:
-        """Keep the earliest failure: the others are usually its consequences."""
-        if self.failure is None or (failure.kind == "failed" and self.failure.kind == "failed"
-                                    and failure.time < self.failure.time):
+        """Keep the failure that ended the job: a host's own failure before a consequence, then the earliest."""
+        current = self.failure
+        if current is None or (failure.kind == "failed" and current.kind == "failed"
+                               and (not current.origin, current.time) > (not failure.origin, failure.time)):
             self.failure = failure
+
+    def first_failure(self) -> _Failure | None:
+        """The failure to report: the earliest rank that raised, on any host, else :meth:`fail`'s choice."""
+        if self.raised and (self.failure is None or self.failure.kind in ("failed", "lost")):
+            return min(self.raised, key=lambda f: f.time)
+        return self.failure
 
     def pump(self, timeout_s: float) -> None:
         for key, _ in self.selector.select(timeout_s):
@@ -622,7 +638,7 @@ def _watch(
     others = sum(1 for a in agents if not a.exited())
     fanout.say(f"{failure.cause}; stopping the job on {others} host(s)" if others else failure.cause)
     fanout.stop(signal.SIGTERM, grace_s)
-    final = fanout.failure  # an earlier failure may have been reported meanwhile
+    final = fanout.first_failure()  # an earlier failure may have been reported meanwhile
     assert final is not None
     if final is not failure:
         fanout.say(f"the first failure was: {final.cause}")
