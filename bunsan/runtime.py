@@ -33,8 +33,10 @@ import atexit
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -286,8 +288,47 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
     if info.world_size > 1:
         _state.previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
+        if info.launcher != "bunsan":
+            _install_sigterm_hook()
     atexit.register(finalize)
     return info
+
+
+def _install_sigterm_hook() -> None:
+    """Under torchrun and the like: on the launcher's SIGTERM, name the rank that vanished and end our children.
+
+    torchrun stops the survivors of a dead worker within a tenth of a second, often
+    before their collective has even failed, so without this no line would name
+    the rank that died, and children outside the worker's process group would
+    stay. Installed only where SIGTERM has its default action.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    info = _state.info
+    if info is not None and info.world_size > 1:
+        where = f"rank {info.rank} of {info.world_size}"
+        earlier = _group.abort_reason()
+        if earlier is not None and earlier[0] != info.rank:
+            why = f"rank {earlier[0]} failed ({earlier[1]})"
+        else:
+            dead = _group.dead_ranks()
+            why = f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)" \
+                if dead else ""
+        if why:
+            sys.stderr.write(f"[bunsan] {where}: stopped by the launcher (SIGTERM) because {why}\n")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+            sys.stdout.flush()
+        _group.end_children()
+    # Die of SIGTERM, as without this hook: the launcher reads the same exit status.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _stop_for_peer(where: str, peer: int, why: str, exc: BaseException) -> None:

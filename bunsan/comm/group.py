@@ -68,6 +68,7 @@ __all__ = [
     "create_world",
     "dead_ranks",
     "destroy_world",
+    "end_children",
     "end_process",
     "lagging_ranks",
     "note_collective",
@@ -356,6 +357,12 @@ def _guard_process_tree(rank: int, janitor: bool) -> None:
         treewatch.start_janitor(os.getpid(), _world.tree_id)
 
 
+def end_children() -> None:
+    """End this rank's child processes: SIGTERM, then SIGKILL after a second. Never raises."""
+    with contextlib.suppress(Exception):
+        treewatch.end_tree(os.getpid(), _world.tree_id, TREE_GRACE_S)
+
+
 def end_process(code: int = 1) -> None:
     """End this rank's child processes (SIGTERM, then SIGKILL), flush, and exit with ``code`` at once.
 
@@ -365,8 +372,7 @@ def end_process(code: int = 1) -> None:
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    with contextlib.suppress(Exception):
-        treewatch.end_tree(os.getpid(), _world.tree_id, TREE_GRACE_S)
+    end_children()
     os._exit(code)
 
 
