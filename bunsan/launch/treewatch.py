@@ -15,7 +15,7 @@ all in the worker (:func:`bunsan.comm.group.create_world` sets them up):
    multiprocessing workers) get ``PR_SET_PDEATHSIG`` = SIGKILL: the kernel
    ends them when the worker dies (:func:`kill_forks_with_parent`).
 3. A janitor, a small process of its own (this file, run as a script with the
-   standard library only: no torch, ~20 ms to start), waits for the worker to
+   standard library only: no torch, started with ``python -I -S``), waits for the worker to
    end, however it ends, then ends what carries the mark and the descendants
    it saw while the worker lived (:func:`start_janitor`, :func:`main`).
 
