@@ -283,6 +283,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         # `bunsan run` ends every process of the job itself; other launchers need the janitor.
         guard_tree=info.launcher != "bunsan",
+        all_local=info.local_world_size == info.world_size,
     )
     _state.info, _state.backend, _state.owns_world, _state.failed = info, backend, True, False
     if info.world_size > 1:
@@ -317,9 +318,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
         if earlier is not None and earlier[0] != info.rank:
             why = f"rank {earlier[0]} failed ({earlier[1]})"
         else:
-            dead = _group.dead_ranks()
+            # Only a rank dead already: the launcher sends SIGTERM to every rank at
+            # once, and a peer that got it first is not a silent death (it says so).
+            dead = _group.dead_ranks(wait_s=0, local_wait_s=0)
             why = f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)" \
                 if dead else ""
+        _group.mark_finished()
         if why:
             sys.stderr.write(f"[bunsan] {where}: stopped by the launcher (SIGTERM) because {why}\n")
         with contextlib.suppress(Exception):
@@ -348,7 +352,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -
     if earlier is not None and info is not None and earlier[0] != info.rank:
         # Our collective broke because another rank failed first: that one's traceback is the story.
         _stop_for_peer(where, earlier[0], f"failed ({earlier[1]}); see its traceback", exc)
-    if info is not None and isinstance(exc, (CommunicationError, RuntimeError)):
+    if info is not None and (isinstance(exc, CommunicationError) or _group.is_backend_error(exc)):
         # A peer that died without a word (SIGKILL, OOM) broke the collective: name it (issue 15).
         dead = _group.dead_ranks()
         if dead:

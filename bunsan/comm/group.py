@@ -70,7 +70,9 @@ __all__ = [
     "destroy_world",
     "end_children",
     "end_process",
+    "is_backend_error",
     "lagging_ranks",
+    "mark_finished",
     "note_collective",
     "report",
     "signal_abort",
@@ -123,25 +125,32 @@ def bind_address(master_addr: str) -> tuple[socket.AddressFamily, str]:
     return family, str(sockaddr[0])
 
 
-def _listening_socket(master_addr: str, port: int) -> int:
+def _listening_socket(master_addr: str, port: int, all_local: bool = True) -> int:
     """A socket listening on ``master_addr:port``, for TCPStore's ``master_listen_fd``.
 
     Falls back to every interface, with a warning, when ``master_addr`` is not an
-    address of this host (a name that resolves to a NAT's address, say): the
-    job must still start.
+    address of this host (a name that resolves to a NAT's address, say), or
+    resolves here to a loopback address while ranks run on other hosts (Debian
+    maps the host's own name to 127.0.1.1): the job must still start.
     """
     family, address = bind_address(master_addr)
     sock = socket.socket(family, socket.SOCK_STREAM)
+    wildcard = "::" if family == socket.AF_INET6 else ""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError as err:
-            if err.errno != errno.EADDRNOTAVAIL:
-                raise
-            print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
+        if not all_local and ipaddress.ip_address(address).is_loopback:
+            print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} is {address} here, which other hosts cannot reach; "
                   "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
-            sock.bind(("::" if family == socket.AF_INET6 else "", port))
+            sock.bind((wildcard, port))
+        else:
+            try:
+                sock.bind((address, port))
+            except OSError as err:
+                if err.errno != errno.EADDRNOTAVAIL:
+                    raise
+                print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
+                      "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
+                sock.bind((wildcard, port))
         sock.listen(1024)
         return sock.detach()
     except BaseException:
@@ -149,7 +158,9 @@ def _listening_socket(master_addr: str, port: int) -> int:
         raise
 
 
-def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.Store:
+def _tcp_store(
+    addr: str, port: int, world_size: int, is_master: bool, timeout_s: float, all_local: bool = True
+) -> dist.Store:
     return dist.TCPStore(
         addr,
         port,
@@ -158,7 +169,7 @@ def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s
         timedelta(seconds=timeout_s),
         wait_for_workers=False,
         # TCPStore alone listens on every interface; hand it a socket bound to addr.
-        master_listen_fd=_listening_socket(addr, port) if is_master else None,
+        master_listen_fd=_listening_socket(addr, port, all_local) if is_master else None,
     )
 
 
@@ -213,6 +224,7 @@ def create_world(
     agent_store: bool = False,
     watch_poll_s: float = 0.5,
     guard_tree: bool = False,
+    all_local: bool = True,
 ) -> None:
     """Create the default process group and start the failure watch. Collective.
 
@@ -229,6 +241,7 @@ def create_world(
         guard_tree: start a janitor process that ends this rank's child
             processes when it dies, however it dies (for launchers other than
             ``bunsan run``, which does that itself; :mod:`bunsan.launch.treewatch`).
+        all_local: every rank runs on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``).
     """
     _world.rank, _world.world_size = rank, world_size
     _world.collectives = 0
@@ -238,9 +251,9 @@ def create_world(
     else:
         _open_report_channel()
         _guard_process_tree(rank, janitor=guard_tree)
-        if backend == "gloo":
+        if backend == "gloo" and all_local:
             _keep_gloo_on_loopback(master_addr)
-        store = _tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s)
+        store = _tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s, all_local)
     _bind_torch_defaults_before_the_group_exists()
     dist.init_process_group(
         backend,
@@ -390,14 +403,29 @@ def _peers(store: dist.Store, world_size: int) -> dict[int, tuple[str, int, str]
     return peers
 
 
-def dead_ranks(wait_s: float | None = None) -> list[int] | None:
+def is_backend_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed's own error (a collective that broke), as opposed to the user's."""
+    return isinstance(exc, getattr(dist, "DistError", ()))
+
+
+def mark_finished() -> None:
+    """Say in the store that this rank ends on purpose, so that no peer takes it for a silent death."""
+    with contextlib.suppress(Exception):
+        if _world.store is not None and _world.world_size > 1:
+            _world.store.set(_BEAT_KEY.format(rank=_world.rank), "done")
+
+
+def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[int] | None:
     """The ranks whose process is gone, or None when that cannot be told (no store). Not collective.
 
     A rank on this host is dead when its process no longer exists (or is a
-    zombie, or its pid was reused). A rank on another host is dead when its
-    watch's heartbeat stood still for ``wait_s`` (default 3 polls), unless it
-    said it finished. When the store itself is gone and rank 0 hosted it, the
-    answer is rank 0. Call it from the main thread (it uses the main store connection).
+    zombie, or its pid was reused); a process killed a moment ago may take a
+    little to vanish, so this waits up to ``local_wait_s`` for one to. A rank on
+    another host is dead when its watch's heartbeat stood still for ``wait_s``
+    (default 3 polls; 0 skips the check). A rank that said it finished
+    (:func:`mark_finished`) is never dead. When the store itself is gone and rank
+    0 hosted it, the answer is rank 0. Call it from the main thread (it uses the
+    main store connection).
     """
     watchdog = _world.watchdog
     store = _world.store  # the caller's connection: the watch thread uses its own
@@ -410,14 +438,17 @@ def dead_ranks(wait_s: float | None = None) -> list[int] | None:
         return [0] if _world.store_on_rank0 and _world.rank != 0 else None
     local = {r: (pid, start) for r, (host, pid, start) in peers.items() if r != _world.rank and host == here}
     # A killed process closes its sockets a moment before it is gone from the process table.
-    deadline = time.monotonic() + (1.0 if local else 0.0)
+    deadline = time.monotonic() + (local_wait_s if local else 0.0)
     while True:
         dead = [r for r, (pid, start) in local.items() if not treewatch.is_alive(pid, start)]
+        with contextlib.suppress(Exception):
+            dead = [r for r in dead if not (store.check([_BEAT_KEY.format(rank=r)])
+                                            and store.get(_BEAT_KEY.format(rank=r)) == b"done")]
         if dead or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
     remote = [r for r, (host, _, _) in peers.items() if r != _world.rank and host != here]
-    if remote and not dead:
+    if remote and not dead and wait_s != 0:
         poll_s = watchdog.poll_s if watchdog is not None else 0.5
         try:
             before = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}

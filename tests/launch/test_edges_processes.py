@@ -63,8 +63,8 @@ def test_bunsan_run_names_rank_1_when_rank_1_raises(tmp_path):
 def test_bunsan_run_names_a_silently_killed_rank(tmp_path):
     outcome = edges.bunsan_run(tmp_path, "kill9", 1)
     assert outcome.code == 137, outcome.output
+    # The launcher's own line; rank 0 may be stopped before its collective even fails.
     assert outcome.launcher_line.startswith("bunsan run: rank 1 was killed by SIGKILL (exit code 137)"), outcome.output
-    assert "rank 0 of 2: stopping because rank 1 died without a word" in outcome.output
     assert outcome.left == []
 
 
