@@ -63,6 +63,7 @@ from typing import Any
 
 from bunsan.launch import local
 from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
+from bunsan.launch.quoting import quoted
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
@@ -394,9 +395,9 @@ def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None
     try:
         os.chdir(init.cwd)
     except OSError as err:
-        return f"cannot change to the working directory {init.cwd!r} on {host} ({err.strerror}); see --remote-cwd", None
+        return f"cannot change to the working directory {quoted(init.cwd)} on {host} ({err.strerror}); see --remote-cwd", None
     if init.script is not None and not os.path.isfile(init.script):
-        return f"script {init.script!r} does not exist on {host} (looked in {init.cwd}); check the path", None
+        return f"script {quoted(init.script)} does not exist on {host} (looked in {quoted(init.cwd)}); check the path", None
     if init.check_port is None:
         return None, None
     try:

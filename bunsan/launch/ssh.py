@@ -76,6 +76,7 @@ from typing import IO, Any
 from bunsan.launch import local
 from bunsan.launch.config import HOST_KEY_CHECKING
 from bunsan.launch.hosts import Slot
+from bunsan.launch.quoting import quoted
 from bunsan.launch.remote import AgentInit, Frame, FrameDecoder
 
 __all__ = [
@@ -121,7 +122,7 @@ class SshOptions:
         if self.host_key_checking is not None and self.host_key_checking not in HOST_KEY_CHECKING:
             raise ValueError(
                 f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
-                f"got {self.host_key_checking!r}"
+                f"got {quoted(self.host_key_checking)}"
             )
 
     def to_dict(self) -> dict[str, Any]:
