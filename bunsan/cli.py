@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bunsan.launch.config import ArgumentParser, LaunchConfig, UsageError, add_run_arguments, config_from_namespace
+from bunsan.launch.quoting import quoted
 
 __all__ = ["build_parser", "main"]
 
@@ -156,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # by the subcommand's parser, so the message names `bunsan run`.
         args, unknown = parser.parse_known_args(argv)
         if unknown:
-            message = f"unrecognized option {unknown[0]!r}; see the options with --help"
+            message = f"unrecognized option {quoted(unknown[0])}; see the options with --help"
             _subparser(parser, args.subcommand).error(message)
         if args.subcommand is None:
             parser.error("no command given; try 'bunsan run -np 2 train.py', or 'bunsan --help' for the commands")
@@ -224,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
                 with open(config.env_file, encoding="utf-8") as f:
                     text = f.read()
             except OSError as err:
-                raise ValueError(f"cannot read --env-file {config.env_file!r} ({err.strerror})") from None
+                raise ValueError(f"cannot read --env-file {quoted(config.env_file)} ({err.strerror})") from None
             file_env = parse_env_file(text, config.env_file)
         exports = resolve_exports(config.exports, os.environ, file_env)
         used = list(dict.fromkeys(slot.host for slot in slots))
@@ -232,15 +233,20 @@ def _run(args: argparse.Namespace) -> int:
         remote = [name for name in used if name not in local_names]
         if len(local_names) > 1:
             raise ValueError(
-                f"hosts {local_names[0]!r} and {local_names[1]!r} are both this machine; "
+                f"hosts {quoted(local_names[0])} and {quoted(local_names[1])} are both this machine; "
                 "list it once with all its slots"
             )
         if remote:
             plans = ssh.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
         else:
             argv = local.worker_command(config.command)
+        here = sum(1 for slot in slots if slot.host in local_names)  # remote hosts: their agent checks
+        warning = hostlib.check_oversubscription(here, hostlib.usable_cores(), local_names[0] if here else "",
+                                                 config.oversubscribe) if here else None
     except ValueError as err:
         return fail(str(err))
+    if warning is not None and not config.dry_run:
+        print(f"bunsan run: warning: {warning}", file=sys.stderr, flush=True)
 
     job_id = config.job_id or local.new_job_id()
     base_env = {**os.environ, **exports}
@@ -278,7 +284,7 @@ def _run(args: argparse.Namespace) -> int:
         if remote:
             return ssh.run_hosts(plans, job_id, env=exports, ssh=ssh_options, restart=restart,
                                  master_addr=config.master_addr, master_port=config.master_port,
-                                 tag_output=config.tag_output)
+                                 tag_output=config.tag_output, oversubscribe=config.oversubscribe)
         # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
         port = config.master_port or local.find_free_port()
         specs = local.plan_workers(slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id,

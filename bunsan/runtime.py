@@ -33,8 +33,10 @@ import atexit
 import contextlib
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -45,7 +47,7 @@ import torch
 
 from bunsan import comm
 from bunsan.comm import group as _group
-from bunsan.errors import BunsanError, ConfigurationError
+from bunsan.errors import BunsanError, CommunicationError, ConfigurationError
 
 __all__ = [
     "WorldInfo",
@@ -283,13 +285,66 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
         timeout_s=timeout_s,
         job_id=info.job_id,
         agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        # `bunsan run` ends every process of the job itself; other launchers need the janitor.
+        guard_tree=info.launcher != "bunsan",
+        all_local=info.local_world_size == info.world_size,
     )
     _state.info, _state.backend, _state.owns_world, _state.failed = info, backend, True, False
     if info.world_size > 1:
         _state.previous_excepthook = sys.excepthook
         sys.excepthook = _excepthook
+        if info.launcher != "bunsan":
+            _install_sigterm_hook()
     atexit.register(finalize)
     return info
+
+
+def _install_sigterm_hook() -> None:
+    """Under torchrun and the like: on the launcher's SIGTERM, name the rank that vanished and end our children.
+
+    torchrun stops the survivors of a dead worker within a tenth of a second, often
+    before their collective has even failed, so without this no line would name
+    the rank that died, and children outside the worker's process group would
+    stay. Installed only where SIGTERM has its default action.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    info = _state.info
+    if info is not None and info.world_size > 1:
+        where = f"rank {info.rank} of {info.world_size}"
+        earlier = _group.abort_reason()
+        if earlier is not None and earlier[0] != info.rank:
+            why = f"rank {earlier[0]} failed ({earlier[1]})"
+        else:
+            # Only a rank dead already: the launcher sends SIGTERM to every rank at
+            # once, and a peer that got it first is not a silent death (it says so).
+            dead = _group.dead_ranks(wait_s=0, local_wait_s=0)
+            why = f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)" \
+                if dead else ""
+        _group.mark_finished()
+        if why:
+            sys.stderr.write(f"[bunsan] {where}: stopped by the launcher (SIGTERM) because {why}\n")
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+            sys.stdout.flush()
+        _group.end_children()
+    # Die of SIGTERM, as without this hook: the launcher reads the same exit status.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_for_peer(where: str, peer: int, why: str, exc: BaseException) -> None:
+    """This rank failed because rank ``peer`` did: say so in one line, tell the launcher, end."""
+    sys.stderr.write(f"[bunsan] {where}: stopping because rank {peer} {why}; here: {type(exc).__name__}: "
+                     f"{str(exc).splitlines()[0][:200] if str(exc) else ''}\n")
+    _group.report("stopped", peer=peer, what=f"rank {peer} {why}"[:300])
+    _group.end_process(1)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
@@ -299,22 +354,29 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -
     where = f"rank {info.rank} of {info.world_size}" if info else "a rank"
     earlier = _group.abort_reason()
     if earlier is not None and info is not None and earlier[0] != info.rank:
-        # Our collective broke because another rank died first: that one's traceback is the story.
-        sys.stderr.write(f"[bunsan] {where}: stopping because rank {earlier[0]} failed ({earlier[1]}); see its traceback\n")
-        sys.stderr.flush()
-        os._exit(1)
+        # Our collective broke because another rank failed first: that one's traceback is the story.
+        _stop_for_peer(where, earlier[0], f"failed ({earlier[1]}); see its traceback", exc)
+    if info is not None and (isinstance(exc, CommunicationError) or _group.is_backend_error(exc)):
+        # A peer that died without a word (SIGKILL, OOM) broke the collective: name it (issue 15).
+        dead = _group.dead_ranks()
+        if dead:
+            why = "died without a word (its process is gone: killed by a signal or out of memory?)"
+            _group.signal_abort(why, failed=dead[0])
+            _stop_for_peer(where, dead[0], why, exc)
     # bunsan's own errors already say what the backend said: skip the chained traceback.
     chain = not isinstance(exc, BunsanError)
     text = "".join(traceback.format_exception(exc_type, exc, tb, chain=chain))  # type: ignore[arg-type]
     sys.stderr.write(f"[bunsan] {where} failed; ending the job.\n{text}")
     sys.stderr.flush()
     sys.stdout.flush()
-    _group.signal_abort(f"{exc_type.__name__}: {exc}"[:200])
+    what = f"{exc_type.__name__}: {exc}"[:200]
+    _group.report("raised", what=what)  # before the abort key: the launcher knows the cause first
+    _group.signal_abort(what)
     if info is not None and info.rank == 0:
         time.sleep(1.0)  # rank 0 hosts the store: let the others read why before it goes
     # A normal interpreter shutdown could block in the process group's teardown
-    # while the other ranks sit in a collective: leave at once.
-    os._exit(1)
+    # while the other ranks sit in a collective: leave at once (after ending our children).
+    _group.end_process(1)
 
 
 def finalize() -> None:

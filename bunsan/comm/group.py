@@ -16,13 +16,38 @@ collective would otherwise sit until the collective timeout (minutes). So:
    never reached it (:func:`lagging_ranks`).
 
 A failure of a non-zero rank that dies silently (SIGKILL) is seen by its peers as
-a closed gloo/NCCL connection, which raises in the collective and so takes path 1.
+a closed gloo/NCCL connection, which raises in the collective and so takes path 1;
+the watch also checks, every ``poll_s``, that the ranks on its own host are alive,
+and :func:`dead_ranks` tells which rank vanished, so the survivors name it.
+
+What listens on the network, and who may talk to it (issue 15):
+
+* Rank 0's rendezvous store listens on ``MASTER_ADDR`` only (127.0.0.1 for a job
+  on one machine), never on every interface (:func:`bind_address`).
+* Gloo's own sockets: when ``MASTER_ADDR`` is a loopback address, every rank is on
+  this machine, and ``GLOO_SOCKET_IFNAME`` is set to the loopback interface
+  unless the user set it (a multi-host ``bunsan run`` sets it to the interface
+  that reaches rank 0).
+* The store has no authentication. bunsan's own keys (abort, progress, peers)
+  live under a prefix made of the job id and 128 random bits that rank 0 sends
+  to the others over the process group, never through the store: whoever can
+  reach the store cannot guess the abort key and end the job with it.
+
+A rank that ends the job on its own (a failed peer, a lost store) first ends its
+own child processes (:mod:`bunsan.launch.treewatch`), and tells ``bunsan run``
+why in one line on ``BUNSAN_REPORT_FD`` (:func:`report`), so that the launcher
+names the rank that failed first, not the first process to exit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
+import json
 import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -31,19 +56,35 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bunsan.launch import treewatch
+
 __all__ = [
+    "REPORT_FD_VARIABLE",
+    "TREE_VARIABLE",
     "Watchdog",
     "abort_reason",
+    "bind_address",
     "collectives_started",
     "create_world",
+    "dead_ranks",
     "destroy_world",
+    "end_children",
+    "end_process",
+    "is_backend_error",
     "lagging_ranks",
+    "mark_finished",
     "note_collective",
+    "report",
     "signal_abort",
 ]
 
 _ABORT_KEY = "abort"
 _PROGRESS_KEY = "progress/{rank}"
+_PEER_KEY = "peer/{rank}"  # "host pid start-time" of each rank
+_BEAT_KEY = "beat/{rank}"  # a counter the watch advances every poll; "done" once it stopped
+REPORT_FD_VARIABLE = "BUNSAN_REPORT_FD"  # set by `bunsan run`: a pipe to the launcher
+TREE_VARIABLE = treewatch.TREE_VARIABLE  # marks every process this rank starts
+TREE_GRACE_S = 1.0  # SIGTERM to this rank's children, then SIGKILL
 
 
 class _World:
@@ -55,6 +96,9 @@ class _World:
     rank = 0
     world_size = 1
     collectives = 0  # collectives this rank has started (same sequence on every rank)
+    store_on_rank0 = True  # False under torchrun's agent store: rank 0's death leaves the store up
+    report_fd: int | None = None
+    tree_id: str | None = None
 
 
 _world = _World()
@@ -70,7 +114,53 @@ def collectives_started() -> int:
     return _world.collectives
 
 
-def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.Store:
+def bind_address(master_addr: str) -> tuple[socket.AddressFamily, str]:
+    """The address rank 0's store listens on: ``master_addr`` itself, resolved. Pure but for DNS.
+
+    Every rank connects to ``master_addr``, so that is the one address the store
+    needs; listening on every interface would expose it to every network the
+    host is on. Returns the address family and the numeric address.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0]
+    return family, str(sockaddr[0])
+
+
+def _listening_socket(master_addr: str, port: int, all_local: bool = True) -> int:
+    """A socket listening on ``master_addr:port``, for TCPStore's ``master_listen_fd``.
+
+    Falls back to every interface, with a warning, when ``master_addr`` is not an
+    address of this host (a name that resolves to a NAT's address, say), or
+    resolves here to a loopback address while ranks run on other hosts (Debian
+    maps the host's own name to 127.0.1.1): the job must still start.
+    """
+    family, address = bind_address(master_addr)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    wildcard = "::" if family == socket.AF_INET6 else ""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if not all_local and ipaddress.ip_address(address).is_loopback:
+            print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} is {address} here, which other hosts cannot reach; "
+                  "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
+            sock.bind((wildcard, port))
+        else:
+            try:
+                sock.bind((address, port))
+            except OSError as err:
+                if err.errno != errno.EADDRNOTAVAIL:
+                    raise
+                print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
+                      "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
+                sock.bind((wildcard, port))
+        sock.listen(1024)
+        return sock.detach()
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _tcp_store(
+    addr: str, port: int, world_size: int, is_master: bool, timeout_s: float, all_local: bool = True
+) -> dist.Store:
     return dist.TCPStore(
         addr,
         port,
@@ -78,7 +168,48 @@ def _tcp_store(addr: str, port: int, world_size: int, is_master: bool, timeout_s
         is_master,
         timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        # TCPStore alone listens on every interface; hand it a socket bound to addr.
+        master_listen_fd=_listening_socket(addr, port, all_local) if is_master else None,
     )
+
+
+def _is_loopback(master_addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(bind_address(master_addr)[1]).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux), or None where it cannot be told."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    if "lo" in names:
+        return "lo"
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _keep_gloo_on_loopback(master_addr: str) -> None:
+    """A job whose store is on loopback runs on one machine: keep Gloo's sockets on loopback too.
+
+    Gloo listens on the address the host name resolves to, often an external
+    one. ``GLOO_SOCKET_IFNAME`` is read each time a Gloo group is made, so it stays
+    set for the life of the process (and its children inherit it).
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(master_addr):
+        return
+    interface = _loopback_interface()
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _share_secret() -> str:
+    """128 random bits from rank 0, sent over the process group (not the store). Collective."""
+    token = [secrets.token_hex(16) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return str(token[0])
 
 
 def create_world(
@@ -92,6 +223,8 @@ def create_world(
     job_id: str,
     agent_store: bool = False,
     watch_poll_s: float = 0.5,
+    guard_tree: bool = False,
+    all_local: bool = True,
 ) -> None:
     """Create the default process group and start the failure watch. Collective.
 
@@ -103,28 +236,43 @@ def create_world(
         timeout_s: collective and rendezvous timeout.
         job_id: namespace for bunsan's keys in the store, so a restarted job does
             not see the abort key of its previous attempt.
+        agent_store: the store is torchrun's agent's, not rank 0's.
+        watch_poll_s: how often the watch thread looks at the store.
+        guard_tree: start a janitor process that ends this rank's child
+            processes when it dies, however it dies (for launchers other than
+            ``bunsan run``, which does that itself; :mod:`bunsan.launch.treewatch`).
+        all_local: every rank runs on this host (``LOCAL_WORLD_SIZE == WORLD_SIZE``).
     """
     _world.rank, _world.world_size = rank, world_size
     _world.collectives = 0
+    _world.store_on_rank0 = not agent_store
     if world_size == 1:
         store: dist.Store = dist.HashStore()
     else:
-        store = _tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s)
-    _world.store = dist.PrefixStore(f"bunsan/{job_id}/", store)
+        _open_report_channel()
+        _guard_process_tree(rank, janitor=guard_tree)
+        if backend == "gloo" and all_local:
+            _keep_gloo_on_loopback(master_addr)
+        store = _tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s, all_local)
     _bind_torch_defaults_before_the_group_exists()
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("pg", _world.store),
+        store=dist.PrefixStore(f"bunsan/{job_id}/pg", store),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    # bunsan's own keys: under a prefix that only the ranks know (see the module docstring).
+    prefix = f"bunsan/{job_id}/" if world_size == 1 else f"bunsan/{job_id}/{_share_secret()}/"
+    _world.store = dist.PrefixStore(prefix, store)
     if world_size > 1:
+        host = socket.gethostname()
+        _world.store.set(_PEER_KEY.format(rank=rank), f"{host} {os.getpid()} {treewatch.start_time(os.getpid())}")
         # A second connection for the watch thread: store calls from two threads
         # on one client would interleave on the socket.
         client = _tcp_store(master_addr, master_port, world_size, False, min(timeout_s, 30.0))
-        _world.watch_store = dist.PrefixStore(f"bunsan/{job_id}/", client)
-        _world.watchdog = Watchdog(_world.watch_store, rank, poll_s=watch_poll_s)
+        _world.watch_store = dist.PrefixStore(prefix, client)
+        _world.watchdog = Watchdog(_world.watch_store, rank, poll_s=watch_poll_s, world_size=world_size, host=host)
         _world.watchdog.start()
 
 
@@ -155,6 +303,8 @@ def destroy_world(*, barrier: bool) -> None:
     """
     if _world.watchdog is not None:
         _world.watchdog.stop()
+        with contextlib.suppress(Exception):  # a finished rank is not a dead one (see dead_ranks)
+            _world.watchdog.store.set(_BEAT_KEY.format(rank=_world.rank), "done")
         _world.watchdog = None
     if dist.is_initialized():
         if barrier and _world.world_size > 1:
@@ -167,14 +317,147 @@ def destroy_world(*, barrier: bool) -> None:
     _world.world_size, _world.rank = 1, 0
 
 
-def signal_abort(reason: str) -> None:
-    """Tell every other rank that this one failed (best effort, never raises)."""
+def signal_abort(reason: str, failed: int | None = None) -> None:
+    """Tell every other rank that rank ``failed`` (default: this one) failed. Best effort, never raises."""
     if _world.store is None or _world.world_size == 1:
         return
     try:
-        _world.store.set(_ABORT_KEY, f"{_world.rank}:{reason}")
+        _world.store.set(_ABORT_KEY, f"{_world.rank if failed is None else failed}:{reason}")
     except Exception:  # noqa: BLE001 - the store may be gone already; the peers then see that
         pass
+
+
+# ---------------------------------------------------------------------------
+# Telling the launcher, ending this rank's processes.
+
+
+def _open_report_channel() -> None:
+    raw = os.environ.get(REPORT_FD_VARIABLE)
+    _world.report_fd = None
+    if not raw:
+        return
+    try:
+        fd = int(raw)
+        os.set_inheritable(fd, False)  # the user's subprocesses do not get it
+        os.set_blocking(fd, False)  # a launcher that stopped reading must not block a failing rank
+    except (ValueError, OSError):
+        return
+    _world.report_fd = fd
+
+
+def report(event: str, *, peer: int | None = None, code: int = 1, what: str = "") -> None:
+    """Tell ``bunsan run`` why this rank is about to exit, in one line. Best effort, never raises.
+
+    ``event`` is ``"raised"`` (this rank failed on its own: the launcher names it
+    as the cause) or ``"stopped"`` (it ends because rank ``peer`` failed or
+    died). Written before the abort key is set, so the launcher has the cause
+    before any consequence exits.
+    """
+    if _world.report_fd is None:
+        return
+    line = json.dumps({"rank": _world.rank, "event": event, "peer": peer, "code": code, "what": what[:300],
+                       "time": time.time()}).encode() + b"\n"
+    with contextlib.suppress(OSError):
+        os.write(_world.report_fd, line)  # one write below PIPE_BUF: never mixed with another rank's
+
+
+def _guard_process_tree(rank: int, janitor: bool) -> None:
+    """Mark every process this rank starts from now on; make forked children die with it; start the janitor."""
+    _world.tree_id = f"{secrets.token_hex(8)}.r{rank}"
+    os.environ[TREE_VARIABLE] = _world.tree_id
+    treewatch.kill_forks_with_parent()
+    if janitor:
+        treewatch.start_janitor(os.getpid(), _world.tree_id)
+
+
+def end_children() -> None:
+    """End this rank's child processes: SIGTERM, then SIGKILL after a second. Never raises."""
+    with contextlib.suppress(Exception):
+        treewatch.end_tree(os.getpid(), _world.tree_id, TREE_GRACE_S)
+
+
+def end_process(code: int = 1) -> None:
+    """End this rank's child processes (SIGTERM, then SIGKILL), flush, and exit with ``code`` at once.
+
+    A normal interpreter shutdown could block in the process group's teardown
+    while the other ranks sit in a collective, so this never returns.
+    """
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    end_children()
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------
+# Which rank vanished.
+
+
+def _peers(store: dist.Store, world_size: int) -> dict[int, tuple[str, int, str]]:
+    peers = {}
+    for r in range(world_size):
+        key = _PEER_KEY.format(rank=r)
+        if store.check([key]):
+            host, pid, start = store.get(key).decode().split(" ", 2)
+            peers[r] = (host, int(pid), start)
+    return peers
+
+
+def is_backend_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed's own error (a collective that broke), as opposed to the user's."""
+    return isinstance(exc, getattr(dist, "DistError", ()))
+
+
+def mark_finished() -> None:
+    """Say in the store that this rank ends on purpose, so that no peer takes it for a silent death."""
+    with contextlib.suppress(Exception):
+        if _world.store is not None and _world.world_size > 1:
+            _world.store.set(_BEAT_KEY.format(rank=_world.rank), "done")
+
+
+def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[int] | None:
+    """The ranks whose process is gone, or None when that cannot be told (no store). Not collective.
+
+    A rank on this host is dead when its process no longer exists (or is a
+    zombie, or its pid was reused); a process killed a moment ago may take a
+    little to vanish, so this waits up to ``local_wait_s`` for one to. A rank on
+    another host is dead when its watch's heartbeat stood still for ``wait_s``
+    (default 3 polls; 0 skips the check). A rank that said it finished
+    (:func:`mark_finished`) is never dead. When the store itself is gone and rank
+    0 hosted it, the answer is rank 0. Call it from the main thread (it uses the
+    main store connection).
+    """
+    watchdog = _world.watchdog
+    store = _world.store  # the caller's connection: the watch thread uses its own
+    if store is None or _world.world_size == 1:
+        return None
+    here = socket.gethostname()
+    try:
+        peers = _peers(store, _world.world_size)
+    except Exception:  # noqa: BLE001 - the store is gone
+        return [0] if _world.store_on_rank0 and _world.rank != 0 else None
+    local = {r: (pid, start) for r, (host, pid, start) in peers.items() if r != _world.rank and host == here}
+    # A killed process closes its sockets a moment before it is gone from the process table.
+    deadline = time.monotonic() + (local_wait_s if local else 0.0)
+    while True:
+        dead = [r for r, (pid, start) in local.items() if not treewatch.is_alive(pid, start)]
+        with contextlib.suppress(Exception):
+            dead = [r for r in dead if not (store.check([_BEAT_KEY.format(rank=r)])
+                                            and store.get(_BEAT_KEY.format(rank=r)) == b"done")]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    remote = [r for r, (host, _, _) in peers.items() if r != _world.rank and host != here]
+    if remote and not dead and wait_s != 0:
+        poll_s = watchdog.poll_s if watchdog is not None else 0.5
+        try:
+            before = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}
+            time.sleep(3 * poll_s if wait_s is None else wait_s)
+            after = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}
+        except Exception:  # noqa: BLE001
+            return [0] if _world.store_on_rank0 and _world.rank != 0 else None
+        dead += [r for r in remote if before[r] == after[r] != b"done"]
+    return sorted(dead)
 
 
 def abort_reason() -> tuple[int, str] | None:
@@ -214,13 +497,19 @@ def lagging_ranks() -> list[int] | None:
 
 
 class Watchdog(threading.Thread):
-    """Ends this process when another rank has failed (see the module docstring)."""
+    """Ends this process when another rank has failed or died (see the module docstring)."""
 
-    def __init__(self, store: dist.Store, rank: int, poll_s: float = 0.5) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, poll_s: float = 0.5, world_size: int = 1, host: str | None = None
+    ) -> None:
         super().__init__(name="bunsan-watchdog", daemon=True)
         self.store, self.rank, self.poll_s = store, rank, poll_s
+        self.world_size = world_size
+        self.host = socket.gethostname() if host is None else host
         self._stop_event = threading.Event()
         self._published = -1
+        self._beats = 0
+        self._local_peers: dict[int, tuple[int, str]] | None = None  # rank -> (pid, start) on this host
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -233,28 +522,53 @@ class Watchdog(threading.Thread):
             self.store.set(_PROGRESS_KEY.format(rank=self.rank), str(count))
             self._published = count
 
+    def _find_local_peers(self) -> None:
+        """Learn the pids of the ranks on this host, once every rank has published its own."""
+        if self._local_peers is not None:
+            return
+        peers = _peers(self.store, self.world_size)
+        if len(peers) == self.world_size:
+            self._local_peers = {r: (pid, start) for r, (host, pid, start) in peers.items()
+                                 if r != self.rank and host == self.host}
+
+    def _check_local_peers(self) -> None:
+        """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it."""
+        for r, (pid, start) in (self._local_peers or {}).items():
+            if not treewatch.is_alive(pid, start):
+                why = f"died without a word (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
+                signal_abort(why, failed=r)
+                self._end(f"rank {r} {why}", peer=r)
+
     def run(self) -> None:
         while not self._stop_event.wait(self.poll_s):
             try:
                 self.publish()
+                self._beats += 1
+                self.store.set(_BEAT_KEY.format(rank=self.rank), str(self._beats))
                 if self.store.check([_ABORT_KEY]):
                     value = self.store.get(_ABORT_KEY).decode(errors="replace")
                     failed, _, reason = value.partition(":")
                     if int(failed) != self.rank:
-                        self._end(f"rank {failed} failed ({reason}); see its traceback above")
+                        self._end(f"rank {failed} failed ({reason}); see its traceback above", peer=int(failed))
+                self._find_local_peers()
             except Exception as e:  # noqa: BLE001 - any store failure means the job is broken
                 if not self._stop_event.is_set():
-                    self._end(f"lost the rendezvous store (rank 0 or the launcher is gone: {type(e).__name__})")
+                    if _world.store_on_rank0 and self.rank != 0:
+                        self._end(f"rank 0 is gone: it hosted the rendezvous store, which stopped answering "
+                                  f"({type(e).__name__}); see rank 0's output", peer=0)
+                    else:
+                        self._end(f"lost the rendezvous store (the launcher's agent is gone: {type(e).__name__})")
+            self._check_local_peers()
 
-    def _end(self, why: str) -> None:
+    def _end(self, why: str, peer: int | None = None) -> None:
         if self._stop_event.is_set():
             return
         print(f"[bunsan] rank {self.rank}: stopping because {why}", file=sys.stderr, flush=True)
+        report("stopped", peer=peer, what=why)
         # Give the failed rank's own exit a head start, so a launcher that reports
-        # the first failure reports the real one.
+        # the first process to exit (not bunsan run) reports the real one.
         time.sleep(0.5)
-        sys.stdout.flush()
-        os._exit(1)
+        end_process(1)
 
 
 def cuda_available() -> bool:

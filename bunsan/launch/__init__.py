@@ -24,7 +24,19 @@ from bunsan.launch.local import (
     worker_command,
     worker_environment,
 )
-from bunsan.launch.ssh import HostPlan, SshOptions, plan_hosts, run_hosts
+
+# bunsan.launch.ssh imports bunsan.launch.remote, the agent that runs as
+# `python -m bunsan.launch.remote`: imported here eagerly, runpy would warn on
+# every host that the module was imported before it ran. So lazily (PEP 562).
+_LAZY = {"HostPlan", "SshOptions", "plan_hosts", "run_hosts"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from bunsan.launch import ssh
+
+        return getattr(ssh, name)
+    raise AttributeError(f"module 'bunsan.launch' has no attribute {name!r}")
 
 __all__ = [
     "Host",

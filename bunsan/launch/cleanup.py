@@ -14,6 +14,13 @@ running any more. The launcher writes a small record per job to
 and removes it once the job ended cleanly on every host; a record whose
 launcher is gone is what ``--cleanup`` without ``--job-id`` acts on.
 
+Records do not pile up: one whose launcher is gone expires
+:data:`RECORD_TTL_S` (7 days) after the launch and is deleted the next time
+records are listed (every ``bunsan run`` over ssh and every ``--cleanup``).
+``--cleanup`` removes the hosts it reached from a record, names the ones it
+could not reach, and keeps the record for those alone, so that a later
+``--cleanup`` tries only them.
+
 ``python -m bunsan.launch.cleanup --job-id ID`` is what runs on each host
 (over ssh): it ends the job's processes there and prints one JSON line.
 """
@@ -30,14 +37,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
 from bunsan.launch import local
+from bunsan.launch.quoting import quoted
 from bunsan.launch.ssh import SshOptions, remote_command, ssh_command
 
 __all__ = [
+    "RECORD_TTL_S",
     "JobRecord",
     "check_job_id",
     "cleanup_hosts",
@@ -50,13 +59,14 @@ __all__ = [
 
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CLEANUP_TIMEOUT_S = 30.0
+RECORD_TTL_S = 7 * 24 * 3600.0  # a record of a stopped launcher is deleted this long after the launch
 
 
 def check_job_id(job_id: str) -> str:
     """Return ``job_id`` if it is a valid job id, else raise ``ValueError`` naming the rule."""
     if not _JOB_ID_RE.match(job_id):
         raise ValueError(
-            f"job id {job_id!r} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
+            f"job id {quoted(job_id)} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
     return job_id
@@ -92,6 +102,10 @@ class JobRecord:
     def launcher_running(self, proc: str = "/proc") -> bool:
         return _process_start(self.launcher_pid, proc) == self.launcher_start != ""
 
+    def expired(self, now: float, proc: str = "/proc") -> bool:
+        """Older than :data:`RECORD_TTL_S` and its launcher is gone."""
+        return now - self.started > RECORD_TTL_S and not self.launcher_running(proc)
+
 
 def _process_start(pid: int, proc: str = "/proc") -> str:
     try:
@@ -109,7 +123,8 @@ def jobs_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def write_job_record(record: JobRecord, environ: Mapping[str, str] | None = None) -> Path | None:
-    """Write ``record`` (atomically); None if the directory cannot be written (the job still runs)."""
+    """Write ``record`` (atomically), deleting expired ones; None if the directory cannot be written."""
+    list_job_records(environ)  # prunes the expired records
     directory = jobs_dir(environ)
     path = directory / f"{record.job_id}.json"
     try:
@@ -127,18 +142,31 @@ def remove_job_record(job_id: str, environ: Mapping[str, str] | None = None) -> 
         (jobs_dir(environ) / f"{job_id}.json").unlink()
 
 
-def list_job_records(environ: Mapping[str, str] | None = None) -> list[JobRecord]:
-    """The job records on this machine, oldest first; unreadable ones are skipped."""
+def list_job_records(environ: Mapping[str, str] | None = None, now: float | None = None) -> list[JobRecord]:
+    """The job records on this machine, oldest first.
+
+    Expired records (:meth:`JobRecord.expired`) are deleted, and so are
+    unreadable files last written more than :data:`RECORD_TTL_S` ago; younger
+    unreadable files are skipped (another launcher may be writing them).
+    """
+    now = time.time() if now is None else now
     records = []
     directory = jobs_dir(environ)
     if not directory.is_dir():
         return []
     for path in directory.glob("*.json"):
         try:
-            data = json.loads(path.read_text())
-            records.append(JobRecord(**data))
+            record = JobRecord(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > RECORD_TTL_S:
+                    path.unlink()
             continue
+        if record.expired(now):
+            with contextlib.suppress(OSError):
+                path.unlink()
+            continue
+        records.append(record)
     return sorted(records, key=lambda r: r.started)
 
 
@@ -272,10 +300,22 @@ def run_cleanup(
         results = cleanup_hosts(names, jid, is_local=lambda h: h in local_names or is_local(h), ssh=options,
                                 remote_python=python)
         print(format_cleanup(jid, results), file=stdout, flush=True)
-        if any(r.error is not None for r in results):
-            status = 1
-        else:
+        unreachable = [r.host for r in results if r.error is not None]
+        if not unreachable:
             remove_job_record(jid, environ)
+            continue
+        status = 1
+        kept = ""
+        if record is not None:
+            # Only the hosts not reached stay in the record: the next --cleanup tries them alone.
+            narrowed = replace(record, hosts=[h for h in record.hosts if h in unreachable] or unreachable,
+                               local_hosts=[h for h in record.local_hosts if h in unreachable])
+            if write_job_record(narrowed, environ) is not None:
+                until = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.started + RECORD_TTL_S))
+                kept = f"; the record of job {jid} now lists only them and is kept until {until}"
+        print(f"bunsan run: could not reach {len(unreachable)} host(s) of job {jid}: {', '.join(unreachable)}; "
+              f"processes of the job may still run there{kept}: run bunsan run --cleanup --job-id {jid} again "
+              "once they are reachable", file=stderr, flush=True)
     return status
 
 

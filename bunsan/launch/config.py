@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from bunsan.launch.hosts import parse_hosts
+from bunsan.launch.quoting import quoted
 
 __all__ = [
     "HOST_KEY_CHECKING",
@@ -109,6 +110,9 @@ class LaunchConfig:
         job_id: The job's id; ``None`` makes a fresh one.
         cleanup: End what is left of a job (``--job-id``, or every job whose
             launcher is gone) on its hosts, instead of launching one.
+        oversubscribe: Start more workers than a host has cores without a
+            warning, and more than ``OVERSUBSCRIBE_LIMIT`` per core at all
+            (see :func:`bunsan.launch.hosts.check_oversubscription`).
     """
 
     command: tuple[str, ...]
@@ -130,24 +134,25 @@ class LaunchConfig:
     max_restarts: int = 0
     job_id: str | None = None
     cleanup: bool = False
+    oversubscribe: bool = False
 
     def __post_init__(self) -> None:
         _check_ssh_fields(self.ssh_port, self.ssh_host_key_checking, self.ssh_options, self.remote_python)
         if self.job_id is not None and not _JOB_ID_RE.match(self.job_id):
             raise UsageError(
-                f"--job-id {self.job_id!r} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
+                f"--job-id {quoted(self.job_id)} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
         if self.cleanup:
             return  # --cleanup needs no command; the host options are checked as usual
         if self.remote_cwd is not None and not os.path.isabs(self.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {self.remote_cwd!r}")
+            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(self.remote_cwd)}")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         for export in self.exports:
             name = export.split("=", 1)[0]
             if not _ENV_NAME_RE.match(name):
-                raise UsageError(f"-x {export!r}: {name!r} is not a variable name; use -x NAME or -x NAME=value")
+                raise UsageError(f"-x {quoted(export)}: {quoted(name)} is not a variable name; use -x NAME or -x NAME=value")
         if not self.command:
             raise UsageError(
                 "no command given; put the training script after the options, e.g. bunsan run -np 2 train.py"
@@ -176,14 +181,14 @@ def _check_ssh_fields(
         raise UsageError(f"--ssh-port must be in 1..65535, got {port}")
     if host_key_checking is not None and host_key_checking not in HOST_KEY_CHECKING:
         raise UsageError(
-            f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, got {host_key_checking!r}"
+            f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, got {quoted(host_key_checking)}"
         )
     for option in options:
         if not _SSH_OPTION_RE.match(option):
-            raise UsageError(f"--ssh-option {option!r} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3")
+            raise UsageError(f"--ssh-option {quoted(option)} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3")
     if remote_python is not None and not os.path.isabs(remote_python):
         raise UsageError(
-            f"--remote-python must be an absolute path, got {remote_python!r}; "
+            f"--remote-python must be an absolute path, got {quoted(remote_python)}; "
             "e.g. --remote-python /opt/venv/bin/python"
         )
 
@@ -192,7 +197,7 @@ def _whole_number(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {quoted(text)}") from None
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -250,6 +255,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--cleanup", action="store_true", default=None,
         help="end what is left of job --job-id (or of every job whose launcher is gone) on its hosts, "
         "found by BUNSAN_JOB_ID in /proc/*/environ; starts nothing",
+    )
+    parser.add_argument(
+        "--oversubscribe", action="store_true", default=None,
+        help="start more workers than a host has CPU cores without a warning, and more than "
+        "8 per core at all (refused otherwise) (env BUNSAN_OVERSUBSCRIBE)",
     )
     add_ssh_arguments(parser)
     parser.add_argument(
@@ -311,7 +321,7 @@ def remote_settings(
         _check_ssh_fields(settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options,
                           settings.remote_python)
         if settings.remote_cwd is not None and not os.path.isabs(settings.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {settings.remote_cwd!r}")
+            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(settings.remote_cwd)}")
     except UsageError as err:
         raise UsageError(str(err), prog=prog) from None
     return settings
@@ -336,7 +346,7 @@ def parse_env_file(text: str, source: str = "<env file>") -> dict[str, str]:
         name, sep, value = line.partition("=")
         name = name.strip()
         if not sep or not _ENV_NAME_RE.match(name):
-            raise ValueError(f"{source}:{lineno}: cannot read {raw.strip()!r}; expected VAR=value")
+            raise ValueError(f"{source}:{lineno}: cannot read {quoted(raw.strip())}; expected VAR=value")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
@@ -360,7 +370,8 @@ def resolve_exports(
         elif name in environ:
             env[name] = environ[name]
         else:
-            raise UsageError(f"-x {name}: {name} is not set in this environment; give a value with -x {name}=VALUE")
+            short = name if len(name) <= 80 else quoted(name)
+            raise UsageError(f"-x {short}: {short} is not set in this environment; give a value with -x {short}=VALUE")
     return env
 
 
@@ -372,7 +383,7 @@ def _from_environ(
     try:
         return convert(environ[name])
     except ValueError:
-        raise UsageError(f"environment variable {name}={environ[name]!r} is not {expected}; fix or unset it") from None
+        raise UsageError(f"environment variable {name}={quoted(environ[name])} is not {expected}; fix or unset it") from None
 
 
 def _boolean(text: str) -> bool:
@@ -430,6 +441,7 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
         max_restarts=0 if max_restarts is None else max_restarts,
         job_id=args.job_id,  # no BUNSAN_JOB_ID fallback: workers carry it, and a nested launch is another job
         cleanup=bool(args.cleanup),  # no environment fallback, as --dry-run
+        oversubscribe=bool(pick("oversubscribe", _boolean, "a boolean (1/0, true/false)")),
     )
 
 

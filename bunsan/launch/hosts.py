@@ -2,7 +2,9 @@
 
 Pure: no processes, no network, no torch. The one function that touches the
 file system, :func:`read_hostfile`, only reads the file and hands its text to
-:func:`parse_hostfile`, so every rule is unit-tested on strings.
+:func:`parse_hostfile`, so every rule is unit-tested on strings;
+:func:`usable_cores` asks the kernel, and :func:`check_oversubscription` takes
+its answer as an argument.
 
 Two spellings describe the same thing, a list of hosts with a number of slots
 (worker processes) each::
@@ -17,16 +19,23 @@ Two spellings describe the same thing, a list of hosts with a number of slots
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bunsan.launch.quoting import quoted
+
 __all__ = [
     "Host",
     "Slot",
+    "MAX_HOST_NAME",
+    "OVERSUBSCRIBE_LIMIT",
     "assign_slots",
+    "check_oversubscription",
     "is_local_host",
+    "usable_cores",
     "parse_hostfile",
     "parse_hosts",
     "read_hostfile",
@@ -36,6 +45,9 @@ __all__ = [
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.@-]*"
 _HOSTS_ITEM_RE = re.compile(rf"^(?P<name>{_NAME})(?::(?P<slots>[0-9]+))?$")
 _HOSTFILE_LINE_RE = re.compile(rf"^(?P<name>{_NAME})(?::(?P<colon_slots>[0-9]+)|\s+slots\s*=\s*(?P<slots>[0-9]+))?$")
+
+MAX_HOST_NAME = 255  # longer than any DNS name (253) or ssh login; anything longer is junk
+OVERSUBSCRIBE_LIMIT = 8  # workers per core above which a launch is refused without --oversubscribe
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -75,6 +87,13 @@ class Slot:
     group_rank: int
 
 
+def _check_name_length(name: str, where: str) -> None:
+    if len(name) > MAX_HOST_NAME:
+        raise ValueError(
+            f"{where}: host name {quoted(name)} is longer than any valid host name ({MAX_HOST_NAME} characters)"
+        )
+
+
 def parse_hosts(spec: str) -> list[Host]:
     """Parse a ``-H``/``--hosts`` value such as ``"node1:4,node2:4"``.
 
@@ -94,14 +113,15 @@ def parse_hosts(spec: str) -> list[Host]:
         match = _HOSTS_ITEM_RE.match(item)
         if match is None:
             raise ValueError(
-                f"cannot read {item!r} in --hosts {spec!r}; expected NAME:SLOTS items such as node1:4,node2:4"
+                f"cannot read {quoted(item)} in --hosts {quoted(spec)}; expected NAME:SLOTS items such as node1:4,node2:4"
             )
         name = match["name"]
+        _check_name_length(name, f"--hosts {quoted(spec)}")
         slots = int(match["slots"]) if match["slots"] is not None else 1
         if slots < 1:
-            raise ValueError(f"host {name!r} in --hosts {spec!r} has 0 slots; give it 1 or more ({name}:1) or drop it")
+            raise ValueError(f"host {quoted(name)} in --hosts {quoted(spec)} has 0 slots; give it 1 or more or drop it")
         if any(host.name == name for host in hosts):
-            raise ValueError(f"--hosts {spec!r} lists {name!r} twice; list it once with all its slots")
+            raise ValueError(f"--hosts {quoted(spec)} lists {quoted(name)} twice; list it once with all its slots")
         hosts.append(Host(name, slots))
     return hosts
 
@@ -132,17 +152,18 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> list[Host]:
             continue
         match = _HOSTFILE_LINE_RE.match(line)
         if match is None:
-            raise ValueError(f"{source}:{lineno}: cannot read {line!r}; expected 'HOST slots=N', e.g. 'node1 slots=4'")
+            raise ValueError(f"{source}:{lineno}: cannot read {quoted(line)}; expected 'HOST slots=N', e.g. 'node1 slots=4'")
         name = match["name"]
+        _check_name_length(name, f"{source}:{lineno}")
         slots_text = match["slots"] or match["colon_slots"]
         slots = int(slots_text) if slots_text is not None else 1
         if slots < 1:
             raise ValueError(
-                f"{source}:{lineno}: host {name!r} has 0 slots; give it slots=1 or more, or remove the line"
+                f"{source}:{lineno}: host {quoted(name)} has 0 slots; give it slots=1 or more, or remove the line"
             )
         if name in first_line:
             raise ValueError(
-                f"{source}:{lineno}: host {name!r} is already listed on line {first_line[name]}; "
+                f"{source}:{lineno}: host {quoted(name)} is already listed on line {first_line[name]}; "
                 "list it once with all its slots"
             )
         first_line[name] = lineno
@@ -163,7 +184,7 @@ def read_hostfile(path: str | Path) -> list[Host]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ValueError(f"cannot read hostfile {str(path)!r} ({reason}); check the --hostfile path") from None
+        raise ValueError(f"cannot read hostfile {quoted(path)} ({reason}); check the --hostfile path") from None
     return parse_hostfile(text, source=str(path))
 
 
@@ -230,3 +251,46 @@ def is_local_host(name: str, hostname: str) -> bool:
         return ipaddress.ip_address(lowered).is_loopback
     except ValueError:
         return False
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. under ``taskset`` or a cgroup cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except OSError:
+            pass
+    return max(1, os.cpu_count() or 1)
+
+
+def check_oversubscription(workers: int, cores: int, host: str, allowed: bool) -> str | None:
+    """Say whether ``workers`` processes on a host with ``cores`` cores are too many. Pure.
+
+    More workers than cores slow every worker down (each one waits for a core);
+    more than :data:`OVERSUBSCRIBE_LIMIT` per core is almost always a typo
+    (``-np 640``, ``slots=100000``) that would start thousands of processes.
+
+    Args:
+        workers: Workers planned on the host.
+        cores: Its usable cores (:func:`usable_cores` there).
+        host: The host's name, for the message.
+        allowed: ``--oversubscribe`` was given: no warning, no refusal.
+
+    Returns:
+        A one-sentence warning when ``workers > cores``, else None.
+
+    Raises:
+        ValueError: ``workers`` exceeds ``OVERSUBSCRIBE_LIMIT * cores`` and
+            ``allowed`` is false.
+    """
+    if allowed or workers <= cores:
+        return None
+    if workers > OVERSUBSCRIBE_LIMIT * cores:
+        raise ValueError(
+            f"{workers} workers on {quoted(host)}, which has {cores} CPU core(s), is more than "
+            f"{OVERSUBSCRIBE_LIMIT} per core; lower -np or the slots, or pass --oversubscribe to start them anyway"
+        )
+    return (
+        f"{workers} workers on {quoted(host)}, which has {cores} CPU core(s), oversubscribe it and each will run "
+        "slower; lower -np or the slots to the core count, or pass --oversubscribe to silence this"
+    )

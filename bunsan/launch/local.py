@@ -13,7 +13,13 @@ Process hygiene, the invariants this module keeps:
   process table.
 * When any worker fails, the launcher signals every worker's process group and
   every process of the job: SIGTERM, then SIGKILL after ``grace_s`` (<= 3 s),
-  and exits with the code of the first worker that failed.
+  and exits with the code of the worker that failed first.
+* "First" is the rank whose failure ended the job, not the first process to
+  exit: a rank whose exception ends the job may take a second to exit while
+  the others, told to stop, are already gone. Every worker gets the write end
+  of a pipe (``BUNSAN_REPORT_FD``); ``bunsan.init()`` writes one line there
+  before its rank exits on purpose: "I raised", or "I stop because rank k
+  failed or died" (:class:`FailureReport`, :func:`attribute_failure`).
 * SIGINT, SIGTERM and SIGHUP sent to the launcher are forwarded the same way,
   then escalated to SIGKILL; the launcher exits 128 + signal number.
 * If the launcher itself is SIGKILLed, the kernel kills the workers
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import selectors
 import shlex
@@ -46,13 +53,18 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from bunsan.launch.hosts import Slot
+from bunsan.launch.quoting import quoted
 
 __all__ = [
     "GRACE_S",
     "HOST_JOB_VARIABLE",
     "JOB_ID_VARIABLE",
+    "REPORT_FD_VARIABLE",
+    "Attribution",
+    "FailureReport",
     "JobOutcome",
     "WorkerSpec",
+    "attribute_failure",
     "die_with_launcher_hook",
     "exit_code_of",
     "find_free_port",
@@ -79,6 +91,8 @@ DRAIN_S = 1.0  # after the job is gone, how long to wait for the last output
 _FORWARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 JOB_ID_VARIABLE = "BUNSAN_JOB_ID"  # every process of a job carries it
+REPORT_FD_VARIABLE = "BUNSAN_REPORT_FD"  # the workers' end of the launcher's report pipe
+ORIGIN_WAIT_S = 2.0  # how long to wait for the rank that failed first to exit by itself
 HOST_JOB_VARIABLE = "BUNSAN_HOST_JOB_ID"  # "<job id>.h<group rank>": one host's share of a job
 
 
@@ -114,6 +128,9 @@ class JobOutcome:
         cause: One sentence for the log, e.g. ``"rank 1 exited with code 3"``.
         unconfirmed: Hosts where the end of every worker could not be
             confirmed (a lost connection): ``bunsan run --cleanup`` is for them.
+        origin: False when the failed workers here only stopped because a
+            rank on another host failed (``rank`` is then that rank): the
+            launcher of a multi-host job prefers another host's own failure.
     """
 
     code: int
@@ -121,7 +138,116 @@ class JobOutcome:
     rank: int | None = None
     cause: str = ""
     unconfirmed: tuple[str, ...] = ()
+    origin: bool = True
 
+
+@dataclass(frozen=True)
+class FailureReport:
+    """What a worker told the launcher just before it exited on purpose.
+
+    Attributes:
+        rank: The worker's rank.
+        event: ``"raised"``: it failed on its own (an uncaught exception);
+            ``"stopped"``: it stops because rank ``peer`` failed or died.
+        peer: For ``"stopped"``, the rank it blames (None when unknown).
+        code: The exit code it is about to exit with.
+        what: One line: the exception, or why it stops.
+        time: Wall-clock time of the report.
+    """
+
+    rank: int
+    event: str
+    peer: int | None = None
+    code: int = 1
+    what: str = ""
+    time: float = 0.0
+
+    @classmethod
+    def from_line(cls, line: bytes) -> FailureReport | None:
+        """Parse one line of the report pipe; None for anything malformed."""
+        try:
+            data = json.loads(line)
+            peer = data.get("peer")
+            return cls(int(data["rank"]), str(data["event"]), None if peer is None else int(peer),
+                       int(data.get("code", 1)), str(data.get("what", ""))[:300], float(data.get("time", 0.0)))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Which rank to blame for a failed job, with the code and the sentence (see :func:`attribute_failure`).
+
+    Attributes:
+        rank: The rank to name.
+        code: The exit status for the launcher.
+        cause: One sentence for the log.
+        origin: False when the failure came from a rank that is not ours (another host).
+        wait_for: A rank of ours, still running, whose exit would make the
+            answer exact: the caller may wait for it a little and ask again.
+    """
+
+    rank: int
+    code: int
+    cause: str
+    origin: bool = True
+    wait_for: int | None = None
+
+
+def attribute_failure(
+    first: int, returncodes: Mapping[int, int | None], reports: Sequence[FailureReport], final: bool = False
+) -> Attribution:
+    """Name the rank whose failure ended the job. Pure.
+
+    Args:
+        first: The rank of the first worker seen to fail (non-zero exit).
+        returncodes: ``Popen.returncode`` of every worker here, by rank (None: running).
+        reports: What the workers reported so far.
+        final: Do not ask to wait (the caller has waited already).
+
+    Rules, in order: a worker killed by a signal without a word (SIGKILL, the
+    OOM killer; bunsan's own exits always report first) names itself; else the
+    earliest ``"raised"`` report names the rank (an exception ended the job;
+    the others' exits are its consequences); else, if the first to fail said
+    it stopped because of rank k, rank k (here, or on another host); else the
+    first to fail itself (a crash, ``sys.exit(3)``).
+    """
+    reported = {r.rank for r in reports}
+    silent = [rank for rank, code in returncodes.items() if code is not None and code < 0 and rank not in reported]
+    if silent:
+        rank = first if first in silent else min(silent)
+        code = returncodes[rank]
+        assert code is not None
+        return Attribution(rank, exit_code_of(code), f"rank {rank} {_describe_exit(code)}")
+    origins = sorted((r for r in reports if r.event == "raised"), key=lambda r: r.time)
+    if origins:
+        origin = origins[0]
+        code = returncodes.get(origin.rank)
+        if code is None and origin.rank in returncodes and not final:
+            return Attribution(origin.rank, origin.code, "", wait_for=origin.rank)
+        if code not in (None, 0):
+            assert code is not None
+            return Attribution(origin.rank, exit_code_of(code),
+                               f"rank {origin.rank} {_describe_exit(code)} (it failed first: {origin.what})")
+        return Attribution(origin.rank, origin.code,
+                           f"rank {origin.rank} failed first ({origin.what}); exit code {origin.code}")
+    first_code = returncodes.get(first)
+    first_status = exit_code_of(first_code) if first_code is not None else 1
+    blamed = next((r.peer for r in reports if r.rank == first and r.event == "stopped" and r.peer is not None), None)
+    if blamed is not None and blamed != first:
+        if blamed not in returncodes:
+            return Attribution(blamed, first_status, f"rank {first} stopped because rank {blamed} on another host "
+                               "failed", origin=False)
+        code = returncodes[blamed]
+        if code is None and not final:
+            return Attribution(blamed, first_status, "", wait_for=blamed)
+        if code not in (None, 0):
+            assert code is not None
+            return Attribution(blamed, exit_code_of(code), f"rank {blamed} {_describe_exit(code)} first; "
+                               "the others stopped because of it")
+    if first_code is None:
+        return Attribution(first, first_status, f"rank {first} failed")
+    return Attribution(first, first_status, f"rank {first} {_describe_exit(first_code)}")
 
 # ---------------------------------------------------------------------------
 # Pure helpers: planning, environment, exit codes.
@@ -157,12 +283,12 @@ def worker_command(command: Sequence[str], python: str | None = None, check: boo
     first, rest = command[0], list(command[1:])
     if first.endswith(".py"):
         if check and not os.path.isfile(first):
-            raise ValueError(f"script {first!r} does not exist (looked in {os.getcwd()}); check the path")
+            raise ValueError(f"script {quoted(first)} does not exist (looked in {os.getcwd()}); check the path")
         return [python or sys.executable, "-u", first, *rest]
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]
     if check and shutil.which(first) is None:
-        raise ValueError(f"command {first!r} is neither a .py script nor an executable on PATH; check the spelling")
+        raise ValueError(f"command {quoted(first)} is neither a .py script nor an executable on PATH; check the spelling")
     return [first, *rest]
 
 
@@ -392,12 +518,20 @@ def die_with_launcher_hook() -> Callable[[], None] | None:
 
 
 def _start_worker(
-    spec: WorkerSpec, tag_output: bool, preexec: Callable[[], None] | None, stdin_to_rank0: bool = True
+    spec: WorkerSpec,
+    tag_output: bool,
+    preexec: Callable[[], None] | None,
+    stdin_to_rank0: bool = True,
+    report_fd: int | None = None,
 ) -> subprocess.Popen[bytes]:
     pipe = subprocess.PIPE if tag_output else None  # untagged: output passes through untouched
+    env = dict(spec.env)
+    if report_fd is not None:
+        env[REPORT_FD_VARIABLE] = str(report_fd)
     return subprocess.Popen(
         list(spec.argv),
-        env=dict(spec.env),
+        env=env,
+        pass_fds=() if report_fd is None else (report_fd,),
         # Like mpirun, stdin goes to rank 0; an agent keeps its stdin (the ssh channel) to itself.
         stdin=None if spec.rank == 0 and stdin_to_rank0 else subprocess.DEVNULL,
         stdout=pipe,
@@ -580,6 +714,44 @@ class _OutputPump:
 # Watching the job.
 
 
+class _Reports:
+    """The launcher's end of the report pipe: :class:`FailureReport` lines from the workers."""
+
+    _MAX_BUFFER = 1 << 20  # a worker that floods the pipe loses its lines, not our memory
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self._buffer = b""
+        self.items: list[FailureReport] = []
+
+    def poll(self) -> list[FailureReport]:
+        """Read what arrived; returns the new reports."""
+        new: list[FailureReport] = []
+        while True:
+            try:
+                chunk = os.read(self.read_fd, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            self._buffer = (self._buffer + chunk)[-self._MAX_BUFFER:]
+            *lines, self._buffer = self._buffer.split(b"\n")
+            new += [r for r in map(FailureReport.from_line, lines) if r is not None]
+        self.items += new
+        return new
+
+    def close_write_end(self) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def close(self) -> None:
+        self.close_write_end()
+        with contextlib.suppress(OSError):
+            os.close(self.read_fd)
+
+
 class _Signals:
     """Record SIGINT, SIGTERM and SIGHUP instead of dying; restore the old handlers on exit."""
 
@@ -653,12 +825,14 @@ def _watch(
     pump: _OutputPump,
     signals: _Signals,
     interrupt: Callable[[], int | None] | None,
+    on_tick: Callable[[], None] = lambda: None,
 ) -> tuple[str, int]:
     """Wait for the job to end.
 
     Returns ("ok", 0), ("failed", index), ("signal", signum) or ("interrupted", signum).
     """
     while True:
+        on_tick()
         if signals.received:
             return "signal", signals.received[0]
         if interrupt is not None and (sig := interrupt()) is not None:
@@ -679,6 +853,7 @@ def _start_all(
     signals: _Signals,
     log: Callable[[str], None],
     stdin_to_rank0: bool,
+    report_fd: int | None = None,
 ) -> bool:
     """Start the workers in rank order, appending to ``job.processes``; False if one cannot start."""
     preexec = die_with_launcher_hook()
@@ -686,7 +861,7 @@ def _start_all(
         if signals.received:  # Ctrl-C during startup: _watch reports it
             break
         try:
-            process = _start_worker(spec, tag_output, preexec, stdin_to_rank0)
+            process = _start_worker(spec, tag_output, preexec, stdin_to_rank0, report_fd)
         except OSError as err:
             log(f"error: cannot start rank {spec.rank} ({shlex.join(spec.argv)}): {err}")
             return False
@@ -709,6 +884,7 @@ def run_job(
     log: Callable[[str], None] | None = None,
     stdin_to_rank0: bool = True,
     on_failure: Callable[[JobOutcome], None] | None = None,
+    on_report: Callable[[FailureReport], None] | None = None,
 ) -> JobOutcome:
     """Start ``specs`` on this machine, wait for them, leave nothing behind; say how it ended.
 
@@ -735,6 +911,8 @@ def run_job(
         stdin_to_rank0: Rank 0 inherits our stdin (as with mpirun).
         on_failure: Called with the outcome as soon as a worker has failed,
             before the others are stopped (which takes up to ``2 * grace_s``).
+        on_report: Called with each :class:`FailureReport` as it arrives
+            (the per-host agent forwards them to the launcher).
 
     Raises:
         ValueError: ``grace_s`` is outside [0, 3].
@@ -749,6 +927,13 @@ def run_job(
         raise ValueError(f"grace_s must be in [0, {GRACE_S}], got {grace_s}; the whole job must end within 10 s")
     pump = _OutputPump(stdout, stderr, sink)
     job = _Job(job_id, variable)
+    reports = _Reports()
+
+    def read_reports() -> None:
+        for item in reports.poll():
+            if on_report is not None:
+                on_report(item)
+
     with _Signals() as signals:
         janitor = start_janitor(job_id, grace_s, variable)
 
@@ -756,10 +941,12 @@ def run_job(
             _stop_job(job, first_signal, grace_s, pump, signals)
 
         try:
-            if not _start_all(specs, tag_output, job, pump, signals, log, stdin_to_rank0):
+            started = _start_all(specs, tag_output, job, pump, signals, log, stdin_to_rank0, reports.write_fd)
+            reports.close_write_end()  # the workers hold it now
+            if not started:
                 stop(signal.SIGTERM)
                 return JobOutcome(2, "start", cause="a worker could not be started")
-            outcome, detail = _watch(job.processes, pump, signals, interrupt)
+            outcome, detail = _watch(job.processes, pump, signals, interrupt, read_reports)
             if outcome == "ok":
                 # Every worker exited 0; still sweep what they left running in the background.
                 if job.alive():
@@ -767,15 +954,13 @@ def run_job(
                 stop(signal.SIGTERM)
                 return JobOutcome(0, "ok")
             if outcome == "failed":
-                returncode = job.processes[detail].returncode
-                assert returncode is not None
+                blame = _attribute(specs, job, detail, pump, reports, read_reports)
                 others = sum(p.poll() is None for p in job.processes)
                 stopping = f"stopping the other {others} worker(s)" if others else "stopping what is left of the job"
-                cause = f"rank {specs[detail].rank} {_describe_exit(returncode)}"
-                failed = JobOutcome(exit_code_of(returncode), "failed", specs[detail].rank, cause)
+                failed = JobOutcome(blame.code, "failed", blame.rank, blame.cause, origin=blame.origin)
                 if on_failure is not None:
                     on_failure(failed)
-                log(f"{cause}; {stopping}")
+                log(f"{blame.cause}; {stopping}")
                 stop(signal.SIGTERM)
                 return failed
             name = signal.Signals(detail).name
@@ -788,7 +973,36 @@ def run_job(
             if job.alive():
                 _stop_job(job, signal.SIGKILL, 0.0, pump, signals)
             pump.drain(DRAIN_S)
+            reports.close()
             stop_janitor(janitor)
+
+
+def _attribute(
+    specs: Sequence[WorkerSpec],
+    job: _Job,
+    index: int,
+    pump: _OutputPump,
+    reports: _Reports,
+    read_reports: Callable[[], None],
+) -> Attribution:
+    """:func:`attribute_failure` for the worker at ``index``, waiting up to ``ORIGIN_WAIT_S`` when it asks to."""
+    ranks = [spec.rank for spec in specs]
+
+    def ask(final: bool) -> Attribution:
+        read_reports()
+        codes = {rank: process.poll() for rank, process in zip(ranks, job.processes, strict=False)}
+        return attribute_failure(specs[index].rank, codes, reports.items, final=final)
+
+    blame = ask(final=False)
+    if blame.wait_for is not None:
+        # The rank that failed first is still in its exception hook (rank 0 lingers
+        # a second so the others can read why): let it exit with its own code.
+        waited = job.processes[ranks.index(blame.wait_for)]
+        deadline = time.monotonic() + ORIGIN_WAIT_S
+        while waited.poll() is None and time.monotonic() < deadline:
+            pump.pump(POLL_S)
+        blame = ask(final=True)
+    return blame
 
 
 def run_attempts(

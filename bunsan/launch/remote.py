@@ -36,9 +36,11 @@ Protocol (private between the launcher and the agent of the same version):
   ``e`` carry whole lines of a worker's stdout and stderr, ``m`` a message of
   the agent, ``s`` a status event in JSON: ``ready`` (host name, the ssh
   connection's addresses, the checked port), ``error`` (cannot start:
-  working directory, script or port), ``failed`` (a worker failed, with the
-  time, sent before the others are stopped) and ``done`` (the outcome, once
-  every worker here is gone). The agent's own stderr is not framed: a traceback
+  working directory, script or port), ``report`` (a worker raised: it is
+  about to exit and the job will end because of it), ``failed`` (a worker
+  failed, with the time, sent before the others are stopped; ``origin`` false
+  when it only stopped because a rank of another host failed) and ``done``
+  (the outcome, once every worker here is gone). The agent's own stderr is not framed: a traceback
   of the agent itself reaches the launcher's stderr as it is.
 """
 
@@ -60,7 +62,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bunsan.launch import local
-from bunsan.launch.hosts import Slot
+from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
+from bunsan.launch.quoting import quoted
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
@@ -167,6 +170,7 @@ class AgentInit:
         check_port: Port to check (0: pick a free one), or ``None`` on hosts other than rank 0's.
         grace_s: Seconds between SIGTERM and SIGKILL when the job stops.
         heartbeat_timeout_s: Silence from the launcher that counts as its death.
+        oversubscribe: ``--oversubscribe``: more workers than this host has cores are fine.
     """
 
     job_id: str
@@ -181,6 +185,7 @@ class AgentInit:
     check_port: int | None = None
     grace_s: float = local.GRACE_S
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    oversubscribe: bool = False
     op: str = field(default="init")
 
     def to_line(self) -> bytes:
@@ -378,15 +383,21 @@ def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, st
     return env
 
 
-def _prepare(init: AgentInit) -> tuple[str | None, int | None]:
-    """Check the working directory, the script and the port. Returns (error, port)."""
+def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None, int | None]:
+    """Check the working directory, the script, the core count and the port. Returns (error, port)."""
     host = socket.gethostname()
+    try:
+        warning = check_oversubscription(len(init.slots), usable_cores(), host, init.oversubscribe)
+    except ValueError as err:
+        return str(err), None
+    if warning is not None and outbox is not None:
+        outbox.message(f"warning: {warning}")
     try:
         os.chdir(init.cwd)
     except OSError as err:
-        return f"cannot change to the working directory {init.cwd!r} on {host} ({err.strerror}); see --remote-cwd", None
+        return f"cannot change to the working directory {quoted(init.cwd)} on {host} ({err.strerror}); see --remote-cwd", None
     if init.script is not None and not os.path.isfile(init.script):
-        return f"script {init.script!r} does not exist on {host} (looked in {init.cwd}); check the path", None
+        return f"script {quoted(init.script)} does not exist on {host} (looked in {quoted(init.cwd)}); check the path", None
     if init.check_port is None:
         return None, None
     try:
@@ -399,7 +410,7 @@ def _prepare(init: AgentInit) -> tuple[str | None, int | None]:
 
 
 def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
-    error, port = _prepare(init)
+    error, port = _prepare(init, outbox)
     if error is not None:
         outbox.status("error", message=error)
         return 2
@@ -440,9 +451,14 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         # Reported at once, with the time: the launcher reports the earliest
         # failure of all hosts, not the first consequence to reach it.
         on_failure=lambda failed: outbox.status("failed", code=failed.code, rank=failed.rank, cause=failed.cause,
-                                                time=time.time()),
+                                                time=time.time(), origin=failed.origin),
+        # A rank that raised says so before it exits (and before its peers stop):
+        # forwarded at once, so the launcher names it even if this host is stopped first.
+        on_report=lambda item: outbox.status("report", rank=item.rank, code=item.code, what=item.what,
+                                             time=item.time) if item.event == "raised" else None,
     )
-    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause)
+    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause,
+                  origin=outcome.origin)
     return outcome.code
 
 

@@ -76,6 +76,7 @@ from typing import IO, Any
 from bunsan.launch import local
 from bunsan.launch.config import HOST_KEY_CHECKING
 from bunsan.launch.hosts import Slot
+from bunsan.launch.quoting import quoted
 from bunsan.launch.remote import AgentInit, Frame, FrameDecoder
 
 __all__ = [
@@ -121,7 +122,7 @@ class SshOptions:
         if self.host_key_checking is not None and self.host_key_checking not in HOST_KEY_CHECKING:
             raise ValueError(
                 f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
-                f"got {self.host_key_checking!r}"
+                f"got {quoted(self.host_key_checking)}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -268,6 +269,7 @@ class _Failure:
     cause: str
     rank: int | None = None
     time: float = field(default_factory=time.time)
+    origin: bool = True  # False: this host's workers only stopped because a rank elsewhere failed
 
 
 class _Agent:
@@ -340,6 +342,7 @@ class _Fanout:
         self.selector = selectors.DefaultSelector()
         self.agents: list[_Agent] = []
         self.failure: _Failure | None = None
+        self.raised: list[_Failure] = []  # ranks that reported their own exception, on any host
 
     # -- messages and output
 
@@ -377,20 +380,34 @@ class _Fanout:
             agent.ready = status
         elif event == "error":
             self.fail(_Failure(2, "start", f"{agent.host}: {status.get('message')}"))
+        elif event == "report":
+            what = str(status.get("what", ""))[:300]
+            self.raised.append(_Failure(int(status.get("code", 1)), "failed",
+                                        f"rank {status.get('rank')} on host {agent.host} failed first ({what})",
+                                        status.get("rank"), float(status.get("time", time.time()))))
         elif event == "failed":
             cause = f"{status.get('cause')} on host {agent.host}"
-            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"])))
+            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"]),
+                               bool(status.get("origin", True))))
         elif event == "done":
             agent.done = status
             if status.get("kind") == "failed" and status.get("code"):
                 cause = f"{status.get('cause')} on host {agent.host}"
-                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time()))
+                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time(),
+                                   bool(status.get("origin", True))))
 
     def fail(self, failure: _Failure) -> None:
-        """Keep the earliest failure: the others are usually its consequences."""
-        if self.failure is None or (failure.kind == "failed" and self.failure.kind == "failed"
-                                    and failure.time < self.failure.time):
+        """Keep the failure that ended the job: a host's own failure before a consequence, then the earliest."""
+        current = self.failure
+        if current is None or (failure.kind == "failed" and current.kind == "failed"
+                               and (not current.origin, current.time) > (not failure.origin, failure.time)):
             self.failure = failure
+
+    def first_failure(self) -> _Failure | None:
+        """The failure to report: the earliest rank that raised, on any host, else :meth:`fail`'s choice."""
+        if self.raised and (self.failure is None or self.failure.kind in ("failed", "lost")):
+            return min(self.raised, key=lambda f: f.time)
+        return self.failure
 
     def pump(self, timeout_s: float) -> None:
         for key, _ in self.selector.select(timeout_s):
@@ -522,6 +539,7 @@ def run_hosts(
     start_timeout_s: float = START_TIMEOUT_S,
     stdout: IO[Any] | None = None,
     stderr: IO[Any] | None = None,
+    oversubscribe: bool = False,
 ) -> local.JobOutcome:
     """Run one attempt of a multi-host job: an agent per host, until the job ends everywhere.
 
@@ -538,6 +556,8 @@ def run_hosts(
         grace_s: Seconds between SIGTERM and SIGKILL, on every host.
         start_timeout_s: How long every agent may take to be ready.
         stdout, stderr: Where output and messages go; ``None`` means ``sys.stdout``/``sys.stderr``.
+        oversubscribe: Let a host run more workers than it has cores (each
+            agent checks its own host, see :func:`bunsan.launch.hosts.check_oversubscription`).
 
     Returns:
         How the job ended: ``code`` is 0, the earliest failed worker's exit
@@ -562,6 +582,7 @@ def run_hosts(
                     job_id=job_id, group_rank=plan.group_rank, hosts=hosts, restart=restart, cwd=plan.cwd,
                     argv=list(plan.argv), script=plan.script, env=dict(env), slots=[list(s) for s in plan.slots],
                     check_port=(master_port or 0) if plan is plans[0] else None, grace_s=grace_s,
+                    oversubscribe=oversubscribe,
                 ).to_line())
             return _watch(fanout, plans, signals, master_addr, start_timeout_s, grace_s)
         finally:
@@ -618,7 +639,7 @@ def _watch(
     others = sum(1 for a in agents if not a.exited())
     fanout.say(f"{failure.cause}; stopping the job on {others} host(s)" if others else failure.cause)
     fanout.stop(signal.SIGTERM, grace_s)
-    final = fanout.failure  # an earlier failure may have been reported meanwhile
+    final = fanout.first_failure()  # an earlier failure may have been reported meanwhile
     assert final is not None
     if final is not failure:
         fanout.say(f"the first failure was: {final.cause}")

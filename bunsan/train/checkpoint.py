@@ -79,9 +79,13 @@ class Checkpoint:
             end of every epoch. A last checkpoint is always written when
             training ends.
         restore: Continue from the newest valid checkpoint when one exists
-            (a damaged one is skipped with a warning).
+            (a damaged one is skipped with a warning). When checkpoint files
+            exist but every one is damaged, restoring raises
+            :class:`~bunsan.errors.CheckpointError`: the user asked to resume.
         keep: Keep the newest ``keep`` files and delete older ones; ``None``
             keeps all.
+        allow_fresh_start: With ``restore``, start from scratch (after the
+            warnings) instead of raising when every checkpoint file is damaged.
 
     Raises:
         ValueError: ``every`` < 1 or ``keep`` < 1.
@@ -91,6 +95,7 @@ class Checkpoint:
     every: int | None = None
     restore: bool = True
     keep: int | None = 2
+    allow_fresh_start: bool = False
 
     def __post_init__(self) -> None:
         if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
@@ -519,15 +524,31 @@ def restore(checkpoint: Checkpoint, group: Any = None) -> Restored | None:
     Rank 0 picks the file (skipping damaged ones with a warning) and broadcasts
     its name; every other rank reads that same file and verifies it. If any
     rank cannot, every rank raises the same :class:`CheckpointError`.
+
+    Raises:
+        CheckpointError: Checkpoint files exist but every one is damaged, and
+            ``checkpoint.allow_fresh_start`` is false; or a rank cannot read
+            the file rank 0 chose.
     """
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
     payload: dict[str, Any] | None = None
     chosen: str | None = None
+    refusal: str | None = None
     if rank == 0:
+        files = checkpoint.files()
         found = find_latest_valid(checkpoint, _check_layout)
         if found is not None:
             chosen, payload = str(found[0]), found[1]
-    chosen = _broadcast(chosen, group)
+        elif files and not checkpoint.allow_fresh_start:
+            refusal = (
+                f"every one of the {len(files)} checkpoint file(s) in {checkpoint.directory} is damaged (see the "
+                "warnings), so there is nothing to resume from; repair or remove them, or pass "
+                "Checkpoint(..., allow_fresh_start=True) to start from scratch"
+            )
+    # One broadcast: every rank learns the file, or that there is none, or that restoring must fail.
+    chosen, refusal = _broadcast((chosen, refusal), group)
+    if refusal is not None:
+        raise CheckpointError(refusal)
     if chosen is None:
         return None
     error = None

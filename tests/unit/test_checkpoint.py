@@ -89,13 +89,18 @@ def test_a_damaged_newest_file_is_skipped_with_a_warning(tmp_path, damage):
     assert restored is not None and restored.path == config.file_for(100)
 
 
-def test_no_valid_file_means_a_fresh_start(tmp_path):
+def test_no_file_means_a_fresh_start_but_only_damaged_files_refuse_unless_allowed(tmp_path):
     config = Checkpoint(tmp_path / "run.pt")
-    assert ckpt.restore(config) is None
+    assert ckpt.restore(config) is None  # a first run: nothing to resume
     config.file_for(5).write_bytes(b"junk")
     ckpt.write_file(config.file_for(6), {"format": ckpt.FORMAT, "something": "else"})  # whole, but not a session's
+    with pytest.warns(UserWarning, match="skipping damaged"), pytest.raises(
+        CheckpointError, match=r"every one of the 2 checkpoint file\(s\) .* is damaged .*allow_fresh_start=True"
+    ):
+        ckpt.restore(config)
+    allowed = Checkpoint(tmp_path / "run.pt", allow_fresh_start=True)
     with pytest.warns(UserWarning, match="skipping damaged") as caught:
-        assert ckpt.restore(config) is None
+        assert ckpt.restore(allowed) is None
     assert any("not a training checkpoint" in str(w.message) for w in caught)
 
 
