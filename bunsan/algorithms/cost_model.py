@@ -1,0 +1,410 @@
+"""Predicted step time of every bunsan algorithm: pure functions of a profile and a network.
+
+No torch and no process group here: :mod:`bunsan.bench.plan` (``bunsan plan``) and
+an algorithm that decides at run time use the same arithmetic, and tests check it
+against values worked out by hand.
+
+The network is Hockney's alpha-beta model (Hockney 1994, "The communication
+challenge for MPP: Intel Paragon and Meiko CS-2"): sending ``m`` bytes over one
+link takes ``alpha + m / beta``. On top of it:
+
+* **ring all-reduce** of ``M`` bytes over ``N`` ranks (Patarasuk and Yuan 2009,
+  "Bandwidth optimal all-reduce algorithms for clusters of workstations"): a
+  reduce-scatter and an all-gather of ``N - 1`` steps each, every step moving
+  ``M / N`` bytes, so ``2 (N - 1) / N * M / beta + 2 (N - 1) alpha``. Each rank
+  sends ``2 (N - 1) / N * M`` bytes, the figure ``algorithm.stats()`` counts.
+* **striped quantized exchange** (``DataParallelSGD(bits=1..16)``): rank ``j``
+  owns stripe ``j`` of the gradient. An all-to-all sends every other owner its
+  quantized stripe (``N - 1`` messages of ``P`` bytes, ``P`` the quantized size of
+  ``M / N`` elements), the owners sum and re-quantize, and an all-gather of the
+  owners' stripes (``N - 1`` more) completes it: ``2 (N - 1) (alpha + P / beta)``
+  plus the codec time, which runs on the compute thread and is not overlapped:
+  each rank encodes its whole gradient and its own stripe, and decodes ``N``
+  received stripes and the ``N`` gathered ones.
+* **overlap with backward** (exact and quantized buckets): gradients become ready
+  during backward, last layers first; a bucket's exchange starts when its last
+  gradient is ready and the previous bucket's exchange has finished (buckets go in
+  the same order on every rank). Only what runs past the end of backward adds to
+  the step: :func:`exposed_communication`. Gradients are taken to become ready at
+  an even rate in bytes over the backward pass.
+* **block algorithms** (``BlockMomentumSGD``, ``ModelAveragingSGD``; Chen and Huo
+  2016): one all-reduce of the parameters (float32) per block of ``k`` local
+  steps, not overlapped, so ``(all-reduce + block update) / k`` per step.
+* **asynchronous SGD** with the server on rank 0 (``AsyncSGD``): each remote
+  worker pushes its update and pulls the model (``M`` bytes each way) every
+  ``sync_period`` samples. A worker waits for its own round trip; rank 0's link
+  carries every remote worker's push and pull, so the step time is at least
+  ``(N - 1)`` round trips' worth of bytes on one link per sync.
+
+Scaling efficiency is ``compute / step``: the step time of one worker alone over
+the step time at ``N`` with the same per-worker work (with a fixed global batch the
+caller divides the compute by ``N`` first, :meth:`Profile.at_workers`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "ALGORITHMS",
+    "Candidate",
+    "Network",
+    "Prediction",
+    "Profile",
+    "allgather_time",
+    "alltoall_time",
+    "async_step",
+    "block_steps",
+    "bucket_sizes",
+    "default_candidates",
+    "exposed_communication",
+    "predict",
+    "predict_all",
+    "quantized_payload_bytes",
+    "ring_allreduce_bytes",
+    "ring_allreduce_time",
+    "striped_exchange_bytes",
+    "striped_exchange_time",
+]
+
+ALGORITHMS = ("data_parallel", "block_momentum", "model_averaging", "async")
+DEFAULT_CHUNK_SIZE = 512  # bunsan.compression.DEFAULT_CHUNK_SIZE, repeated to stay free of torch (a test checks)
+FIRST_BUCKET_BYTES = 2**20  # DataParallelSGD's small first bucket
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
+
+
+def _check_positive(name: str, value: float, *, zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not zero) or math.isinf(value):
+        raise ValueError(f"{name} must be {'>= 0' if zero else '> 0'} and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Hockney's alpha-beta model of one link.
+
+    Args:
+        latency_s: alpha, seconds per message (the start-up cost of one send).
+        bandwidth: beta, bytes per second of one link in one direction.
+        gather_bandwidth: effective beta of all-gather and all-to-all messages when
+            they differ from all-reduce's (Gloo's all-gather moved fewer bytes per
+            second than its all-reduce on loopback); ``None`` means ``bandwidth``.
+    """
+
+    latency_s: float
+    bandwidth: float
+    gather_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("latency_s", self.latency_s, zero=True)
+        _check_positive("bandwidth", self.bandwidth)
+        if self.gather_bandwidth is not None:
+            _check_positive("gather_bandwidth", self.gather_bandwidth)
+
+    @property
+    def gather_beta(self) -> float:
+        return self.gather_bandwidth if self.gather_bandwidth is not None else self.bandwidth
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one worker's training step costs without communication.
+
+    Args:
+        compute_s: forward + backward + optimizer update of one step, one worker.
+        params: gradient elements (trainable parameters).
+        batch: samples per worker per step (turns block sizes in samples into steps).
+        bytes_per_element: of the gradient as it is (4 for float32).
+        backward_fraction: share of ``compute_s`` spent in backward, the window in
+            which bucketed exchanges overlap (about 2/3: backward costs about twice
+            the forward).
+        encode_s_per_element, decode_s_per_element: quantization codec time per
+            element, for the quantized exchange (0 where not measured).
+        update_s_per_element: time per element of a block update (model averaging,
+            block momentum) beyond the all-reduce.
+    """
+
+    compute_s: float
+    params: int
+    batch: int = 32
+    bytes_per_element: int = 4
+    backward_fraction: float = 2 / 3
+    encode_s_per_element: float = 0.0
+    decode_s_per_element: float = 0.0
+    update_s_per_element: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("compute_s", self.compute_s)
+        for name in ("params", "batch", "bytes_per_element"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.backward_fraction <= 1:
+            raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
+        for name in ("encode_s_per_element", "decode_s_per_element", "update_s_per_element"):
+            _check_positive(name, getattr(self, name), zero=True)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.params * self.bytes_per_element
+
+    def at_workers(self, workers: int, *, global_batch: bool = False) -> Profile:
+        """This profile at ``workers`` workers: unchanged (per-worker batch fixed, weak scaling), or with a
+        fixed global batch the compute and the batch divided by ``workers`` (strong scaling, assuming the
+        compute scales linearly with the batch)."""
+        if not global_batch or workers == 1:
+            return self
+        return replace(self, compute_s=self.compute_s / workers, batch=max(1, self.batch // workers))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One algorithm setting to predict: a registered algorithm name and its options."""
+
+    algorithm: str
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"the cost model knows algorithms {', '.join(ALGORITHMS)}, not {self.algorithm!r}")
+        if not self.label:
+            text = self.algorithm + (":" + ",".join(f"{k}={v}" for k, v in self.options.items()) if self.options else "")
+            object.__setattr__(self, "label", text)
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The predicted cost of one candidate at one worker count (all per worker, per step)."""
+
+    label: str
+    workers: int
+    compute_s: float
+    step_s: float
+    communication_s: float  # the exchange's own time, overlapped or not
+    exposed_s: float  # what the exchange adds to the step (after overlap, amortized over a block)
+    codec_s: float
+    bytes_per_step: float  # bytes one worker sends per step
+
+    @property
+    def efficiency(self) -> float:
+        """Scaling efficiency: the step of one worker alone over this step, same per-worker work."""
+        return self.compute_s / self.step_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "workers": self.workers, "compute_s": self.compute_s, "step_s": self.step_s,
+                "communication_s": self.communication_s, "exposed_s": self.exposed_s, "codec_s": self.codec_s,
+                "bytes_per_step": self.bytes_per_step, "efficiency": self.efficiency}
+
+
+# -- collectives -------------------------------------------------------------------------------
+def ring_allreduce_bytes(nbytes: float, workers: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes``."""
+    return 2 * (workers - 1) / workers * nbytes
+
+
+def ring_allreduce_time(nbytes: float, workers: int, network: Network) -> float:
+    """Seconds of a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes / beta + 2 (N - 1) alpha``."""
+    if workers <= 1 or nbytes <= 0:
+        return 0.0
+    return ring_allreduce_bytes(nbytes, workers) / network.bandwidth + 2 * (workers - 1) * network.latency_s
+
+
+def alltoall_time(message_bytes: float, workers: int, network: Network) -> float:
+    """Seconds of an all-to-all where each rank sends ``message_bytes`` to each of the ``N - 1`` others."""
+    if workers <= 1:
+        return 0.0
+    return (workers - 1) * (network.latency_s + message_bytes / network.gather_beta)
+
+
+def allgather_time(message_bytes: float, workers: int, network: Network) -> float:
+    """Seconds of a ring all-gather of one ``message_bytes`` piece per rank: ``(N - 1)`` steps of one piece."""
+    return alltoall_time(message_bytes, workers, network)
+
+
+def quantized_payload_bytes(numel: int, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+    """Bytes of ``numel`` elements quantized to ``bits`` bits: two float32 per chunk plus the packed codes
+    (the size of :meth:`bunsan.compression.Quantizer.payload_bytes`)."""
+    if numel <= 0:
+        return 0
+    return 8 * -(-numel // chunk_size) + -(-numel * bits // 8)
+
+
+def striped_exchange_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> float:
+    """Bytes each rank sends in the striped quantized exchange: ``2 (N - 1)`` stripes of ``numel / N`` elements."""
+    if workers <= 1:
+        return 0.0
+    stripe = quantized_payload_bytes(-(-numel // workers), bits, chunk_size)
+    return 2 * (workers - 1) * stripe
+
+
+def striped_exchange_time(numel: int, bits: int, workers: int, network: Network,
+                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> float:
+    """Seconds on the wire of the striped quantized exchange of ``numel`` elements (all-to-all + all-gather)."""
+    if workers <= 1:
+        return 0.0
+    stripe = quantized_payload_bytes(-(-numel // workers), bits, chunk_size)
+    return alltoall_time(stripe, workers, network) + allgather_time(stripe, workers, network)
+
+
+# -- overlap with backward ----------------------------------------------------------------------
+def bucket_sizes(total_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
+                 first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
+    """Bytes of each bucket in launch order: a small first bucket, then buckets of ``cap_bytes``, the rest last.
+
+    (DataParallelSGD closes a bucket at a parameter boundary once it reaches the cap; parameter sizes
+    are not known here, so the cut is at the byte.)
+    """
+    sizes: list[int] = []
+    left = total_bytes
+    limit = min(first_bytes, cap_bytes)
+    while left > 0:
+        size = min(limit, left)
+        sizes.append(size)
+        left -= size
+        limit = cap_bytes
+    return sizes
+
+
+def exposed_communication(forward_s: float, backward_s: float, buckets: Sequence[float],
+                          exchange_s: Callable[[float], float]) -> float:
+    """Seconds the bucketed exchange runs past the end of backward.
+
+    Bucket ``i`` (``buckets[i]`` bytes, launch order) is ready once backward has
+    produced the bytes of buckets ``0..i`` (an even rate over ``backward_s``); its
+    exchange, ``exchange_s(bytes)`` seconds, starts when it is ready and the previous
+    one is done.
+    """
+    total = sum(buckets)
+    if total <= 0:
+        return 0.0
+    end_backward = forward_s + backward_s
+    done = ready = 0.0
+    produced = 0.0
+    for size in buckets:
+        produced += size
+        ready = forward_s + backward_s * produced / total
+        done = max(done, ready) + exchange_s(size)
+    return max(0.0, done - end_backward)
+
+
+# -- the algorithms -----------------------------------------------------------------------------
+def block_steps(block_size: int, batch: int) -> int:
+    """Local steps per block: ``block_size`` samples per worker over ``batch`` samples per step (at least 1)."""
+    return max(1, math.ceil(block_size / batch))
+
+
+def async_step(compute_s: float, model_bytes: float, workers: int, network: Network, sync_steps: int,
+               apply_s: float = 0.0) -> tuple[float, float]:
+    """``(step seconds, exposed seconds)`` of a remote worker of the rank-0 parameter server.
+
+    A worker pays its own push and pull (``2 (alpha + M / beta)``) every
+    ``sync_steps`` steps; rank 0's link, full duplex, receives ``N - 1`` pushes and
+    sends ``N - 1`` models per sync round, and rank 0 applies ``N - 1`` updates, so
+    a round cannot be shorter than ``(N - 1) (alpha + M / beta + apply)``.
+    """
+    if workers <= 1:
+        return compute_s, 0.0
+    round_trip = 2 * (network.latency_s + model_bytes / network.bandwidth) + apply_s
+    own = compute_s + round_trip / sync_steps
+    server = (workers - 1) * (network.latency_s + model_bytes / network.bandwidth + apply_s) / sync_steps
+    step = max(own, server)
+    return step, step - compute_s
+
+
+def _option(options: dict[str, Any], name: str, default: Any) -> Any:
+    value = options.get(name, default)
+    return default if value is None else value
+
+
+def predict(profile: Profile, network: Network, candidate: Candidate, workers: int, *,
+            overlap: bool = True) -> Prediction:
+    """The predicted step of ``candidate`` at ``workers`` workers (the profile is per worker at that count).
+
+    Options read from ``candidate.options``: ``bits``, ``compression`` (``"fp16"``/``"bf16"``),
+    ``chunk_size``, ``bucket_size_mb`` (data_parallel); ``block_size`` (samples per worker, block
+    algorithms); ``sync_period`` (samples per worker, async). ``overlap=False`` puts every bucketed
+    exchange after backward (as in a framework that reduces after the whole backward pass).
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    options = candidate.options
+    compute = profile.compute_s
+    n = workers
+    if candidate.algorithm == "data_parallel":
+        bits = int(_option(options, "bits", 32))
+        forward = compute * (1 - profile.backward_fraction)
+        backward = compute * profile.backward_fraction
+        cap = int(float(_option(options, "bucket_size_mb", DEFAULT_BUCKET_BYTES / 2**20)) * 2**20)
+        if bits == 32:
+            element = 2 if options.get("compression") in ("fp16", "bf16") else profile.bytes_per_element
+            wire = profile.params * element
+            buckets = bucket_sizes(wire, cap, min(FIRST_BUCKET_BYTES, cap))
+
+            def exchange(size: float) -> float:
+                return ring_allreduce_time(size, n, network)
+
+            sent = ring_allreduce_bytes(wire, n) if n > 1 else 0.0
+            codec = 0.0
+        else:
+            chunk = int(_option(options, "chunk_size", DEFAULT_CHUNK_SIZE))
+            # Buckets are cut in gradient bytes (float32); each travels quantized.
+            buckets = bucket_sizes(profile.gradient_bytes, cap, min(FIRST_BUCKET_BYTES, cap))
+
+            def exchange(size: float) -> float:
+                return striped_exchange_time(int(size // profile.bytes_per_element), bits, n, network, chunk)
+
+            sent = sum(striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk) for b in buckets)
+            codec = 0.0 if n == 1 else (profile.encode_s_per_element * profile.params * (1 + 1 / n)
+                                        + profile.decode_s_per_element * profile.params * 2)
+        communication = sum(exchange(b) for b in buckets) if n > 1 else 0.0
+        if n == 1:
+            exposed = 0.0
+        elif overlap:
+            exposed = exposed_communication(forward, backward, buckets, exchange)
+        else:
+            exposed = communication
+        return Prediction(candidate.label, n, compute, compute + exposed + codec, communication, exposed, codec, sent)
+    if candidate.algorithm in ("block_momentum", "model_averaging"):
+        k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
+        nbytes = profile.params * 4  # parameters are averaged in float32
+        communication = ring_allreduce_time(nbytes, n, network)
+        update = profile.update_s_per_element * profile.params if n > 1 else 0.0
+        exposed = (communication + update) / k
+        sent = ring_allreduce_bytes(nbytes, n) / k
+        return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
+    # async
+    k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
+    nbytes = profile.params * 4
+    step, exposed = async_step(compute, nbytes, n, network, k, profile.update_s_per_element * profile.params)
+    sent = 0.0 if n == 1 else nbytes / k
+    return Prediction(candidate.label, n, compute, step, exposed, exposed, 0.0, sent)
+
+
+def default_candidates(block_size: int = 1024) -> list[Candidate]:
+    """Every algorithm at its documented default setting (and 8- and 1-bit quantization, fp16 traffic)."""
+    return [
+        Candidate("data_parallel", {}, "exact"),
+        Candidate("data_parallel", {"compression": "fp16"}, "fp16"),
+        Candidate("data_parallel", {"bits": 8}, "8-bit"),
+        Candidate("data_parallel", {"bits": 1}, "1-bit"),
+        Candidate("block_momentum", {"block_size": block_size}, f"block_momentum:{block_size}"),
+        Candidate("model_averaging", {"block_size": block_size}, f"model_averaging:{block_size}"),
+        Candidate("async", {}, "async"),
+    ]
+
+
+def predict_all(profile: Profile, network: Network, candidates: Sequence[Candidate], workers: Sequence[int], *,
+                global_batch: bool = False, overlap: bool = True) -> list[Prediction]:
+    """:func:`predict` for every candidate at every worker count (worker counts outer)."""
+    return [predict(profile.at_workers(n, global_batch=global_batch), network, c, n, overlap=overlap)
+            for n in workers for c in candidates]
