@@ -112,8 +112,23 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=doctor.run)
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    from bunsan.bench import plan  # standard library only at the top, as `run`
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict step time, scaling efficiency and bytes of every algorithm at 8 to 256 workers",
+        description=plan.DESCRIPTION,
+        epilog=plan.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(parser)
+    parser.set_defaults(handler=plan.run)
+
+
 # Subcommands in the order `bunsan --help` lists them.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor,
+                                                                            _add_plan)
 
 
 def build_parser() -> ArgumentParser:

@@ -61,6 +61,8 @@ __all__ = [
     "bucket_sizes",
     "default_candidates",
     "exposed_communication",
+    "fit_line",
+    "network_from_timings",
     "predict",
     "predict_all",
     "quantized_payload_bytes",
@@ -345,20 +347,19 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
         forward = compute * (1 - profile.backward_fraction)
         backward = compute * profile.backward_fraction
         cap = int(float(_option(options, "bucket_size_mb", DEFAULT_BUCKET_BYTES / 2**20)) * 2**20)
+        # Buckets are cut in gradient bytes, whatever travels (DataParallelSGD fills them before compressing).
+        buckets = bucket_sizes(profile.gradient_bytes, cap, min(FIRST_BUCKET_BYTES, cap))
         if bits == 32:
             element = 2 if options.get("compression") in ("fp16", "bf16") else profile.bytes_per_element
-            wire = profile.params * element
-            buckets = bucket_sizes(wire, cap, min(FIRST_BUCKET_BYTES, cap))
+            ratio = element / profile.bytes_per_element
 
             def exchange(size: float) -> float:
-                return ring_allreduce_time(size, n, network)
+                return ring_allreduce_time(size * ratio, n, network)
 
-            sent = ring_allreduce_bytes(wire, n) if n > 1 else 0.0
+            sent = ring_allreduce_bytes(profile.params * element, n) if n > 1 else 0.0
             codec = 0.0
         else:
             chunk = int(_option(options, "chunk_size", DEFAULT_CHUNK_SIZE))
-            # Buckets are cut in gradient bytes (float32); each travels quantized.
-            buckets = bucket_sizes(profile.gradient_bytes, cap, min(FIRST_BUCKET_BYTES, cap))
 
             def exchange(size: float) -> float:
                 return striped_exchange_time(int(size // profile.bytes_per_element), bits, n, network, chunk)
@@ -408,3 +409,47 @@ def predict_all(profile: Profile, network: Network, candidates: Sequence[Candida
     """:func:`predict` for every candidate at every worker count (worker counts outer)."""
     return [predict(profile.at_workers(n, global_batch=global_batch), network, c, n, overlap=overlap)
             for n in workers for c in candidates]
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(intercept, slope)`` of ``t = a + b x`` through ``(x, t)`` points.
+
+    The intercept is clipped at 0 (a latency is never negative); with it clipped the
+    slope is refitted through the origin. Used to read ``alpha`` and ``beta`` off
+    timed collectives of several sizes.
+
+    Raises:
+        ValueError: fewer than two distinct ``x``, or a slope that is not positive.
+    """
+    if len({x for x, _ in points}) < 2:
+        raise ValueError("fitting a line needs points at two or more distinct sizes")
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in points) / sxx
+    intercept = mean_t - slope * mean_x
+    if intercept < 0:
+        intercept = 0.0
+        slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
+    if not slope > 0:
+        raise ValueError(f"the timed sizes give a slope of {slope:.3g} s/byte: time did not grow with size; "
+                         "time larger messages or more repeats")
+    return intercept, slope
+
+
+def network_from_timings(allreduce: Sequence[tuple[float, float]], workers: int,
+                         allgather: Sequence[tuple[float, float]] = ()) -> Network:
+    """The :class:`Network` whose alpha and beta best explain timed collectives at ``workers`` ranks.
+
+    ``allreduce``: ``(bytes, seconds)`` of ring all-reduces, fitted to
+    ``2 (N - 1) alpha + 2 (N - 1) / N * bytes / beta``; ``allgather``: ``(bytes of one
+    rank's piece, seconds)``, fitted to ``(N - 1) (alpha + bytes / beta_gather)``.
+    """
+    if workers < 2:
+        raise ValueError(f"measuring a network needs 2 or more workers, got {workers}")
+    intercept, slope = fit_line([(ring_allreduce_bytes(m, workers), t) for m, t in allreduce])
+    gather = None
+    if allgather:
+        gather = 1 / fit_line([((workers - 1) * m, t) for m, t in allgather])[1]
+    return Network(latency_s=intercept / (2 * (workers - 1)), bandwidth=1 / slope, gather_bandwidth=gather)

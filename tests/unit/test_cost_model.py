@@ -65,6 +65,9 @@ def test_exact_prediction_with_and_without_overlap():
     assert serial.step_s == pytest.approx(0.6)
     fp16 = cm.predict(profile, net, Candidate("data_parallel", {"compression": "fp16", "bucket_size_mb": 1}), 2)
     assert fp16.bytes_per_step == pytest.approx(1.5 * mib)
+    # fp16 buckets are still cut at 1 MiB of gradients, each all-reduce half as long (0.05 s):
+    # ready at 0.1667, 0.2333, 0.3; done at 0.2167, 0.2833, 0.35
+    assert fp16.exposed_s == pytest.approx(0.05)
     alone = cm.predict(profile, net, exact, 1)
     assert alone.step_s == 0.3 and alone.bytes_per_step == 0 and alone.efficiency == 1.0
 
@@ -131,3 +134,23 @@ def test_bad_input_is_one_sentence():
         Candidate("quantum")
     with pytest.raises(ValueError, match="workers"):
         cm.predict(Profile(compute_s=0.1, params=1), Network(0.0, 1.0), Candidate("async"), 0)
+
+
+def test_network_from_timings_recovers_alpha_and_beta():
+    truth = Network(latency_s=2e-5, bandwidth=5e8, gather_bandwidth=2e8)
+    sizes = [4, 4096, 2**20, 2**22]
+    reduce = [(m, cm.ring_allreduce_time(m, 4, truth)) for m in sizes]
+    gather = [(m, cm.allgather_time(m, 4, truth)) for m in sizes]
+    fitted = cm.network_from_timings(reduce, 4, gather)
+    assert fitted.latency_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(5e8, rel=1e-6)
+    assert fitted.gather_bandwidth == pytest.approx(2e8, rel=1e-6)
+
+
+def test_fit_line_by_hand_and_refusals():
+    assert cm.fit_line([(0, 1), (1, 3), (2, 5)]) == pytest.approx((1.0, 2.0))
+    assert cm.fit_line([(1, 1), (2, 3)]) == pytest.approx((0.0, 7 / 5))  # intercept -1 clipped: sum(xt)/sum(xx)
+    with pytest.raises(ValueError, match="two or more distinct"):
+        cm.fit_line([(1, 1), (1, 2)])
+    with pytest.raises(ValueError, match="did not grow"):
+        cm.fit_line([(1, 3), (2, 3)])
