@@ -442,14 +442,24 @@ def network_from_timings(allreduce: Sequence[tuple[float, float]], workers: int,
                          allgather: Sequence[tuple[float, float]] = ()) -> Network:
     """The :class:`Network` whose alpha and beta best explain timed collectives at ``workers`` ranks.
 
-    ``allreduce``: ``(bytes, seconds)`` of ring all-reduces, fitted to
-    ``2 (N - 1) alpha + 2 (N - 1) / N * bytes / beta``; ``allgather``: ``(bytes of one
-    rank's piece, seconds)``, fitted to ``(N - 1) (alpha + bytes / beta_gather)``.
+    ``allreduce``: ``(bytes, seconds)`` of ring all-reduces, modelled as
+    ``2 (N - 1) alpha + 2 (N - 1) / N * bytes / beta``. ``1 / beta`` is the
+    least-squares slope over all sizes; alpha is read off the smallest message
+    (the small-message latency, less its tiny bandwidth share), which a fitted
+    intercept would leave to the noise of the large ones. ``allgather``:
+    ``(bytes of one rank's piece, seconds)``, slope of ``(N - 1) (alpha + bytes /
+    beta_gather)``; left out (``None``) when its times do not grow with size.
     """
     if workers < 2:
         raise ValueError(f"measuring a network needs 2 or more workers, got {workers}")
-    intercept, slope = fit_line([(ring_allreduce_bytes(m, workers), t) for m, t in allreduce])
+    points = [(ring_allreduce_bytes(m, workers), t) for m, t in allreduce]
+    slope = fit_line(points)[1]
+    x_small, t_small = min(points)
+    latency = max(0.0, t_small - x_small * slope) / (2 * (workers - 1))
     gather = None
     if allgather:
-        gather = 1 / fit_line([((workers - 1) * m, t) for m, t in allgather])[1]
-    return Network(latency_s=intercept / (2 * (workers - 1)), bandwidth=1 / slope, gather_bandwidth=gather)
+        try:
+            gather = 1 / fit_line([((workers - 1) * m, t) for m, t in allgather])[1]
+        except ValueError:
+            gather = None
+    return Network(latency_s=latency, bandwidth=1 / slope, gather_bandwidth=gather)

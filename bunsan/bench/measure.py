@@ -34,7 +34,7 @@ from bunsan.algorithms.cost_model import Network, network_from_timings
 __all__ = ["PROBE_SIZES", "main", "measure_codec", "measure_compute", "measure_network"]
 
 # all-reduce message sizes in bytes: a latency-bound one, then bandwidth-bound ones
-PROBE_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 
 
 def _median_time(fn: Any, repeats: int) -> float:
@@ -91,7 +91,7 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     return {"encode_s_per_element": encode / numel, "decode_s_per_element": decode / numel}
 
 
-def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 5) -> Network:
+def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:
     """Collective: time all-reduces and all-gathers of ``sizes`` bytes and fit alpha and beta.
 
     Every rank times the same collectives; the median over ``repeats`` of the
@@ -105,6 +105,7 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
         piece = torch.ones(max(1, numel // n))
         gathered = torch.empty(piece.numel() * n)
         comm.all_reduce(tensor, group=group)  # warm up this size's buffers
+        comm.all_gather_into(gathered, piece, group=group)
         comm.barrier(group)
         reduce_s = _median_time(lambda: comm.all_reduce(tensor, group=group), repeats)
         comm.barrier(group)
@@ -119,7 +120,7 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
 def main(argv: Sequence[str] | None = None) -> int:
     """The probe job: measure the network over all ranks; rank 0 prints it as one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.measure", description=main.__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     import bunsan
 
