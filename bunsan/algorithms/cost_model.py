@@ -59,6 +59,8 @@ __all__ = [
     "async_step",
     "block_steps",
     "bucket_sizes",
+    "codec_calls",
+    "compute_with_stragglers",
     "default_candidates",
     "exposed_communication",
     "fit_line",
@@ -128,6 +130,15 @@ class Profile:
             element, for the quantized exchange (0 where not measured).
         update_s_per_element: time per element of a block update (model averaging,
             block momentum) beyond the all-reduce.
+        straggler_s: how much longer the slowest of the workers takes, on average, than
+            their mean compute in a step (:func:`compute_with_stragglers`); a
+            synchronous step waits for the slowest worker (Dean et al. 2012; Chen et al.
+            2016, "Revisiting Distributed Synchronous SGD"). A block algorithm waits
+            once per block of ``k`` steps, for a skew that grows as ``sqrt(k)`` with
+            independent step times: ``straggler_s / sqrt(k)`` per step. Async waits for nobody.
+        tensors: parameter tensors (each is encoded as segments of its own).
+        codec_call_s: fixed time of one encode or decode call, whatever its size
+            (dominant for small models on CPU).
     """
 
     compute_s: float
@@ -138,10 +149,13 @@ class Profile:
     encode_s_per_element: float = 0.0
     decode_s_per_element: float = 0.0
     update_s_per_element: float = 0.0
+    straggler_s: float = 0.0
+    tensors: int = 1
+    codec_call_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("compute_s", self.compute_s)
-        for name in ("params", "batch", "bytes_per_element"):
+        for name in ("params", "batch", "bytes_per_element", "tensors"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
@@ -149,7 +163,8 @@ class Profile:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.backward_fraction <= 1:
             raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
-        for name in ("encode_s_per_element", "decode_s_per_element", "update_s_per_element"):
+        for name in ("encode_s_per_element", "decode_s_per_element", "update_s_per_element", "codec_call_s",
+                     "straggler_s"):
             _check_positive(name, getattr(self, name), zero=True)
 
     @property
@@ -299,6 +314,34 @@ def exposed_communication(forward_s: float, backward_s: float, buckets: Sequence
     return max(0.0, done - end_backward)
 
 
+def compute_with_stragglers(times: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """``(mean compute, straggler)`` from ``times[rank][step]``, the step times of every worker.
+
+    The mean is over all workers and steps; the straggler is the mean over steps
+    of the slowest worker's time, less that mean: what a synchronous step waits.
+    """
+    if not times or not times[0] or any(len(t) != len(times[0]) for t in times):
+        raise ValueError("need the same number of step times (at least one) from every worker")
+    steps = len(times[0])
+    mean = sum(sum(t) for t in times) / (len(times) * steps)
+    slowest = sum(max(t[i] for t in times) for i in range(steps)) / steps
+    return mean, slowest - mean
+
+
+def codec_calls(tensors: int, buckets: int, workers: int) -> float:
+    """Encode and decode calls per step of the striped exchange (each segment is coded on its own).
+
+    A stripe cut meets about ``tensors + workers`` segments per bucket
+    (:func:`bunsan.algorithms.data_parallel.plan_stripes` cuts at parameter and
+    stripe ends): encode all of them, decode the received ones, encode the own
+    stripe (``tensors / N + 1``), decode the gathered ones: ``3 (T + B N) + T / N + B``.
+    """
+    if workers <= 1:
+        return 0.0
+    segments = tensors + buckets * workers
+    return 3 * segments + tensors / workers + buckets
+
+
 # -- the algorithms -----------------------------------------------------------------------------
 def block_steps(block_size: int, batch: int) -> int:
     """Local steps per block: ``block_size`` samples per worker over ``batch`` samples per step (at least 1)."""
@@ -366,7 +409,10 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
 
             sent = sum(striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk) for b in buckets)
             codec = 0.0 if n == 1 else (profile.encode_s_per_element * profile.params * (1 + 1 / n)
-                                        + profile.decode_s_per_element * profile.params * 2)
+                                        + profile.decode_s_per_element * profile.params * 2
+                                        + profile.codec_call_s * codec_calls(profile.tensors, len(buckets), n))
+            # the step's (samples, active ranks) count travels in a small all-reduce of its own
+            codec += ring_allreduce_time(16, n, network)
         communication = sum(exchange(b) for b in buckets) if n > 1 else 0.0
         if n == 1:
             exposed = 0.0
@@ -374,13 +420,16 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
             exposed = exposed_communication(forward, backward, buckets, exchange)
         else:
             exposed = communication
-        return Prediction(candidate.label, n, compute, compute + exposed + codec, communication, exposed, codec, sent)
+        wait = profile.straggler_s if n > 1 else 0.0
+        return Prediction(candidate.label, n, compute, compute + wait + exposed + codec, communication,
+                          wait + exposed, codec, sent)
     if candidate.algorithm in ("block_momentum", "model_averaging"):
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
         nbytes = profile.params * 4  # parameters are averaged in float32
         communication = ring_allreduce_time(nbytes, n, network)
         update = profile.update_s_per_element * profile.params if n > 1 else 0.0
-        exposed = (communication + update) / k
+        wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
+        exposed = (communication + update + wait) / k
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
     # async

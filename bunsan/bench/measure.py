@@ -50,7 +50,7 @@ def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
                     warmup: int = 2) -> dict[str, float]:
     """Median seconds of a training step (forward, backward, SGD update) and of the forward alone.
 
-    Returns ``{"compute_s", "forward_s", "backward_fraction", "params"}``; the
+    Returns ``{"compute_s", "forward_s", "step_times", "backward_fraction", "params", "tensors"}``; the
     backward fraction is ``1 - forward / step`` (it includes the update, which
     does not overlap; small beside backward).
     """
@@ -68,15 +68,22 @@ def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     model.train()
     for _ in range(warmup):
         step()
-    compute = _median_time(step, steps)
+    step_times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        step_times.append(time.perf_counter() - start)
+    compute = statistics.median(step_times)
     forward_s = _median_time(forward, steps)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"compute_s": compute, "forward_s": forward_s,
-            "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)), "params": params}
+    tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    return {"compute_s": compute, "forward_s": forward_s, "step_times": step_times,
+            "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)), "params": params, "tensors": tensors}
 
 
 def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, float]:
-    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values."""
+    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, and the
+    fixed seconds of one call (``codec_call_s``)."""
     from bunsan.compression import Quantizer
 
     numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
@@ -88,7 +95,14 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     quantizer.encode_with_feedback(x, residual, out=payload)  # warm up
     encode = _median_time(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
     decode = _median_time(lambda: quantizer.decode(payload, numel, out=out), repeats)
-    return {"encode_s_per_element": encode / numel, "decode_s_per_element": decode / numel}
+    # the fixed cost of one call: encode + decode of one small chunk, halved
+    small = x[: quantizer.chunk_size]
+    small_payload = payload[: quantizer.payload_bytes(small.numel())]
+    call = _median_time(lambda: (quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
+                                 quantizer.decode(small_payload, small.numel(), out=out[: small.numel()])),
+                        max(repeats, 9)) / 2
+    return {"encode_s_per_element": max(0.0, encode - call) / numel,
+            "decode_s_per_element": max(0.0, decode - call) / numel, "codec_call_s": call}
 
 
 def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:

@@ -77,9 +77,15 @@ def test_quantized_prediction_adds_the_codec():
     net = Network(latency_s=0.0, bandwidth=1e12)
     p = cm.predict(profile, net, Candidate("data_parallel", {"bits": 1}), 4)
     # encode the gradient and the own stripe: 1e-9 * 1e6 * 1.25; decode 2 x the gradient: 2e-9 * 1e6 * 2
+    # (+ the 16-byte count all-reduce, 2 * 3/4 * 16 / 1e12 s: nothing at 1 TB/s and no latency)
     assert p.codec_s == pytest.approx(1.25e-3 + 4e-3)
     assert p.step_s == pytest.approx(1.0 + 5.25e-3 + p.exposed_s)
     assert p.exposed_s < 1e-5  # the wire time is hidden in backward at 1 TB/s
+    # 10 tensors in one bucket at 4 workers: 3 x (10 + 4) + 10 / 4 + 1 = 45.5 calls of 1e-4 s
+    assert cm.codec_calls(10, 1, 4) == pytest.approx(45.5)
+    calls = Profile(compute_s=1.0, params=1000, tensors=10, codec_call_s=1e-4)
+    assert cm.predict(calls, net, Candidate("data_parallel", {"bits": 1}), 4).codec_s == pytest.approx(45.5e-4,
+                                                                                                      rel=1e-3)
 
 
 def test_block_algorithms_amortize_one_allreduce():
@@ -154,3 +160,19 @@ def test_fit_line_by_hand_and_refusals():
         cm.fit_line([(1, 1), (1, 2)])
     with pytest.raises(ValueError, match="did not grow"):
         cm.fit_line([(1, 3), (2, 3)])
+
+
+def test_stragglers():
+    # steps: max(1, 3) = 3 and max(2, 2) = 2; mean of all four = 2, of the slowest = 2.5
+    assert cm.compute_with_stragglers([[1.0, 2.0], [3.0, 2.0]]) == pytest.approx((2.0, 0.5))
+    with pytest.raises(ValueError, match="same number"):
+        cm.compute_with_stragglers([[1.0], [1.0, 2.0]])
+    profile = Profile(compute_s=0.1, params=1000, batch=32, straggler_s=0.02)
+    net = Network(latency_s=0.0, bandwidth=1e15)
+    exact = cm.predict(profile, net, Candidate("data_parallel"), 2)
+    assert exact.step_s == pytest.approx(0.12, rel=1e-6)  # waits for the slowest every step
+    # a block of 128 / 32 = 4 steps waits once for a skew of 0.02 * sqrt(4): 0.04 / 4 per step
+    block = cm.predict(profile, net, Candidate("model_averaging", {"block_size": 128}), 2)
+    assert block.step_s == pytest.approx(0.11, rel=1e-6)
+    assert cm.predict(profile, net, Candidate("async"), 2).step_s == pytest.approx(0.1, rel=1e-3)
+    assert cm.predict(profile, net, Candidate("data_parallel"), 1).step_s == 0.1
