@@ -33,8 +33,11 @@ link takes ``alpha + m / beta``. On top of it:
 * **asynchronous SGD** with the server on rank 0 (``AsyncSGD``): each remote
   worker pushes its update and pulls the model (``M`` bytes each way) every
   ``sync_period`` samples. A worker waits for its own round trip; rank 0's link
-  carries every remote worker's push and pull, so the step time is at least
-  ``(N - 1)`` round trips' worth of bytes on one link per sync.
+  carries every remote worker's push and pull, so a remote step is at least
+  ``(N - 1)`` round trips' worth of bytes on one link per sync. Rank 0's own
+  worker talks to the server in-process and never waits, so workers run at
+  different rates; the step reported is the job's, ``N / sum(1 / step_r)``
+  (the harmonic mean: the time per step at the job's throughput).
 
 Scaling efficiency is ``compute / step``: the step time of one worker alone over
 the step time at ``N`` with the same per-worker work (with a fixed global batch the
@@ -70,6 +73,7 @@ __all__ = [
     "quantized_payload_bytes",
     "ring_allreduce_bytes",
     "ring_allreduce_time",
+    "stripe_bytes",
     "striped_exchange_bytes",
     "striped_exchange_time",
 ]
@@ -137,6 +141,8 @@ class Profile:
             once per block of ``k`` steps, for a skew that grows as ``sqrt(k)`` with
             independent step times: ``straggler_s / sqrt(k)`` per step. Async waits for nobody.
         tensors: parameter tensors (each is encoded as segments of its own).
+        chunks: quantization chunks of 512 when every tensor is cut on its own (its
+            last chunk short); ``None``: ``ceil(params / 512)``, as if one tensor.
         codec_call_s: fixed time of one encode or decode call, whatever its size
             (dominant for small models on CPU).
     """
@@ -152,6 +158,7 @@ class Profile:
     straggler_s: float = 0.0
     tensors: int = 1
     codec_call_s: float = 0.0
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("compute_s", self.compute_s)
@@ -256,20 +263,34 @@ def quantized_payload_bytes(numel: int, bits: int, chunk_size: int = DEFAULT_CHU
     return 8 * -(-numel // chunk_size) + -(-numel * bits // 8)
 
 
-def striped_exchange_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> float:
+def stripe_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 chunks: int | None = None) -> int:
+    """Bytes of one quantized stripe: ``1 / N`` of the ``chunks`` (two float32 each) and of the codes.
+
+    ``chunks`` defaults to ``ceil(numel / chunk_size)``; a model of many small tensors
+    has more (each tensor's last chunk is short). Stripes are padded to the largest,
+    so the chunk share is rounded up.
+    """
+    if chunks is None:
+        chunks = -(-numel // chunk_size)
+    share = -(-numel // workers)
+    return 8 * -(-chunks // workers) + -(-share * bits // 8)
+
+
+def striped_exchange_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                           chunks: int | None = None) -> float:
     """Bytes each rank sends in the striped quantized exchange: ``2 (N - 1)`` stripes of ``numel / N`` elements."""
     if workers <= 1:
         return 0.0
-    stripe = quantized_payload_bytes(-(-numel // workers), bits, chunk_size)
-    return 2 * (workers - 1) * stripe
+    return 2 * (workers - 1) * stripe_bytes(numel, bits, workers, chunk_size, chunks)
 
 
 def striped_exchange_time(numel: int, bits: int, workers: int, network: Network,
-                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> float:
+                          chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None) -> float:
     """Seconds on the wire of the striped quantized exchange of ``numel`` elements (all-to-all + all-gather)."""
     if workers <= 1:
         return 0.0
-    stripe = quantized_payload_bytes(-(-numel // workers), bits, chunk_size)
+    stripe = stripe_bytes(numel, bits, workers, chunk_size, chunks)
     return alltoall_time(stripe, workers, network) + allgather_time(stripe, workers, network)
 
 
@@ -403,11 +424,20 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
             codec = 0.0
         else:
             chunk = int(_option(options, "chunk_size", DEFAULT_CHUNK_SIZE))
+            total = profile.gradient_bytes
+
+            def bucket_chunks(size: float) -> int | None:
+                # the model's chunk count, shared among buckets by size (only known for chunks of 512)
+                if profile.chunks is None or chunk != DEFAULT_CHUNK_SIZE:
+                    return None
+                return max(1, round(profile.chunks * size / total))
 
             def exchange(size: float) -> float:
-                return striped_exchange_time(int(size // profile.bytes_per_element), bits, n, network, chunk)
+                return striped_exchange_time(int(size // profile.bytes_per_element), bits, n, network, chunk,
+                                             bucket_chunks(size))
 
-            sent = sum(striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk) for b in buckets)
+            sent = sum(striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk, bucket_chunks(b))
+                       for b in buckets)
             codec = 0.0 if n == 1 else (profile.encode_s_per_element * profile.params * (1 + 1 / n)
                                         + profile.decode_s_per_element * profile.params * 2
                                         + profile.codec_call_s * codec_calls(profile.tensors, len(buckets), n))
@@ -432,12 +462,14 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
         exposed = (communication + update + wait) / k
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
-    # async
+    # async: rank 0's own worker reaches the server in-process and never waits; the others pay the
+    # round trip. The step is the job's: workers / sum of each worker's steps per second.
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
     nbytes = profile.params * 4
-    step, exposed = async_step(compute, nbytes, n, network, k, profile.update_s_per_element * profile.params)
-    sent = 0.0 if n == 1 else nbytes / k
-    return Prediction(candidate.label, n, compute, step, exposed, exposed, 0.0, sent)
+    remote, _ = async_step(compute, nbytes, n, network, k, profile.update_s_per_element * profile.params)
+    step = n / (1 / compute + (n - 1) / remote)
+    sent = 0.0 if n == 1 else nbytes / k  # a remote worker's push
+    return Prediction(candidate.label, n, compute, step, remote - compute, step - compute, 0.0, sent)
 
 
 def default_candidates(block_size: int = 1024) -> list[Candidate]:

@@ -50,7 +50,8 @@ def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
                     warmup: int = 2) -> dict[str, float]:
     """Median seconds of a training step (forward, backward, SGD update) and of the forward alone.
 
-    Returns ``{"compute_s", "forward_s", "step_times", "backward_fraction", "params", "tensors"}``; the
+    Returns ``{"compute_s", "forward_s", "step_times", "backward_fraction", "params", "tensors",
+    "chunks"}`` (chunks: quantization chunks of 512, each tensor cut on its own); the
     backward fraction is ``1 - forward / step`` (it includes the update, which
     does not overlap; small beside backward).
     """
@@ -77,8 +78,12 @@ def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     forward_s = _median_time(forward, steps)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    from bunsan.compression import DEFAULT_CHUNK_SIZE
+
+    chunks = sum(-(-p.numel() // DEFAULT_CHUNK_SIZE) for p in model.parameters() if p.requires_grad)
     return {"compute_s": compute, "forward_s": forward_s, "step_times": step_times,
-            "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)), "params": params, "tensors": tensors}
+            "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)), "params": params, "tensors": tensors,
+            "chunks": chunks}
 
 
 def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, float]:

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             measured = _measured_profile(args)
             compute_s, params = measured["compute_s"], measured["params"]
             extra = {k: measured[k] for k in ("encode_s_per_element", "decode_s_per_element", "codec_call_s",
-                                              "tensors")}
+                                              "tensors", "chunks")}
             backward = measured["backward_fraction"]
             say(f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
                 f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters")

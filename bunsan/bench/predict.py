@@ -20,8 +20,9 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); and the codec's
    time per element and per call;
 3. per algorithm: ``bunsan.distribute`` the model, warm up, time ``--rounds``
-   rounds of ``--steps`` steps; the measured step is the median round, averaged
-   over ranks; the bytes are the algorithm's own count (``stats()``).
+   rounds of ``--steps`` steps; the measured step is the job's, ``N / sum(1 /
+   step_r)`` of each rank's median round (all equal but for async SGD, whose rank
+   0 never waits); the bytes are the last rank's own count (``stats()``).
 
 Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
 measured - 1, and the bytes per step predicted and counted. Timings on a
@@ -152,7 +153,8 @@ def _worker(spec: dict[str, Any]) -> int:
         codec = measure_codec(measured["params"])
         profile = cm.Profile(compute_s=compute_s, straggler_s=straggler_s, params=measured["params"],
                              batch=spec["batch"],
-                             backward_fraction=measured["backward_fraction"], tensors=measured["tensors"], **codec)
+                             backward_fraction=measured["backward_fraction"], tensors=measured["tensors"],
+                             chunks=measured["chunks"], **codec)
         for candidate in candidates:
             predicted = cm.predict(profile, network, candidate, n)
             torch.manual_seed(0)
@@ -174,11 +176,13 @@ def _worker(spec: dict[str, Any]) -> int:
             times = [steps(spec["steps"]) for _ in range(spec["rounds"])]
             stats = optimizer.algorithm.stats()
             optimizer.join()
-            mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            comm.all_reduce(mine)
-            measured_s = float(mine[0]) / n
             timed_steps = stats["steps"] - stats_before["steps"]
             sent = (stats["bytes_sent"] - stats_before["bytes_sent"]) / max(timed_steps, 1)
+            # the job's step: N / sum of the ranks' steps per second (all equal but for async);
+            # the bytes of the last rank (a remote worker for async, the same as all others otherwise)
+            mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
+            comm.all_reduce(mine)
+            measured_s, sent = n / float(mine[0]), float(mine[1])
             rows.append({"model": name, "workers": n, "network": spec["network"] or "loopback",
                          "label": candidate.label, "predicted_s": predicted.step_s, "measured_s": measured_s,
                          "error": predicted.step_s / measured_s - 1, "predicted_bytes": predicted.bytes_per_step,
