@@ -204,6 +204,7 @@ def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
         axes.set_xlabel("workers")
         axes.set_ylabel(ylabel)
         axes.grid(True, alpha=0.3)
+    step_axes.set_yscale("log")
     efficiency_axes.set_ylim(0, 105)
     efficiency_axes.legend(fontsize="small")
     if title:
@@ -224,6 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
     parser.add_argument("--backward-fraction", type=float,
                         help="share of the step in backward (default: measured with --model, else 2/3)")
+    parser.add_argument("--codec-ns", type=float, default=0.0,
+                        help="with --compute-ms: quantization codec time per element, ns, each of encode and "
+                             "decode (--model measures it); default %(default)s")
     parser.add_argument("--global-batch", action="store_true",
                         help="the global batch is fixed (--batch is split over the workers: strong scaling); "
                              "default: --batch per worker (weak scaling)")
@@ -337,6 +341,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             if not args.compute_ms > 0:
                 raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms}")
             compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
+            if not args.codec_ns >= 0:
+                raise ValueError(f"--codec-ns must be >= 0, got {args.codec_ns}")
+            extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
         if args.backward_fraction is not None:
             backward = args.backward_fraction
         profile = cm.Profile(compute_s=compute_s, params=params, batch=args.batch, backward_fraction=backward, **extra)
@@ -351,7 +358,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
     say(f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {args.batch} "
         f"({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {network.latency_s * 1e6:.1f} us; "
-        f"efficiency = compute / step; * = fastest")
+        f"codec {profile.encode_s_per_element * 1e9:.2f} / {profile.decode_s_per_element * 1e9:.2f} ns per element "
+        f"(encode / decode); efficiency = compute / step; * = fastest")
     say(format_plan(predictions))
     png = plot_plan(predictions, Path(args.png), f"{args.model or 'profile'}: {params:,} parameters")
     say(f"PNG: {png}")

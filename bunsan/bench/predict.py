@@ -19,8 +19,9 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    of the slowest rank per step the straggler wait
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); and the codec's
    time per element and per call;
-3. per algorithm: ``bunsan.distribute`` the model, warm up, time ``--rounds``
-   rounds of ``--steps`` steps; the measured step is the job's, ``N / sum(1 /
+3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
+   warm-up; then ``--rounds`` rounds of ``--steps`` steps alternate between the
+   algorithms, so that the machine's noise hits all alike; the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
    0 never waits); the bytes are the last rank's own count (``stats()``).
 
@@ -123,9 +124,20 @@ def _algorithm(candidate: Any) -> Any:
     return algorithms.create(candidate.algorithm, **options)
 
 
+def _steps(model: Any, optimizer: Any, x: Any, y: Any, count: int) -> float:
+    """Seconds per training step over ``count`` steps on one fixed batch."""
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    for _ in range(count):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / count
+
+
 def _worker(spec: dict[str, Any]) -> int:
     import torch
-    import torch.nn.functional as F
 
     import bunsan
     from bunsan import comm
@@ -155,41 +167,36 @@ def _worker(spec: dict[str, Any]) -> int:
                              batch=spec["batch"],
                              backward_fraction=measured["backward_fraction"], tensors=measured["tensors"],
                              chunks=measured["chunks"], **codec)
+        trainers = []
         for candidate in candidates:
-            predicted = cm.predict(profile, network, candidate, n)
             torch.manual_seed(0)
             model, _ = _build(name)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
             model, optimizer = bunsan.distribute(model, optimizer, _algorithm(candidate))
-
-            def steps(count: int) -> float:
-                start = time.perf_counter()
-                for _ in range(count):
-                    optimizer.zero_grad()
-                    F.cross_entropy(model(x), y).backward()
-                    optimizer.step()
-                return (time.perf_counter() - start) / count
-
-            steps(2)  # warm up (buffers, first-step allocations)
-            stats_before = optimizer.algorithm.stats()
-            comm.barrier()
-            times = [steps(spec["steps"]) for _ in range(spec["rounds"])]
+            _steps(model, optimizer, x, y, 2)  # warm up (buffers, first-step allocations)
+            trainers.append((candidate, model, optimizer, optimizer.algorithm.stats(), []))
+        # Rounds alternate between the algorithms, so that the machine's noise hits all alike.
+        for _ in range(spec["rounds"]):
+            for _, model, optimizer, _, times in trainers:
+                comm.barrier()
+                times.append(_steps(model, optimizer, x, y, spec["steps"]))
+        for candidate, model, optimizer, before, times in trainers:
             stats = optimizer.algorithm.stats()
             optimizer.join()
-            timed_steps = stats["steps"] - stats_before["steps"]
-            sent = (stats["bytes_sent"] - stats_before["bytes_sent"]) / max(timed_steps, 1)
+            sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
             # the job's step: N / sum of the ranks' steps per second (all equal but for async);
             # the bytes of the last rank (a remote worker for async, the same as all others otherwise)
             mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
+            predicted = cm.predict(profile, network, candidate, n)
             rows.append({"model": name, "workers": n, "network": spec["network"] or "loopback",
                          "label": candidate.label, "predicted_s": predicted.step_s, "measured_s": measured_s,
                          "error": predicted.step_s / measured_s - 1, "predicted_bytes": predicted.bytes_per_step,
                          "measured_bytes": sent, "compute_s": profile.compute_s, "exposed_s": predicted.exposed_s,
                          "codec_s": predicted.codec_s, "params": profile.params,
                          "straggler_s": profile.straggler_s})
-            del model, optimizer
+        del trainers
     if rank == 0:
         write_json(spec["result"], {"network": {"latency_s": network.latency_s, "bandwidth": network.bandwidth,
                                                 "gather_bandwidth": network.gather_bandwidth},
