@@ -154,7 +154,9 @@ class Auto(Algorithm):
         self.network = network
         self.verbose = verbose
         self.decision: dict[str, Any] | None = None
-        self._ends: list[float] = []  # perf_counter at the end of each measured step
+        self._durations: list[float] = []  # seconds of measured steps (end to end)
+        self._measured = 0  # steps completed while measuring (kept across a resume)
+        self._last_end: float | None = None  # perf_counter at the end of the last step, this process
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
     def _get(name: str) -> Any:  # noqa: N805 - a property factory
@@ -196,9 +198,14 @@ class Auto(Algorithm):
     def after_step(self) -> None:
         self.inner.after_step()
         if self.decision is None:
-            self._ends.append(time.perf_counter())
-            # after_step runs before the step counter moves: this is step number len(self._ends)
-            if len(self._ends) > self.measure_steps:
+            now = time.perf_counter()
+            if self._last_end is not None:
+                self._durations.append(now - self._last_end)
+            self._last_end = now
+            self._measured += 1
+            # Decide after measure_steps + 1 steps, counted from the start of training (a resumed run
+            # decides at the same step as an uninterrupted one); the same count on every rank.
+            if self._measured > self.measure_steps and self._durations:
                 self._decide()
 
     def join(self) -> None:
@@ -219,8 +226,7 @@ class Auto(Algorithm):
     # -- the decision (collective) -------------------------------------------------------------------
     def _profile(self, compute_s: float) -> cm.Profile:
         params = [p for _, p in self.named_params]
-        steps = max(len(self._ends), 1)
-        batch = max(1, round(self.inner.local_samples / steps))
+        batch = max(1, round(self.inner.local_samples / max(self.inner.step + 1, 1)))
         return cm.Profile(compute_s=compute_s, params=sum(p.numel() for p in params), batch=batch,
                           tensors=len(params), chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params))
 
@@ -231,19 +237,26 @@ class Auto(Algorithm):
     def _decide(self) -> None:
         from bunsan.algorithms.measure import measure_codec, measure_network
 
-        durations = [b - a for a, b in zip(self._ends, self._ends[1:])]
-        slowest = torch.tensor([statistics.median(durations)], dtype=torch.float64)
+        slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
         comm.all_reduce(slowest, op="max", group=self.group)
         step_s = float(slowest[0])
         n = self.world_size
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
-        if self.network is None:
-            sizes = [s for s in (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 256 * 1024)]
-            network = measure_network(self.group, sizes=sizes if len(sizes) >= 2 else (4, 256 * 1024), repeats=3)
-        else:
-            network = self.network
+        network: cm.Network | None = self.network
+        if network is None:
+            sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
+            try:  # every rank fits the same (max-reduced) timings, so all succeed or all fail
+                network = measure_network(self.group, sizes=sizes, repeats=5)
+            except ValueError:
+                network = None
         decision = None
-        if comm.get_rank(self.group) == 0:
+        if comm.get_rank(self.group) == 0 and network is None:
+            decision = {"algorithm": "data_parallel", "options": {}, "label": "exact", "step": self._measured,
+                        "workers": n, "why": "the network measurement was inconclusive (times did not grow with "
+                        "size): exact kept", "measured": {"exact_step_s": step_s}, "predictions": []}
+            if self.verbose:
+                print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
+        elif comm.get_rank(self.group) == 0:
             codec = measure_codec(sum(p.numel() for _, p in self.named_params), repeats=2)
             draft = self._profile(step_s)
             compute = infer_compute(step_s, draft, network, n)
@@ -254,7 +267,7 @@ class Auto(Algorithm):
             index, why = choose(predictions, self.min_gain)
             decision = {
                 "algorithm": candidates[index].algorithm, "options": dict(candidates[index].options),
-                "label": candidates[index].label, "why": why, "step": len(self._ends), "workers": n,
+                "label": candidates[index].label, "why": why, "step": self._measured, "workers": n,
                 "measured": {"exact_step_s": step_s, "compute_s": compute, "latency_s": network.latency_s,
                              "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
                              **codec, "params": profile.params, "batch": profile.batch},
@@ -290,7 +303,7 @@ class Auto(Algorithm):
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"algorithm": self.name, "world_size": self.world_size, "decision": self.decision,
-                "measured_ends": list(self._ends) if self.decision is None else [],
+                "measured_steps": self._measured, "durations": list(self._durations),
                 "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -300,7 +313,10 @@ class Auto(Algorithm):
         if state["decision"] is not None:
             self._apply(state["decision"])  # the same choice as before, without measuring again
         self.inner.load_state_dict(state["inner"])
-        self._ends = []  # a resumed undecided run measures afresh
+        # An undecided run goes on measuring and decides at the same step as it would have.
+        self._measured = int(state.get("measured_steps", 0))
+        self._durations = [float(d) for d in state.get("durations", [])]
+        self._last_end = None
 
     def __repr__(self) -> str:
         chosen = f", chosen={self.decision['label']!r}" if self.decision else ""

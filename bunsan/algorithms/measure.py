@@ -39,7 +39,7 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
 
     numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
     quantizer = Quantizer(bits)
-    x = torch.randn(numel)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))  # not the global RNG: training's draws stay
     residual = torch.zeros(numel)
     payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8)
     out = torch.empty(numel)

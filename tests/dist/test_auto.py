@@ -68,3 +68,27 @@ def test_exact_stays_when_communication_is_cheap(workers):
     results = workers.run(f"{__name__}:_body_decide_and_resume", network=FAST, risk="medium")
     assert results[0]["chosen"] == results[1]["chosen"]
     assert results[0]["chosen"][0] == "exact"
+
+
+def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    _train(model, optimizer, rank, 2)
+    state, weights = optimizer.state_dict(), model.state_dict()
+    resumed_model = _model()
+    resumed_model.load_state_dict(weights)
+    resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
+    resumed_model, resumed_optimizer = bunsan.distribute(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed)
+    resumed_optimizer.load_state_dict(state)
+    _train(resumed_model, resumed_optimizer, rank, 1, start=2)
+    assert resumed.decision is None
+    _train(resumed_model, resumed_optimizer, rank, 1, start=3)
+    assert resumed.decision is not None and resumed.decision["step"] == 4  # as without the interruption
+    return [resumed.decision["label"], repr(resumed.inner)]
+
+
+def test_a_resume_before_the_decision_decides_at_the_same_step(workers):
+    results = workers.run(f"{__name__}:_body_resume_before_the_decision")
+    assert results[0] == results[1]
