@@ -68,7 +68,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     # These modules import only the standard library at the top: `bunsan run` stays free of torch.
-    from bunsan.bench import comm_bench, compare, netns, predict, throughput
+    from bunsan.bench import comm_bench, compare, netns, predict, throughput, tta
 
     parser = subparsers.add_parser(
         "bench",
@@ -91,6 +91,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
         ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
         ("predict", predict, "the cost model's predicted step time of every algorithm against the measured one"),
+        ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
     ):
         sub = benchmarks.add_parser(name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)

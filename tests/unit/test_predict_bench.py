@@ -58,3 +58,26 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         elif r["label"] in ("8-bit", "1-bit"):
             assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=0.15), r
     assert (tmp_path / "predict.png").stat().st_size > 1000
+
+
+def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
+    from bunsan.bench import tta
+
+    assert tta.time_to_error([0.5, 0.2, 0.1], [1.0, 2.0, 3.0], 0.2) == 2.0
+    assert tta.time_to_error([0.5, 0.3], [1.0, 2.0], 0.2) is None
+
+    def config(label, curve, ends, workers=2):
+        return {"status": "ok", "label": label, "workers": workers, "test_error": curve[-1],
+                "test_error_curve": curve, "epoch_end_s": ends}
+
+    configs = [config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0]),  # target 0.10 + 0.01
+               config("data_parallel:bits=2", [0.30, 0.11, 0.10], [1.5, 3.0, 4.5]),
+               config("auto:risk=high", [0.30, 0.12, 0.105], [1.6, 3.2, 4.8])]
+    rows = {r["label"]: r for r in tta.tta_rows(configs, "data_parallel", 1.0)}
+    assert rows["data_parallel"]["tta_s"] == 6.0 and rows["data_parallel:bits=2"]["tta_s"] == 3.0
+    assert rows["auto:risk=high"]["tta_s"] == 4.8 and rows["auto:risk=high"]["vs_best"] == pytest.approx(1.6)
+    record = tmp_path / "compare.json"
+    record.write_text(json.dumps({"configs": configs}))
+    assert main(["bench", "tta", str(record)]) == 0
+    assert "1.60" in capsys.readouterr().out
+    assert main(["bench", "tta", str(tmp_path / "missing.json")]) == 2
