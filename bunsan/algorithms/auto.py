@@ -30,6 +30,9 @@ and block algorithms (``warm_start`` adds to it, in global samples); a block is
 the smallest of 2, 4, ..., 64 steps whose amortized exchange costs at most 5% of
 the compute, as small blocks stay closest to exact SGD.
 
+Every rank must take at least ``measure_steps + 1`` steps: the decision is
+collective, and a rank that has already called ``join()`` does not take part in it.
+
 The decision and the measurements go into ``state_dict()``; loading it builds
 the decided algorithm directly, so a resumed run does not change algorithm (to
 decide again, load only the torch optimizer's state).

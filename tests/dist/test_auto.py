@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,3 +93,29 @@ def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
 def test_a_resume_before_the_decision_decides_at_the_same_step(workers):
     results = workers.run(f"{__name__}:_body_resume_before_the_decision")
     assert results[0] == results[1]
+
+
+def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> list:
+    model = _model()
+    auto = bunsan.Auto(measure_steps=100, verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5), auto)
+    _train(model, optimizer, rank, 3)
+    samples = auto.samples
+    auto._apply({"algorithm": algorithm, "options": options, "label": algorithm, "step": 3})  # as after a decision
+    assert type(auto.inner).name == algorithm and auto.samples == samples and auto.step == 3
+    _train(model, optimizer, rank, 5, start=3)
+    assert auto.step == 8
+    optimizer.synchronize()
+    assert auto.samples == 8 * 8 * world_size  # (block algorithms count a block's samples when it ends)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+@pytest.mark.parametrize(("algorithm", "options"), [
+    ("data_parallel", {"compression": "fp16"}),
+    ("data_parallel", {"bits": 2}),
+    ("block_momentum", {"block_size": 16}),
+    ("model_averaging", {"block_size": 16}),
+])
+def test_switching_keeps_counters_and_replicas_agree(workers, algorithm, options):
+    params = workers.run(f"{__name__}:_body_switch", algorithm=algorithm, options=options)
+    torch.testing.assert_close(torch.tensor(params[0]), torch.tensor(params[1]))
