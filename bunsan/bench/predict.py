@@ -13,15 +13,14 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
 
 1. the network: all-reduces and all-gathers of 4 B to 16 MB, fitted to alpha
    and beta (:func:`bunsan.bench.measure.measure_network`);
-2. per model, the compute: every rank times ``--compute-steps`` steps of forward +
-   backward + update on its own batch at the same time, with no communication (so
-   the cores are shared as in training); the mean is the compute, the mean excess
-   of the slowest rank per step the straggler wait
-   (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); and the codec's
-   time per element and per call;
+2. per model, the codec's time per element and per call, and the model's sizes;
 3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
-   warm-up; then ``--rounds`` rounds of ``--steps`` steps alternate between the
-   algorithms, so that the machine's noise hits all alike; the measured step is the job's, ``N / sum(1 /
+   warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
+   of forward + backward + SGD update with no communication, ``--compute-steps``
+   in all, timed one by one on every rank) and ``--steps`` steps of every
+   algorithm, so that the machine's noise hits all alike. The compute is the mean
+   of the local steps, the straggler wait the mean excess of the slowest rank
+   (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
    0 never waits); the bytes are the last rank's own count (``stats()``).
 
@@ -98,8 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=256,
                         help="block algorithms' block, samples per worker; default %(default)s")
     parser.add_argument("--steps", type=int, default=8, help="steps per timed round; default %(default)s")
-    parser.add_argument("--compute-steps", type=int, default=20,
-                        help="steps timed without communication for the compute profile; default %(default)s")
+    parser.add_argument("--compute-steps", type=int, default=24,
+                        help="steps timed without communication for the compute profile, spread over the rounds; "
+                             "default %(default)s")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per algorithm; default %(default)s")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
     parser.add_argument("--out", default="runs/predict", help="directory of outputs; default %(default)s")
@@ -156,31 +156,35 @@ def _worker(spec: dict[str, Any]) -> int:
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(spec["batch"], *shape, generator=g)
         y = torch.randint(0, 10, (spec["batch"],), generator=g)
-        comm.barrier()
-        measured = measure_compute(model, x, y, steps=spec["compute_steps"])
-        mine = torch.tensor(measured["step_times"], dtype=torch.float64)
-        everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
-        comm.all_gather_into(everyone, mine)
-        compute_s, straggler_s = cm.compute_with_stragglers(everyone.view(n, -1).tolist())
+        measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
         codec = measure_codec(measured["params"])
-        profile = cm.Profile(compute_s=compute_s, straggler_s=straggler_s, params=measured["params"],
-                             batch=spec["batch"],
-                             backward_fraction=measured["backward_fraction"], tensors=measured["tensors"],
-                             chunks=measured["chunks"], **codec)
+        local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
+        local_times: list[float] = []
         trainers = []
         for candidate in candidates:
             torch.manual_seed(0)
-            model, _ = _build(name)
-            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
-            model, optimizer = bunsan.distribute(model, optimizer, _algorithm(candidate))
-            _steps(model, optimizer, x, y, 2)  # warm up (buffers, first-step allocations)
-            trainers.append((candidate, model, optimizer, optimizer.algorithm.stats(), []))
-        # Rounds alternate between the algorithms, so that the machine's noise hits all alike.
+            copy, _ = _build(name)
+            optimizer = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
+            copy, optimizer = bunsan.distribute(copy, optimizer, _algorithm(candidate))
+            _steps(copy, optimizer, x, y, 2)  # warm up (buffers, first-step allocations)
+            trainers.append((candidate, copy, optimizer, optimizer.algorithm.stats(), []))
+        # Rounds alternate between the compute alone and every algorithm, so that the machine's
+        # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
+        per_round = max(1, spec["compute_steps"] // spec["rounds"])
         for _ in range(spec["rounds"]):
-            for _, model, optimizer, _, times in trainers:
+            comm.barrier()
+            local_times += [_steps(model, local, x, y, 1) for _ in range(per_round)]
+            for _, copy, optimizer, _, times in trainers:
                 comm.barrier()
-                times.append(_steps(model, optimizer, x, y, spec["steps"]))
-        for candidate, model, optimizer, before, times in trainers:
+                times.append(_steps(copy, optimizer, x, y, spec["steps"]))
+        mine = torch.tensor(local_times, dtype=torch.float64)
+        everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
+        comm.all_gather_into(everyone, mine)
+        compute_s, straggler_s = cm.compute_with_stragglers(everyone.view(n, -1).tolist())
+        profile = cm.Profile(compute_s=compute_s, straggler_s=straggler_s, params=measured["params"],
+                             batch=spec["batch"], backward_fraction=measured["backward_fraction"],
+                             tensors=measured["tensors"], chunks=measured["chunks"], **codec)
+        for candidate, _, optimizer, before, times in trainers:
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
