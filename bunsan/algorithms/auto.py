@@ -273,6 +273,7 @@ class Auto(Algorithm):
                 "label": candidates[index].label, "why": why, "step": self._measured, "workers": n,
                 "measured": {"exact_step_s": step_s, "compute_s": compute, "latency_s": network.latency_s,
                              "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
+                             "half_bandwidth": network.half_bandwidth,
                              **codec, "params": profile.params, "batch": profile.batch},
                 "predictions": [{"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step}
                                 for p in predictions],

@@ -101,17 +101,22 @@ class Network:
         gather_bandwidth: effective beta of all-gather and all-to-all messages when
             they differ from all-reduce's (Gloo's all-gather moved fewer bytes per
             second than its all-reduce on loopback); ``None`` means ``bandwidth``.
+        half_bandwidth: effective beta of a float16 all-reduce, in bytes of float16,
+            where it differs (Gloo sums half precision in software on CPU); ``None``
+            means ``bandwidth``.
     """
 
     latency_s: float
     bandwidth: float
     gather_bandwidth: float | None = None
+    half_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive("latency_s", self.latency_s, zero=True)
         _check_positive("bandwidth", self.bandwidth)
-        if self.gather_bandwidth is not None:
-            _check_positive("gather_bandwidth", self.gather_bandwidth)
+        for name in ("gather_bandwidth", "half_bandwidth"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
 
     @property
     def gather_beta(self) -> float:
@@ -132,6 +137,8 @@ class Profile:
             the forward).
         encode_s_per_element, decode_s_per_element: quantization codec time per
             element, for the quantized exchange (0 where not measured).
+        cast_s_per_element: casting one element to half precision and back (fp16/bf16
+            traffic; 0 where not measured).
         update_s_per_element: time per element of a block update (model averaging,
             block momentum) beyond the all-reduce.
         straggler_s: how much longer the slowest of the workers takes, on average, than
@@ -155,6 +162,7 @@ class Profile:
     encode_s_per_element: float = 0.0
     decode_s_per_element: float = 0.0
     update_s_per_element: float = 0.0
+    cast_s_per_element: float = 0.0
     straggler_s: float = 0.0
     tensors: int = 1
     codec_call_s: float = 0.0
@@ -171,7 +179,7 @@ class Profile:
         if not 0 <= self.backward_fraction <= 1:
             raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
         for name in ("encode_s_per_element", "decode_s_per_element", "update_s_per_element", "codec_call_s",
-                     "straggler_s"):
+                     "straggler_s", "cast_s_per_element"):
             _check_positive(name, getattr(self, name), zero=True)
 
     @property
@@ -414,14 +422,18 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
         # Buckets are cut in gradient bytes, whatever travels (DataParallelSGD fills them before compressing).
         buckets = bucket_sizes(profile.gradient_bytes, cap, min(FIRST_BUCKET_BYTES, cap))
         if bits == 32:
-            element = 2 if options.get("compression") in ("fp16", "bf16") else profile.bytes_per_element
+            half = options.get("compression") in ("fp16", "bf16")
+            element = 2 if half else profile.bytes_per_element
             ratio = element / profile.bytes_per_element
+            wire = network
+            if half and network.half_bandwidth is not None:
+                wire = replace(network, bandwidth=network.half_bandwidth)
 
             def exchange(size: float) -> float:
-                return ring_allreduce_time(size * ratio, n, network)
+                return ring_allreduce_time(size * ratio, n, wire)
 
             sent = ring_allreduce_bytes(profile.params * element, n) if n > 1 else 0.0
-            codec = 0.0
+            codec = profile.cast_s_per_element * profile.params if half and n > 1 else 0.0
         else:
             chunk = int(_option(options, "chunk_size", DEFAULT_CHUNK_SIZE))
             total = profile.gradient_bytes

@@ -9,12 +9,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from bunsan import comm
-from bunsan.algorithms.cost_model import Network, network_from_timings
+from bunsan.algorithms.cost_model import Network, network_from_timings, ring_allreduce_bytes
 
 __all__ = ["PROBE_SIZES", "measure_codec", "measure_network", "median_time"]
 
@@ -33,8 +34,9 @@ def median_time(fn: Any, repeats: int) -> float:
 
 
 def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, float]:
-    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, and the
-    fixed seconds of one call (``codec_call_s``)."""
+    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
+    fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
+    back (``cast_s_per_element``)."""
     from bunsan.compression import Quantizer
 
     numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
@@ -52,8 +54,11 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     call = median_time(lambda: (quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
                                  quantizer.decode(small_payload, small.numel(), out=out[: small.numel()])),
                         max(repeats, 9)) / 2
+    half = torch.empty(numel, dtype=torch.float16)
+    cast = median_time(lambda: (half.copy_(x), out.copy_(half)), repeats)
     return {"encode_s_per_element": max(0.0, encode - call) / numel,
-            "decode_s_per_element": max(0.0, decode - call) / numel, "codec_call_s": call}
+            "decode_s_per_element": max(0.0, decode - call) / numel, "codec_call_s": call,
+            "cast_s_per_element": cast / numel}
 
 
 def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:
@@ -79,4 +84,14 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
         comm.all_reduce(slowest, op="max", group=group)
         reduce_points.append((numel * 4, float(slowest[0])))
         gather_points.append((piece.numel() * 4, float(slowest[1])))
-    return network_from_timings(reduce_points, n, gather_points)
+    network = network_from_timings(reduce_points, n, gather_points)
+    # float16 at the largest size: Gloo reduces half precision in software on CPU
+    halves = torch.ones(max(1, max(sizes) // 2), dtype=torch.float16)
+    comm.all_reduce(halves, group=group)
+    comm.barrier(group)
+    half_s = torch.tensor([median_time(lambda: comm.all_reduce(halves, group=group), repeats)], dtype=torch.float64)
+    comm.all_reduce(half_s, op="max", group=group)
+    wire_s = float(half_s[0]) - 2 * (n - 1) * network.latency_s
+    if wire_s > 0:
+        network = replace(network, half_bandwidth=ring_allreduce_bytes(halves.numel() * 2, n) / wire_s)
+    return network

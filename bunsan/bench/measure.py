@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     network = measure_network(repeats=args.repeats)
     if bunsan.is_main():
         print(json.dumps({"workers": bunsan.size(), "latency_s": network.latency_s,
-                          "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth}), flush=True)
+                          "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
+                          "half_bandwidth": network.half_bandwidth}), flush=True)
     bunsan.finalize()
     return 0
 

@@ -320,7 +320,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         if args.probe:
             measured_net = _probe(args)
             network = cm.Network(measured_net["latency_s"], measured_net["bandwidth"],
-                                 measured_net.get("gather_bandwidth"))
+                                 measured_net.get("gather_bandwidth"), measured_net.get("half_bandwidth"))
             say(f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
                 f"all-reduce bandwidth {network.bandwidth * 8 / 1e9:.3f} Gbit/s, all-gather "
                 f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s")
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             measured = _measured_profile(args)
             compute_s, params = measured["compute_s"], measured["params"]
             extra = {k: measured[k] for k in ("encode_s_per_element", "decode_s_per_element", "codec_call_s",
-                                              "tensors", "chunks")}
+                                              "cast_s_per_element", "tensors", "chunks")}
             backward = measured["backward_fraction"]
             say(f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
                 f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters")

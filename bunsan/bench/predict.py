@@ -203,7 +203,8 @@ def _worker(spec: dict[str, Any]) -> int:
         del trainers
     if rank == 0:
         write_json(spec["result"], {"network": {"latency_s": network.latency_s, "bandwidth": network.bandwidth,
-                                                "gather_bandwidth": network.gather_bandwidth},
+                                                "gather_bandwidth": network.gather_bandwidth,
+                                                "half_bandwidth": network.half_bandwidth},
                                     "rows": rows})
     bunsan.finalize()
     return 0

@@ -179,3 +179,14 @@ def test_stragglers():
     assert block.step_s == pytest.approx(0.11, rel=1e-6)
     assert cm.predict(profile, net, Candidate("async"), 2).step_s == pytest.approx(0.1, rel=1e-3)  # no wait
     assert cm.predict(profile, net, Candidate("data_parallel"), 1).step_s == 0.1
+
+
+def test_half_precision_traffic_pays_its_casts_and_its_own_bandwidth():
+    mib = 2**20
+    profile = Profile(compute_s=0.3, params=3 * mib // 4, cast_s_per_element=1e-8)
+    net = Network(latency_s=0.0, bandwidth=10 * mib, half_bandwidth=5 * mib)
+    p = cm.predict(profile, net, Candidate("data_parallel", {"compression": "fp16", "bucket_size_mb": 1}), 2)
+    # half the bytes at half the bandwidth: each 1 MiB bucket's all-reduce takes 0.1 s as in fp32,
+    # so the exposed part is the exact one (1/6 s); the casts add 1e-8 * 786432 s
+    assert p.codec_s == pytest.approx(1e-8 * (3 * mib // 4))
+    assert p.step_s == pytest.approx(0.3 + 1 / 6 + 1e-8 * (3 * mib // 4))
