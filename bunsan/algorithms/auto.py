@@ -240,6 +240,7 @@ class Auto(Algorithm):
     def _decide(self) -> None:
         from bunsan.algorithms.measure import measure_codec, measure_network
 
+        started = time.perf_counter()
         slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
         comm.all_reduce(slowest, op="max", group=self.group)
         step_s = float(slowest[0])
@@ -249,7 +250,7 @@ class Auto(Algorithm):
         if network is None:
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
             try:  # every rank fits the same (max-reduced) timings, so all succeed or all fail
-                network = measure_network(self.group, sizes=sizes, repeats=5)
+                network = measure_network(self.group, sizes=sizes, repeats=3)
             except ValueError:
                 network = None
         decision = None
@@ -278,6 +279,7 @@ class Auto(Algorithm):
                 "predictions": [{"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step}
                                 for p in predictions],
             }
+            decision["measured"]["decide_s"] = time.perf_counter() - started
             if self.verbose:
                 print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
@@ -332,7 +334,8 @@ def format_decision(decision: dict[str, Any]) -> str:
     m = decision["measured"]
     lines = [f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: exact step "
              f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
-             f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us"]
+             f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
+             f"decided in {m['decide_s']:.2f} s"]
     for p in decision["predictions"]:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
