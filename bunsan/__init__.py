@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "Algorithm": "bunsan.algorithms",
     "AsyncSGD": "bunsan.algorithms",
+    "Auto": "bunsan.algorithms",
     "BlockMomentumSGD": "bunsan.algorithms",
     "DataParallelSGD": "bunsan.algorithms",
     "ModelAveragingSGD": "bunsan.algorithms",
@@ -83,7 +84,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
-    from bunsan.algorithms import Algorithm, AsyncSGD, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
+    from bunsan.algorithms import Algorithm, AsyncSGD, Auto, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.console import RankFilter, print, rank_zero_only
     from bunsan.evaluation import all_reduce_metrics, evaluate

@@ -69,7 +69,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     # These modules import only the standard library at the top: `bunsan run` stays free of torch.
-    from bunsan.bench import comm_bench, compare, netns, throughput
+    from bunsan.bench import comm_bench, compare, netns, predict, throughput, tta
 
     parser = subparsers.add_parser(
         "bench",
@@ -91,6 +91,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     for name, module, summary in (
         ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
         ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
+        ("predict", predict, "the cost model's predicted step time of every algorithm against the measured one"),
+        ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
     ):
         sub = benchmarks.add_parser(name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,8 +115,23 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=doctor.run)
 
 
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    from bunsan.bench import plan  # standard library only at the top, as `run`
+
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict step time, scaling efficiency and bytes of every algorithm at 8 to 256 workers",
+        description=plan.DESCRIPTION,
+        epilog=plan.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_arguments(parser)
+    parser.set_defaults(handler=plan.run)
+
+
 # Subcommands in the order `bunsan --help` lists them.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor,
+                                                                            _add_plan)
 
 
 def build_parser() -> ArgumentParser:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bunsan.algorithms.async_sgd import AsyncSGD
+from bunsan.algorithms.auto import Auto
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import DataParallelSGD
@@ -18,6 +19,7 @@ from bunsan.algorithms.model_averaging import ModelAveragingSGD
 __all__ = [
     "Algorithm",
     "AsyncSGD",
+    "Auto",
     "BlockMomentumSGD",
     "DataParallelSGD",
     "ModelAveragingSGD",
@@ -57,3 +59,4 @@ register(DataParallelSGD)
 register(BlockMomentumSGD)
 register(ModelAveragingSGD)
 register(AsyncSGD)
+register(Auto)

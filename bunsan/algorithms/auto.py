@@ -1,0 +1,343 @@
+"""``Auto``: train exactly for a few steps while measuring, then switch every rank to the predicted fastest algorithm.
+
+``bunsan.distribute(model, optimizer, "auto")`` (or ``bunsan.Auto(...)``) starts
+as exact :class:`~bunsan.algorithms.data_parallel.DataParallelSGD`. After
+``measure_steps`` steps it takes, collectively:
+
+* the step time of exact SGD on this job (median over the steps, slowest rank);
+* the network of the job's own process group: all-reduces and all-gathers of
+  several sizes fitted to alpha and beta (:func:`bunsan.algorithms.measure.measure_network`);
+* the codec's speed (:func:`bunsan.algorithms.measure.measure_codec`).
+
+Rank 0 feeds them to :mod:`bunsan.algorithms.cost_model`: the compute per step is
+what remains of the measured exact step once the exposed exchange predicted for
+it is taken off (a fixed point, as the exposed part depends on the compute that
+hides it). It predicts every candidate the accepted ``risk`` allows and keeps the
+fastest, but only when it beats exact SGD by ``min_gain``: exact SGD is the only
+one without an accuracy cost. Rank 0 broadcasts the decision, every rank builds
+the same algorithm at the same step, and rank 0 prints one short table.
+
+The candidates, by ``risk`` (what bunsan's own accuracy measurements support;
+README "Choosing an algorithm"):
+
+* ``"low"``: exact; fp16 traffic.
+* ``"medium"`` (default): also 8-bit and 2-bit quantized gradients with error feedback.
+* ``"high"``: also 1-bit (with ``rotate=True`` under SGD momentum >= 0.7, where
+  plain 1 bit failed on MNIST-1D), block momentum and model averaging.
+
+Rules for the settings: the measuring steps are the warm start of compressed
+and block algorithms (``warm_start`` adds to it, in global samples); a block is
+the smallest of 2, 4, ..., 64 steps whose amortized exchange costs at most 5% of
+the compute, as small blocks stay closest to exact SGD.
+
+Every rank must take at least ``measure_steps + 1`` steps: the decision is
+collective, and a rank that has already called ``join()`` does not take part in it.
+
+The decision and the measurements go into ``state_dict()``; loading it builds
+the decided algorithm directly, so a resumed run does not change algorithm (to
+decide again, load only the torch optimizer's state).
+
+This is a thin wrapper: the wrapped algorithm (``self.inner``) does the work.
+Delegated: ``setup`` (builds the exact one), ``attach_optimizer``,
+``count_samples``, ``reduce_gradients``, ``after_step`` (plus the decision),
+``join``, ``synchronize``, ``begin_accumulation``, ``end_accumulation``,
+``stats``, ``state_dict``/``load_state_dict`` (nested), and the counters
+``step``, ``samples``, ``local_samples``, ``traffic``; other public attributes
+are read from the inner algorithm.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from bunsan import comm
+from bunsan.algorithms import cost_model as cm
+from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
+from bunsan.errors import CheckpointError
+
+__all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
+
+RISKS = ("low", "medium", "high")
+BLOCK_STEPS = (2, 4, 8, 16, 32, 64)
+BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
+
+
+def infer_compute(step_s: float, profile: cm.Profile, network: cm.Network, workers: int) -> float:
+    """The compute ``c`` with ``c + exposed exact exchange(c) = step_s`` (a few fixed-point rounds)."""
+    exact = cm.Candidate("data_parallel", {}, "exact")
+    compute = step_s
+    for _ in range(20):
+        trial = cm.Profile(**{**vars(profile), "compute_s": compute})
+        predicted = cm.predict(trial, network, exact, workers)
+        compute = max(step_s * 0.05, step_s - (predicted.step_s - compute))
+    return compute
+
+
+def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: str) -> int:
+    for k in BLOCK_STEPS:
+        candidate = cm.Candidate(name, {"block_size": k * profile.batch})
+        if cm.predict(profile, network, candidate, workers).exposed_s <= BLOCK_BUDGET * profile.compute_s:
+            return k * profile.batch
+    return BLOCK_STEPS[-1] * profile.batch
+
+
+def candidates_for(risk: str, profile: cm.Profile, network: cm.Network, workers: int, *,
+                   momentum: float = 0.0, warm_start: int = 0) -> list[cm.Candidate]:
+    """The candidates ``risk`` accepts, with their settings chosen by the documented rules."""
+    if risk not in RISKS:
+        raise ValueError(f"risk must be one of {RISKS}, got {risk!r}")
+    found = [cm.Candidate("data_parallel", {}, "exact"),
+             cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16")]
+    if risk in ("medium", "high"):
+        found += [cm.Candidate("data_parallel", {"bits": b, "warm_start": warm_start}, f"{b}-bit") for b in (8, 2)]
+    if risk == "high":
+        rotate = momentum >= HEAVY_MOMENTUM_1BIT
+        found.append(cm.Candidate("data_parallel", {"bits": 1, "warm_start": warm_start, "rotate": rotate},
+                                  "1-bit rotated" if rotate else "1-bit"))
+        for name in ("block_momentum", "model_averaging"):
+            size = _block_size(profile, network, workers, name)
+            found.append(cm.Candidate(name, {"block_size": size, "warm_start": warm_start}, f"{name}:{size}"))
+    return found
+
+
+def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
+    """Index of the chosen prediction (the first is exact) and why."""
+    exact = predictions[0]
+    best = min(range(len(predictions)), key=lambda i: predictions[i].step_s)
+    gain = exact.step_s / predictions[best].step_s - 1
+    if best == 0:
+        return 0, "exact is predicted fastest"
+    if gain < min_gain:
+        return 0, (f"{predictions[best].label} is predicted only {100 * gain:.1f}% faster than exact "
+                   f"(< min_gain {100 * min_gain:.0f}%): exact has no accuracy cost")
+    return best, f"predicted {100 * gain:.1f}% faster than exact (>= min_gain {100 * min_gain:.0f}%)"
+
+
+class Auto(Algorithm):
+    """Exact SGD while measuring, then the algorithm the cost model predicts fastest, on every rank.
+
+    Args:
+        measure_steps: exact steps timed before deciding (the first is not timed).
+        risk: ``"low"``, ``"medium"`` or ``"high"``: which candidates are allowed (module docstring).
+        min_gain: a candidate replaces exact SGD only when predicted at least this much faster.
+        warm_start: samples (global) trained exactly before compression or blocks start, counted
+            from the beginning of training; the measuring steps count towards it.
+        network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
+        verbose: rank 0 prints the decision table.
+        group: process group; ``None`` means every rank of the job.
+    """
+
+    name = "auto"
+
+    def __init__(self, *, measure_steps: int = 10, risk: str = "medium", min_gain: float = 0.1,
+                 warm_start: int = 0, network: cm.Network | None = None, verbose: bool = True,
+                 group: ProcessGroup | None = None) -> None:
+        self.inner: Algorithm = DataParallelSGD(group=group)
+        super().__init__(group=group)
+        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 2:
+            raise ValueError(f"measure_steps must be an int >= 2, got {measure_steps!r}")
+        if risk not in RISKS:
+            raise ValueError(f"risk must be one of {RISKS}, got {risk!r}")
+        if not min_gain >= 0:
+            raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+        if network is not None and not isinstance(network, cm.Network):
+            raise TypeError(f"network must be a cost_model.Network, got {type(network).__name__}")
+        self.measure_steps = measure_steps
+        self.risk = risk
+        self.min_gain = float(min_gain)
+        self.warm_start = int(warm_start)
+        self.network = network
+        self.verbose = verbose
+        self.decision: dict[str, Any] | None = None
+        self._durations: list[float] = []  # seconds of measured steps (end to end)
+        self._measured = 0  # steps completed while measuring (kept across a resume)
+        self._last_end: float | None = None  # perf_counter at the end of the last step, this process
+
+    # -- the counters live in the inner algorithm ---------------------------------------------------
+    def _get(name: str) -> Any:  # noqa: N805 - a property factory
+        def fget(self: Auto) -> Any:
+            return getattr(self.inner, name)
+
+        def fset(self: Auto, value: Any) -> None:
+            setattr(self.inner, name, value)
+
+        return property(fget, fset)
+
+    step = _get("step")
+    samples = _get("samples")
+    local_samples = _get("local_samples")
+    traffic = _get("traffic")
+    _pending_samples = _get("_pending_samples")
+    del _get
+
+    def __getattr__(self, name: str) -> Any:  # public attributes of the chosen algorithm (bits, block_size, ...)
+        if name.startswith("_") or "inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["inner"], name)
+
+    # -- delegation ----------------------------------------------------------------------------------
+    def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
+        self.named_params = list(named_params)
+        self.inner.setup(named_params)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.inner.attach_optimizer(optimizer)
+
+    def count_samples(self, n: int) -> None:
+        self.inner.count_samples(n)
+
+    def reduce_gradients(self) -> None:
+        self.inner.reduce_gradients()
+
+    def after_step(self) -> None:
+        self.inner.after_step()
+        if self.decision is None:
+            now = time.perf_counter()
+            if self._last_end is not None:
+                self._durations.append(now - self._last_end)
+            self._last_end = now
+            self._measured += 1
+            # Decide after measure_steps + 1 steps, counted from the start of training (a resumed run
+            # decides at the same step as an uninterrupted one); the same count on every rank.
+            if self._measured > self.measure_steps and self._durations:
+                self._decide()
+
+    def join(self) -> None:
+        self.inner.join()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def begin_accumulation(self) -> None:
+        self.inner.begin_accumulation()
+
+    def end_accumulation(self) -> None:
+        self.inner.end_accumulation()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    # -- the decision (collective) -------------------------------------------------------------------
+    def _profile(self, compute_s: float) -> cm.Profile:
+        params = [p for _, p in self.named_params]
+        batch = max(1, round(self.inner.local_samples / max(self.inner.step + 1, 1)))
+        return cm.Profile(compute_s=compute_s, params=sum(p.numel() for p in params), batch=batch,
+                          tensors=len(params), chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params))
+
+    def _momentum(self) -> float:
+        groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.SGD) else []
+        return max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)
+
+    def _decide(self) -> None:
+        from bunsan.algorithms.measure import measure_codec, measure_network
+
+        started = time.perf_counter()
+        slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
+        comm.all_reduce(slowest, op="max", group=self.group)
+        step_s = float(slowest[0])
+        n = self.world_size
+        gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
+        network: cm.Network | None = self.network
+        if network is None:
+            sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
+            try:  # every rank fits the same (max-reduced) timings, so all succeed or all fail
+                network = measure_network(self.group, sizes=sizes, repeats=3)
+            except ValueError:
+                network = None
+        decision = None
+        if comm.get_rank(self.group) == 0 and network is None:
+            decision = {"algorithm": "data_parallel", "options": {}, "label": "exact", "step": self._measured,
+                        "workers": n, "why": "the network measurement was inconclusive (times did not grow with "
+                        "size): exact kept", "measured": {"exact_step_s": step_s}, "predictions": []}
+            if self.verbose:
+                print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
+        elif comm.get_rank(self.group) == 0:
+            codec = measure_codec(sum(p.numel() for _, p in self.named_params), repeats=2)
+            draft = self._profile(step_s)
+            compute = infer_compute(step_s, draft, network, n)
+            profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec})
+            candidates = candidates_for(self.risk, profile, network, n, momentum=self._momentum(),
+                                        warm_start=self.warm_start)
+            predictions = [cm.predict(profile, network, c, n) for c in candidates]
+            index, why = choose(predictions, self.min_gain)
+            decision = {
+                "algorithm": candidates[index].algorithm, "options": dict(candidates[index].options),
+                "label": candidates[index].label, "why": why, "step": self._measured, "workers": n,
+                "measured": {"exact_step_s": step_s, "compute_s": compute, "latency_s": network.latency_s,
+                             "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
+                             "half_bandwidth": network.half_bandwidth,
+                             **codec, "params": profile.params, "batch": profile.batch},
+                "predictions": [{"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step}
+                                for p in predictions],
+            }
+            decision["measured"]["decide_s"] = time.perf_counter() - started
+            if self.verbose:
+                print(format_decision(decision), flush=True)
+        decision = comm.broadcast_object(decision, src=0, group=self.group)
+        self._apply(decision)
+
+    def _apply(self, decision: dict[str, Any]) -> None:
+        """Replace the exact algorithm by the decided one (the same on every rank, at the same step)."""
+        self.decision = decision
+        if decision["algorithm"] == "data_parallel" and not decision["options"]:
+            return  # exact it stays
+        from bunsan import algorithms
+
+        old = self.inner
+        new = algorithms.create(decision["algorithm"], group=self.group, **decision["options"])
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+        else:  # the gradient hooks of the exact algorithm must stop firing
+            for handle in getattr(old, "_hook_handles", ()):
+                handle.remove()
+        new.step, new.samples, new.local_samples = old.step, old.samples, old.local_samples
+        new.setup(self.named_params)
+        if self.optimizer is not None:
+            new.attach_optimizer(self.optimizer)
+        self.inner = new
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"algorithm": self.name, "world_size": self.world_size, "decision": self.decision,
+                "measured_steps": self._measured, "durations": list(self._durations),
+                "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("algorithm") != self.name:
+            raise CheckpointError(f"the state is of algorithm {state.get('algorithm')!r}, not 'auto': "
+                                  "load it into the algorithm that saved it")
+        if state["decision"] is not None:
+            self._apply(state["decision"])  # the same choice as before, without measuring again
+        self.inner.load_state_dict(state["inner"])
+        # An undecided run goes on measuring and decides at the same step as it would have.
+        self._measured = int(state.get("measured_steps", 0))
+        self._durations = [float(d) for d in state.get("durations", [])]
+        self._last_end = None
+
+    def __repr__(self) -> str:
+        chosen = f", chosen={self.decision['label']!r}" if self.decision else ""
+        return f"Auto(risk={self.risk!r}, measure_steps={self.measure_steps}{chosen})"
+
+
+def format_decision(decision: dict[str, Any]) -> str:
+    """Rank 0's short table: candidates, predicted ms per step, the choice and why."""
+    m = decision["measured"]
+    lines = [f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: exact step "
+             f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
+             f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
+             f"decided in {m['decide_s']:.2f} s"]
+    for p in decision["predictions"]:
+        mark = "  <- chosen" if p["label"] == decision["label"] else ""
+        lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
+    lines.append(f"[bunsan]   chosen: {decision['label']}: {decision['why']}")
+    return "\n".join(lines)

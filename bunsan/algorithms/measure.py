@@ -1,0 +1,97 @@
+"""Measurements an algorithm can take of its own job: the codec's speed and the network's alpha and beta.
+
+They feed :mod:`bunsan.algorithms.cost_model` at run time (``Auto``) and in the
+benchmarks (:mod:`bunsan.bench.measure`, :mod:`bunsan.bench.predict`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from bunsan import comm
+from bunsan.algorithms.cost_model import Network, network_from_timings, ring_allreduce_bytes
+
+__all__ = ["PROBE_SIZES", "measure_codec", "measure_network", "median_time"]
+
+# all-reduce message sizes in bytes: a latency-bound one, then bandwidth-bound ones
+PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+
+
+def median_time(fn: Any, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn()``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, float]:
+    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
+    fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
+    back (``cast_s_per_element``)."""
+    from bunsan.compression import Quantizer
+
+    numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
+    quantizer = Quantizer(bits)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))  # not the global RNG: training's draws stay
+    residual = torch.zeros(numel)
+    payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8)
+    out = torch.empty(numel)
+    quantizer.encode_with_feedback(x, residual, out=payload)  # warm up
+    encode = median_time(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
+    decode = median_time(lambda: quantizer.decode(payload, numel, out=out), repeats)
+    # the fixed cost of one call: encode + decode of one small chunk, halved
+    small = x[: quantizer.chunk_size]
+    small_payload = payload[: quantizer.payload_bytes(small.numel())]
+    call = median_time(lambda: (quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
+                                 quantizer.decode(small_payload, small.numel(), out=out[: small.numel()])),
+                        max(repeats, 9)) / 2
+    half = torch.empty(numel, dtype=torch.float16)
+    cast = median_time(lambda: (half.copy_(x), out.copy_(half)), repeats)
+    return {"encode_s_per_element": max(0.0, encode - call) / numel,
+            "decode_s_per_element": max(0.0, decode - call) / numel, "codec_call_s": call,
+            "cast_s_per_element": cast / numel}
+
+
+def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:
+    """Collective: time all-reduces and all-gathers of ``sizes`` bytes and fit alpha and beta.
+
+    Every rank times the same collectives; the median over ``repeats`` of the
+    slowest rank (a collective ends when its last rank is done) is fitted.
+    """
+    n = comm.get_world_size(group)
+    reduce_points, gather_points = [], []
+    for nbytes in sizes:
+        numel = max(1, nbytes // 4)
+        tensor = torch.ones(numel)
+        piece = torch.ones(max(1, numel // n))
+        gathered = torch.empty(piece.numel() * n)
+        comm.all_reduce(tensor, group=group)  # warm up this size's buffers
+        comm.all_gather_into(gathered, piece, group=group)
+        comm.barrier(group)
+        reduce_s = median_time(lambda: comm.all_reduce(tensor, group=group), repeats)
+        comm.barrier(group)
+        gather_s = median_time(lambda: comm.all_gather_into(gathered, piece, group=group), repeats)
+        slowest = torch.tensor([reduce_s, gather_s], dtype=torch.float64)
+        comm.all_reduce(slowest, op="max", group=group)
+        reduce_points.append((numel * 4, float(slowest[0])))
+        gather_points.append((piece.numel() * 4, float(slowest[1])))
+    network = network_from_timings(reduce_points, n, gather_points)
+    # float16 at the largest size: Gloo reduces half precision in software on CPU
+    halves = torch.ones(max(1, max(sizes) // 2), dtype=torch.float16)
+    comm.all_reduce(halves, group=group)
+    comm.barrier(group)
+    half_s = torch.tensor([median_time(lambda: comm.all_reduce(halves, group=group), repeats)], dtype=torch.float64)
+    comm.all_reduce(half_s, op="max", group=group)
+    wire_s = float(half_s[0]) - 2 * (n - 1) * network.latency_s
+    if wire_s > 0:
+        network = replace(network, half_bandwidth=ring_allreduce_bytes(halves.numel() * 2, n) / wire_s)
+    return network

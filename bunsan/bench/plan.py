@@ -1,0 +1,384 @@
+"""``bunsan plan``: predict the step time, scaling efficiency and bytes of every algorithm at every worker count.
+
+Input is a profile (``--model NAME`` measured here on one batch, or
+``--compute-ms`` and ``--params`` given) and a cluster (``--link``/``--latency``
+given, or measured by a probe job over ``--hostfile``/``-H``); the arithmetic is
+:mod:`bunsan.algorithms.cost_model`. ``--published NAME`` runs one of the
+published set-ups this model was checked against (:data:`PUBLISHED`).
+
+This module imports only the standard library at the top: ``bunsan`` builds its
+command-line parser from it without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "PUBLISHED",
+    "Published",
+    "add_arguments",
+    "format_plan",
+    "parse_latency",
+    "parse_link",
+    "plan_published",
+    "plot_plan",
+    "run",
+]
+
+PROG = "bunsan plan"
+
+DESCRIPTION = """\
+Predict, before running anything, the step time, the scaling efficiency
+(compute / step, same work per worker) and the bytes each worker sends per step
+of every bunsan algorithm at every worker count, from a profile of the model
+(measured here with --model, or given with --compute-ms and --params) and a
+cluster (--link and --latency, or measured with --probe over a hostfile).
+Hockney's alpha-beta model: ring all-reduce, striped quantized exchange,
+overlap with backward, block amortization, rank 0's link for async SGD
+(docs/plan.md). Prints a table, writes a PNG of efficiency against workers."""
+
+EPILOG = """\
+examples:
+  bunsan plan --model resnet20 --batch 128 --workers 2,4,8,32,256 --link 10gbit --latency 50us
+  bunsan plan --compute-ms 618 --params 44549160 --workers 8,64,512 --link 25gbit --latency 10us
+  bunsan plan --published horovod-resnet101
+  bunsan plan --model mlp --hostfile hosts --probe --workers 8,16"""
+
+_LATENCY = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ns|us|µs|ms|s)", re.IGNORECASE)
+_LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_link(text: str) -> float:
+    """``"25gbit"`` -> bytes per second (3.125e9). Units bit, kbit, mbit, gbit, tbit (SI, as tc reads them).
+
+    Raises:
+        ValueError: not a positive rate with one of those units.
+    """
+    from bunsan.bench.netns import parse_rate
+
+    try:
+        return parse_rate(text) / 8
+    except ValueError as err:
+        raise ValueError(f"--link: {err}") from None
+
+
+def parse_latency(text: str) -> float:
+    """``"10us"`` -> 1e-05 seconds. Units ns, us, ms, s.
+
+    Raises:
+        ValueError: not a number >= 0 with one of those units.
+    """
+    match = _LATENCY.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"--latency {text!r} is not a number with a unit ns, us, ms or s, e.g. --latency 10us")
+    return float(match["number"]) * _LATENCY_UNITS[match["unit"].lower()]
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published scaling result and what the prediction assumes to reproduce it."""
+
+    name: str
+    what: str
+    source: str
+    compute_s: float
+    compute_note: str  # where compute_s comes from
+    params: int
+    batch: int
+    link: str
+    latency: str
+    network_note: str
+    workers: tuple[int, ...]
+    at: int  # the worker count of the published efficiency
+    efficiency: float
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PUBLISHED: dict[str, Published] = {p.name: p for p in (
+    Published(
+        name="horovod-resnet101",
+        what="Horovod, ResNet-101 (tf_cnn_benchmarks, synthetic data), 512 Pascal GPUs",
+        source="Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, RoCE-capable 25 Gbit/s network, "
+               "90% scaling efficiency for ResNet-101; batch 64 per GPU; 16 GPUs: total images/sec 1656.82",
+        compute_s=64 / (1656.82 / 16),
+        compute_note="64 images / (1656.82 / 16 images/s per GPU at 16 GPUs) = 0.618 s per step",
+        params=44_549_160, batch=64, link="25gbit", latency="10us",
+        network_note="one flat ring over all GPUs: each server's NIC carries one ring edge each way, so the "
+                     "per-link bandwidth is the NIC's 25 Gbit/s; latency 10 us assumed (RoCE); Horovod's "
+                     "64 MB fusion buffer",
+        workers=(4, 16, 64, 128, 256, 512), at=512, efficiency=0.90, bucket_mb=64.0,
+    ),
+    Published(
+        name="goyal-resnet50",
+        what="Goyal et al. 2017, ResNet-50 on ImageNet, 8 to 256 P100 GPUs (32 servers of 8)",
+        source="Goyal et al. 2017, 'Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour': ~90% scaling "
+               "efficiency from 8 to 256 GPUs; Big Basin servers (8 P100, NVLink) on 50 Gbit/s Ethernet; "
+               "32 images per GPU; 29 hours for 90 epochs on 8 GPUs (minibatch 256)",
+        compute_s=29 * 3600 / (90 * 1_281_167 / 256),
+        compute_note="29 h / (90 epochs x 1,281,167 images / 256 per iteration) = 0.232 s per iteration of one "
+                     "8-GPU server (intra-server reduction included)",
+        params=25_557_032, batch=256, link="50gbit", latency="50us",
+        network_note="a worker is one 8-GPU server (the paper all-reduces within a server first, then across "
+                     "servers); latency 50 us assumed (TCP over Ethernet, Gloo); all-reduce overlapped with "
+                     "backprop as in the paper",
+        workers=(1, 2, 4, 8, 16, 32), at=32, efficiency=0.90,
+    ),
+    Published(
+        name="cntk-resnet20",
+        what="CNTK 2.2 article, ResNet-20 on CIFAR-10, 4 nodes of one K80 each, exact data-parallel SGD: 3.80x",
+        source="CNTK 2.2 Python API article (2), section 4-1 (1), ResNet-20 table: 1 node 47m54.594s, "
+               "4 nodes 12m37.295s, speed ratio 3.80 (100 epochs); Azure NC VMs, Tesla K80",
+        compute_s=(47 * 60 + 54.594) / (100 * 50_000 / 128),
+        compute_note="1 node: 2874.6 s / (100 epochs x 50,000 / 128 samples per step) = 73.6 ms per step of "
+                     "128 samples. The example's scale_up flag (type=bool, default 'False') reads as True, so "
+                     "each worker keeps 128 samples per step: weak scaling",
+        params=272_474, batch=128, link="10gbit", latency="50us",
+        network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
+                     "TCP); docs/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
+        workers=(1, 2, 4), at=4, efficiency=3.80 / 4, overlap=False,
+    ),
+)}
+
+
+def plan_published(name: str) -> tuple[Published, list[Any]]:
+    """The predictions of exact data-parallel SGD for published set-up ``name`` at its worker counts."""
+    from bunsan.algorithms import cost_model as cm
+
+    if name not in PUBLISHED:
+        raise ValueError(f"unknown published set-up {name!r}; choose one of {', '.join(sorted(PUBLISHED))}")
+    case = PUBLISHED[name]
+    profile = cm.Profile(compute_s=case.compute_s, params=case.params, batch=case.batch)
+    network = cm.Network(parse_latency(case.latency), parse_link(case.link))
+    exact = cm.Candidate("data_parallel", {"bucket_size_mb": case.bucket_mb}, "exact")
+    return case, cm.predict_all(profile, network, [exact], list(case.workers), overlap=case.overlap)
+
+
+# -- output ----------------------------------------------------------------------------------------
+COLUMNS = ("workers", "algorithm", "step (ms)", "compute (ms)", "comm (ms)", "exposed (ms)", "efficiency",
+           "MB/step", "")
+
+
+def format_plan(predictions: Sequence[Any]) -> str:
+    """One row per (worker count, algorithm); ``*`` marks the fastest algorithm at each worker count."""
+    from bunsan.bench.compare import format_table
+
+    best: dict[int, float] = {}
+    for p in predictions:
+        best[p.workers] = min(best.get(p.workers, float("inf")), p.step_s)
+    rows = [[str(p.workers), p.label, f"{p.step_s * 1e3:.2f}", f"{p.compute_s * 1e3:.2f}",
+             f"{p.communication_s * 1e3:.2f}", f"{p.exposed_s * 1e3:.2f}", f"{100 * p.efficiency:.1f}%",
+             f"{p.bytes_per_step / 1e6:.3f}", "*" if p.step_s == best[p.workers] and p.workers > 1 else ""]
+            for p in predictions]
+    return format_table(COLUMNS, rows, right=set(COLUMNS) - {"algorithm", ""})
+
+
+def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
+    """PNG of predicted efficiency (and step time) against workers, one line per algorithm."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    efficiency_axes, step_axes = figure.subplots(1, 2)
+    labels = list(dict.fromkeys(p.label for p in predictions))
+    for label in labels:
+        mine = sorted((p for p in predictions if p.label == label), key=lambda p: p.workers)
+        x = [p.workers for p in mine]
+        efficiency_axes.plot(x, [100 * p.efficiency for p in mine], marker="o", label=label)
+        step_axes.plot(x, [p.step_s * 1e3 for p in mine], marker="o", label=label)
+    for axes, ylabel in ((efficiency_axes, "predicted scaling efficiency (%)"), (step_axes, "predicted step (ms)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("workers")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, alpha=0.3)
+    step_axes.set_yscale("log")
+    efficiency_axes.set_ylim(0, 105)
+    efficiency_axes.legend(fontsize="small")
+    if title:
+        figure.suptitle(title, fontsize="medium")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+# -- the command -----------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``bunsan plan`` to ``parser``."""
+    what = parser.add_argument_group("profile (one of)")
+    what.add_argument("--model", help="a bunsan.models name: its compute per step is measured here on one batch")
+    what.add_argument("--compute-ms", type=float, help="forward + backward + update of one step, one worker (ms)")
+    what.add_argument("--params", type=int, help="trainable parameters (gradient elements), with --compute-ms")
+    what.add_argument("--published", help=f"a published set-up: {', '.join(sorted(PUBLISHED))}")
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
+    parser.add_argument("--backward-fraction", type=float,
+                        help="share of the step in backward (default: measured with --model, else 2/3)")
+    parser.add_argument("--codec-ns", type=float, default=0.0,
+                        help="with --compute-ms: quantization codec time per element, ns, each of encode and "
+                             "decode (--model measures it); default %(default)s")
+    parser.add_argument("--global-batch", action="store_true",
+                        help="the global batch is fixed (--batch is split over the workers: strong scaling); "
+                             "default: --batch per worker (weak scaling)")
+    net = parser.add_argument_group("cluster")
+    net.add_argument("--workers", default="2,4,8,16,32,64,128,256", help="worker counts; default %(default)s")
+    net.add_argument("--link", default="10gbit", help="bandwidth of one worker's link, e.g. 25gbit; default %(default)s")
+    net.add_argument("--latency", default="10us", help="per-message latency, e.g. 10us; default %(default)s")
+    net.add_argument("--hostfile", help="with --probe: measure alpha and beta by a probe job over these hosts")
+    net.add_argument("-H", "--hosts", help="with --probe: hosts as NAME:SLOTS,... (bunsan run -H)")
+    net.add_argument("--probe", action="store_true", help="measure --link and --latency with a probe job "
+                                                          "(bunsan run over --hostfile/-H, or -np 2 here)")
+    parser.add_argument("--block-size", type=int, default=1024,
+                        help="block algorithms' block, samples per worker; default %(default)s")
+    parser.add_argument("--no-overlap", action="store_true", help="exchange after backward, no overlap")
+    parser.add_argument("--png", default="runs/plan/plan.png", help="the plot; default %(default)s")
+    parser.add_argument("--json", help="also write the predictions to this file")
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _probe(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``python -m bunsan.bench.measure`` as a job; return rank 0's JSON line."""
+    command = [sys.executable, "-m", "bunsan", "run"]
+    if args.hostfile:
+        command += ["--hostfile", args.hostfile]
+    elif args.hosts:
+        command += ["-H", args.hosts]
+    else:
+        command += ["-np", "2"]
+    command += ["--", sys.executable, "-m", "bunsan.bench.measure"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the probe job failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("the probe job printed no measurement")
+
+
+def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from bunsan import models
+    from bunsan.bench.measure import measure_codec, measure_compute
+    from bunsan.bench.throughput import model_inputs
+
+    if args.model not in models.names():
+        raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
+    torch.set_num_threads(1)  # as one worker of a CPU job runs
+    kwargs, shape = model_inputs(args.model, None, 10)
+    torch.manual_seed(0)
+    model = models.create(args.model, **kwargs)
+    # the batch of one worker at 1 worker (with --global-batch, the whole global batch)
+    x, y = torch.randn(args.batch, *shape), torch.randint(0, 10, (args.batch,))
+    measured = measure_compute(model, x, y)
+    measured.update(measure_codec(measured["params"]))
+    return measured
+
+
+def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
+    """``bunsan plan``: predictions table, PNG and optional JSON. 0 on success, 2 on bad input."""
+    from bunsan.algorithms import cost_model as cm
+    from bunsan.bench.compare import parse_workers
+
+    if args.published is not None:
+        try:
+            case, predictions = plan_published(args.published)
+        except ValueError as err:
+            return _fail(str(err))
+        say(f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
+            f"{case.latency}; {case.network_note}")
+        say(format_plan(predictions))
+        at = next(p for p in predictions if p.workers == case.at)
+        say(f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
+            f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)")
+        say(f"PNG: {plot_plan(predictions, Path(args.png), case.what)}")
+        return 0
+    given = args.compute_ms is not None or args.params is not None
+    if (args.model is None) == (not given) or (given and (args.compute_ms is None or args.params is None)):
+        return _fail("give a profile: --model NAME, or both --compute-ms and --params, or --published NAME")
+    try:
+        workers = parse_workers(args.workers)
+        if args.batch < 1:
+            raise ValueError(f"--batch must be >= 1, got {args.batch}")
+        if args.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+        if args.probe:
+            measured_net = _probe(args)
+            network = cm.Network(measured_net["latency_s"], measured_net["bandwidth"],
+                                 measured_net.get("gather_bandwidth"), measured_net.get("half_bandwidth"))
+            say(f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
+                f"all-reduce bandwidth {network.bandwidth * 8 / 1e9:.3f} Gbit/s, all-gather "
+                f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s")
+        else:
+            if args.hostfile or args.hosts:
+                raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
+            network = cm.Network(parse_latency(args.latency), parse_link(args.link))
+        extra: dict[str, Any] = {}
+        if args.model is not None:
+            measured = _measured_profile(args)
+            compute_s, params = measured["compute_s"], measured["params"]
+            extra = {k: measured[k] for k in ("encode_s_per_element", "decode_s_per_element", "codec_call_s",
+                                              "cast_s_per_element", "tensors", "chunks")}
+            backward = measured["backward_fraction"]
+            say(f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
+                f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters")
+        else:
+            if not args.compute_ms > 0:
+                raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms}")
+            compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
+            if not args.codec_ns >= 0:
+                raise ValueError(f"--codec-ns must be >= 0, got {args.codec_ns}")
+            extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
+        if args.backward_fraction is not None:
+            backward = args.backward_fraction
+        profile = cm.Profile(compute_s=compute_s, params=params, batch=args.batch, backward_fraction=backward, **extra)
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 1
+    candidates = cm.default_candidates(args.block_size)
+    predictions = cm.predict_all(profile, network, candidates, workers, global_batch=args.global_batch,
+                                 overlap=not args.no_overlap)
+    scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
+    say(f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {args.batch} "
+        f"({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {network.latency_s * 1e6:.1f} us; "
+        f"codec {profile.encode_s_per_element * 1e9:.2f} / {profile.decode_s_per_element * 1e9:.2f} ns per element "
+        f"(encode / decode); efficiency = compute / step; * = fastest")
+    say(format_plan(predictions))
+    png = plot_plan(predictions, Path(args.png), f"{args.model or 'profile'}: {params:,} parameters")
+    say(f"PNG: {png}")
+    if args.json:
+        from bunsan.bench import write_json
+
+        write_json(args.json, {"profile": vars(profile), "network": vars(network),
+                               "predictions": [p.as_dict() for p in predictions]})
+        say(f"JSON: {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bunsan.bench.plan``: the same as ``bunsan plan``."""
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""``bunsan bench predict``: the cost model's predicted step time against the measured one, side by side.
+
+For every network (loopback, or links shaped with ``--network``-style specs),
+every worker count and every model, one job measures what the cost model needs
+over its own process group, predicts every algorithm's step time, then trains
+every algorithm for a few steps and measures it::
+
+    bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+        --networks loopback,rate=1gbit,rate=100mbit
+
+Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
+:mod:`bunsan.bench.netns`), in this order:
+
+1. the network: all-reduces and all-gathers of 4 B to 16 MB, fitted to alpha
+   and beta (:func:`bunsan.bench.measure.measure_network`);
+2. per model, the codec's time per element and per call, and the model's sizes;
+3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
+   warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
+   of forward + backward + SGD update with no communication, ``--compute-steps``
+   in all, timed one by one on every rank) and ``--steps`` steps of every
+   algorithm, so that the machine's noise hits all alike. The compute is the mean
+   of the local steps, the straggler wait the mean excess of the slowest rank
+   (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); the measured step is the job's, ``N / sum(1 /
+   step_r)`` of each rank's median round (all equal but for async SGD, whose rank
+   0 never waits); the bytes are the last rank's own count (``stats()``).
+
+Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
+measured - 1, and the bytes per step predicted and counted. Timings on a
+shared machine are noisy: re-measure on an idle one.
+
+This module imports only the standard library at the top; the same module is
+the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bunsan.bench import compare, write_json
+
+__all__ = ["DESCRIPTION", "EPILOG", "MODELS", "add_arguments", "main", "parse_networks", "plot_predict",
+           "run", "table_rows"]
+
+PROG = "bunsan bench predict"
+MODELS = ("digits_cnn", "mnist1d_cnn", "mlp-10m", "resnet20")
+
+DESCRIPTION = """\
+Validate the cost model of `bunsan plan` and `algorithm="auto"` on this
+machine: for each network (loopback, or links shaped to a rate with network
+namespaces, root only), worker count and model, one job measures the network
+over its own process group, the compute per step and the codec speed, predicts
+the step time of every algorithm, then trains every algorithm a few steps and
+measures it. Prints predicted against measured ms per step, the error, and the
+bytes per step predicted and counted; writes JSON and a PNG."""
+
+EPILOG = """\
+examples:
+  bunsan bench predict --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
+  bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+      --networks loopback,rate=1gbit,rate=100mbit --out runs/predict"""
+
+
+def parse_networks(text: str) -> list[str | None]:
+    """``"loopback,rate=1gbit"`` -> ``[None, "rate=1gbit"]`` (None is loopback).
+
+    Raises:
+        ValueError: a spec that :func:`bunsan.bench.netns.parse_network` refuses.
+    """
+    from bunsan.bench import netns
+
+    networks: list[str | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item in ("loopback", "none", ""):
+            networks.append(None)
+            continue
+        netns.parse_network(item)
+        networks.append(item)
+    return list(dict.fromkeys(networks))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``bunsan bench predict`` to ``parser``."""
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated; default %(default)s")
+    parser.add_argument("-np", "--np", dest="workers", default="2,4", help="worker counts; default %(default)s")
+    parser.add_argument("--networks", default="loopback",
+                        help="loopback and/or rate=RATE specs (shaped links, root only), comma-separated; "
+                             "default %(default)s")
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
+    parser.add_argument("--block-size", type=int, default=256,
+                        help="block algorithms' block, samples per worker; default %(default)s")
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed round; default %(default)s")
+    parser.add_argument("--compute-steps", type=int, default=24,
+                        help="steps timed without communication for the compute profile, spread over the rounds; "
+                             "default %(default)s")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per algorithm; default %(default)s")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
+    parser.add_argument("--out", default="runs/predict", help="directory of outputs; default %(default)s")
+
+
+# -- the job ----------------------------------------------------------------------------------------
+def _build(name: str) -> tuple[Any, tuple[int, ...]]:
+    from bunsan import models
+    from bunsan.bench.quantized import MODELS as BENCH_MODELS
+    from bunsan.bench.throughput import model_inputs
+
+    if name in BENCH_MODELS:  # the communication-heavy 10.5M MLP of bench.quantized
+        return BENCH_MODELS[name]()
+    kwargs, shape = model_inputs(name, None, 10)
+    return models.create(name, **kwargs), shape
+
+
+def _algorithm(candidate: Any) -> Any:
+    from bunsan import algorithms
+
+    options = {k: v for k, v in candidate.options.items()}
+    return algorithms.create(candidate.algorithm, **options)
+
+
+def _steps(model: Any, optimizer: Any, x: Any, y: Any, count: int) -> float:
+    """Seconds per training step over ``count`` steps on one fixed batch."""
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    for _ in range(count):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / count
+
+
+def _worker(spec: dict[str, Any]) -> int:
+    import torch
+
+    import bunsan
+    from bunsan import comm
+    from bunsan.algorithms import cost_model as cm
+    from bunsan.bench.measure import measure_codec, measure_compute, measure_network
+
+    torch.set_num_threads(1)
+    bunsan.init(timeout_s=spec["timeout_s"])
+    rank, n = bunsan.rank(), bunsan.size()
+    network = measure_network()
+    candidates = cm.default_candidates(spec["block_size"])
+    rows = []
+    for name in spec["models"]:
+        torch.manual_seed(0)
+        model, shape = _build(name)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(spec["batch"], *shape, generator=g)
+        y = torch.randint(0, 10, (spec["batch"],), generator=g)
+        measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
+        codec = measure_codec(measured["params"])
+        local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
+        local_times: list[float] = []
+        trainers = []
+        for candidate in candidates:
+            torch.manual_seed(0)
+            copy, _ = _build(name)
+            optimizer = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
+            copy, optimizer = bunsan.distribute(copy, optimizer, _algorithm(candidate))
+            _steps(copy, optimizer, x, y, 2)  # warm up (buffers, first-step allocations)
+            trainers.append((candidate, copy, optimizer, optimizer.algorithm.stats(), []))
+        # Rounds alternate between the compute alone and every algorithm, so that the machine's
+        # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
+        per_round = max(1, spec["compute_steps"] // spec["rounds"])
+        for _ in range(spec["rounds"]):
+            comm.barrier()
+            local_times += [_steps(model, local, x, y, 1) for _ in range(per_round)]
+            for _, copy, optimizer, _, times in trainers:
+                comm.barrier()
+                times.append(_steps(copy, optimizer, x, y, spec["steps"]))
+        mine = torch.tensor(local_times, dtype=torch.float64)
+        everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
+        comm.all_gather_into(everyone, mine)
+        compute_s, straggler_s = cm.compute_with_stragglers(everyone.view(n, -1).tolist())
+        profile = cm.Profile(compute_s=compute_s, straggler_s=straggler_s, params=measured["params"],
+                             batch=spec["batch"], backward_fraction=measured["backward_fraction"],
+                             tensors=measured["tensors"], chunks=measured["chunks"], **codec)
+        for candidate, _, optimizer, before, times in trainers:
+            stats = optimizer.algorithm.stats()
+            optimizer.join()
+            sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
+            # the job's step: N / sum of the ranks' steps per second (all equal but for async);
+            # the bytes of the last rank (a remote worker for async, the same as all others otherwise)
+            mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
+            comm.all_reduce(mine)
+            measured_s, sent = n / float(mine[0]), float(mine[1])
+            predicted = cm.predict(profile, network, candidate, n)
+            rows.append({"model": name, "workers": n, "network": spec["network"] or "loopback",
+                         "label": candidate.label, "predicted_s": predicted.step_s, "measured_s": measured_s,
+                         "error": predicted.step_s / measured_s - 1, "predicted_bytes": predicted.bytes_per_step,
+                         "measured_bytes": sent, "compute_s": profile.compute_s, "exposed_s": predicted.exposed_s,
+                         "codec_s": predicted.codec_s, "params": profile.params,
+                         "straggler_s": profile.straggler_s})
+        del trainers
+    if rank == 0:
+        write_json(spec["result"], {"network": {"latency_s": network.latency_s, "bandwidth": network.bandwidth,
+                                                "gather_bandwidth": network.gather_bandwidth,
+                                                "half_bandwidth": network.half_bandwidth},
+                                    "rows": rows})
+    bunsan.finalize()
+    return 0
+
+
+# -- the parent -------------------------------------------------------------------------------------
+COLUMNS = ("network", "workers", "model", "algorithm", "predicted (ms)", "measured (ms)", "error",
+           "MB/step pred.", "MB/step counted")
+
+
+def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """The table's cells, one per (network, workers, model, algorithm) row."""
+    return [[r["network"], str(r["workers"]), r["model"], r["label"], f"{r['predicted_s'] * 1e3:.2f}",
+             f"{r['measured_s'] * 1e3:.2f}", f"{100 * r['error']:+.0f}%", f"{r['predicted_bytes'] / 1e6:.3f}",
+             f"{r['measured_bytes'] / 1e6:.3f}"] for r in rows]
+
+
+def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Predicted against measured step time, log-log, with the +-20% band; one marker per network."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6, 5.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots()
+    for network in dict.fromkeys(r["network"] for r in rows):
+        mine = [r for r in rows if r["network"] == network]
+        axes.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine], s=18,
+                     label=network)
+    values = [v * 1e3 for r in rows for v in (r["measured_s"], r["predicted_s"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    axes.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+    axes.fill_between([lo, hi], [0.8 * lo, 0.8 * hi], [1.2 * lo, 1.2 * hi], color="grey", alpha=0.2,
+                      label="within 20%")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("measured step (ms)")
+    axes.set_ylabel("predicted step (ms)")
+    axes.legend(fontsize="small")
+    axes.grid(True, alpha=0.3, which="both")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    return path
+
+
+def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
+    """``bunsan bench predict``: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
+    import os
+    import sys as _sys
+
+    try:
+        workers = compare.parse_workers(args.workers)
+        networks = parse_networks(args.networks)
+        names = [m.strip() for m in args.models.split(",") if m.strip()]
+        unknown = [m for m in names if m not in MODELS]
+        if unknown:
+            raise ValueError(f"--models: {unknown[0]!r} is not one of {', '.join(MODELS)}")
+        for name, value in (("--batch", args.batch), ("--block-size", args.block_size), ("--steps", args.steps),
+                            ("--rounds", args.rounds), ("--compute-steps", args.compute_steps)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if any(w < 2 for w in workers):
+            raise ValueError("-np: predictions are checked at 2 or more workers")
+        if any(networks):
+            from bunsan.bench import netns
+
+            netns.check_privileges()
+    except (ValueError, PermissionError, FileNotFoundError) as err:
+        print(f"{PROG}: error: {err}", file=_sys.stderr)
+        return 2
+    out = Path(args.out)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    rows: list[dict[str, Any]] = []
+    failed = 0
+    for network in networks:
+        for n in workers:
+            slug = f"{(network or 'loopback').replace('=', '_').replace(',', '_')}-np{n}"
+            directory = out / slug
+            result = (directory / "result.json").resolve()
+            result.unlink(missing_ok=True)
+            spec = {"models": names, "batch": args.batch, "compute_steps": args.compute_steps, "block_size": args.block_size, "steps": args.steps,
+                    "rounds": args.rounds, "network": network, "timeout_s": min(args.timeout_s, 300.0),
+                    "result": str(result)}
+            worker = [_sys.executable, "-u", "-m", "bunsan.bench.predict", "--worker", json.dumps(spec)]
+            if network is None:
+                command = [_sys.executable, "-m", "bunsan", "run", "-np", str(n), "--", *worker]
+            else:
+                from bunsan.bench import netns
+
+                command = netns.launcher_command(network, n, worker)
+            record: dict[str, Any] = {"label": slug, "workers": n, "dir": str(directory)}
+            job = compare.run_recorded_job(command, directory, result, record, args.timeout_s, env)
+            if job is None:
+                failed += 1
+                compare.report_failures([record], say)
+                continue
+            say(f"{slug}: latency {job['network']['latency_s'] * 1e6:.1f} us, bandwidth "
+                f"{job['network']['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({record['total_s']:.0f} s)")
+            rows += job["rows"]
+    if rows:
+        say(compare.format_table(COLUMNS, table_rows(rows), right=set(COLUMNS) - {"network", "model", "algorithm"}))
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        within = sum(abs(r["error"]) <= 0.20 for r in rows)
+        say(f"{within} of {len(rows)} rows within 20%; worst: {worst['network']} -np {worst['workers']} "
+            f"{worst['model']} {worst['label']} ({100 * worst['error']:+.0f}%)")
+        write_json(str(out / "predict.json"), {"arguments": {k: v for k, v in vars(args).items() if k != "handler"},
+                                               "load_average": os.getloadavg(), "rows": rows})
+        say(f"JSON: {out / 'predict.json'}\nPNG: {plot_predict(rows, out / 'predict.png')}")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bunsan.bench.predict`` (or ``--worker SPEC`` inside a job)."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--worker"]:
+        return _worker(json.loads(argv[1]))
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Auto on 2 gloo ranks: every rank applies rank 0's decision at the same step, and a resume keeps it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bunsan
+from bunsan.algorithms.cost_model import Network
+
+SLOW = {"latency_s": 1e-3, "bandwidth": 1e5}  # 100 kB/s: any exchange of the model costs far more than its compute
+FAST = {"latency_s": 0.0, "bandwidth": 1e13}
+
+
+def _train(model: nn.Module, optimizer, rank: int, steps: int, start: int = 0) -> None:
+    for i in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str) -> dict:
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**network), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    _train(model, optimizer, rank, 3)
+    assert auto.decision is None  # still measuring: 3 timed steps need 4 ends
+    _train(model, optimizer, rank, 5, start=3)
+    assert auto.decision is not None and auto.decision["step"] == 4
+    chosen = (auto.decision["label"], repr(auto.inner))
+    optimizer.synchronize()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    state = optimizer.state_dict()
+
+    # resume into a fresh Auto: the decision comes back without measuring again
+    resumed_model = _model()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**FAST), verbose=False)
+    resumed_model, resumed_optimizer = bunsan.distribute(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed)
+    resumed_optimizer.load_state_dict(state)
+    assert resumed.decision == auto.decision
+    assert repr(resumed.inner) == repr(auto.inner) and resumed.step == auto.step
+    _train(resumed_model, resumed_optimizer, rank, 6, start=8)
+    assert resumed.decision == auto.decision  # a fast network now, yet no new decision
+    resumed_optimizer.synchronize()
+    return {"chosen": chosen, "params": params.tolist(),
+            "resumed": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist()}
+
+
+def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers):
+    results = workers.run(f"{__name__}:_body_decide_and_resume", network=SLOW, risk="high")
+    assert results[0]["chosen"] == results[1]["chosen"]
+    assert results[0]["chosen"][0] != "exact", results[0]["chosen"]  # on 100 kB/s exact cannot be fastest
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+    torch.testing.assert_close(torch.tensor(results[0]["resumed"]), torch.tensor(results[1]["resumed"]))
+
+
+def test_exact_stays_when_communication_is_cheap(workers):
+    results = workers.run(f"{__name__}:_body_decide_and_resume", network=FAST, risk="medium")
+    assert results[0]["chosen"] == results[1]["chosen"]
+    assert results[0]["chosen"][0] == "exact"
+
+
+def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    _train(model, optimizer, rank, 2)
+    state, weights = optimizer.state_dict(), model.state_dict()
+    resumed_model = _model()
+    resumed_model.load_state_dict(weights)
+    resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
+    resumed_model, resumed_optimizer = bunsan.distribute(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed)
+    resumed_optimizer.load_state_dict(state)
+    _train(resumed_model, resumed_optimizer, rank, 1, start=2)
+    assert resumed.decision is None
+    _train(resumed_model, resumed_optimizer, rank, 1, start=3)
+    assert resumed.decision is not None and resumed.decision["step"] == 4  # as without the interruption
+    return [resumed.decision["label"], repr(resumed.inner)]
+
+
+def test_a_resume_before_the_decision_decides_at_the_same_step(workers):
+    results = workers.run(f"{__name__}:_body_resume_before_the_decision")
+    assert results[0] == results[1]
+
+
+def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> list:
+    model = _model()
+    auto = bunsan.Auto(measure_steps=100, verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5), auto)
+    _train(model, optimizer, rank, 3)
+    samples = auto.samples
+    auto._apply({"algorithm": algorithm, "options": options, "label": algorithm, "step": 3})  # as after a decision
+    assert type(auto.inner).name == algorithm and auto.samples == samples and auto.step == 3
+    _train(model, optimizer, rank, 5, start=3)
+    assert auto.step == 8
+    optimizer.synchronize()
+    assert auto.samples == 8 * 8 * world_size  # (block algorithms count a block's samples when it ends)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+@pytest.mark.parametrize(("algorithm", "options"), [
+    ("data_parallel", {"compression": "fp16"}),
+    ("data_parallel", {"bits": 2}),
+    ("block_momentum", {"block_size": 16}),
+    ("model_averaging", {"block_size": 16}),
+])
+def test_switching_keeps_counters_and_replicas_agree(workers, algorithm, options):
+    params = workers.run(f"{__name__}:_body_switch", algorithm=algorithm, options=options)
+    torch.testing.assert_close(torch.tensor(params[0]), torch.tensor(params[1]))

@@ -1,0 +1,55 @@
+"""Auto's pure parts: candidates by risk, the block-size rule, the choice, the compute inversion."""
+
+import pytest
+
+from bunsan.algorithms import auto
+from bunsan.algorithms import cost_model as cm
+
+
+def test_candidates_by_risk():
+    profile = cm.Profile(compute_s=0.1, params=1_000_000, batch=32)
+    net = cm.Network(1e-5, 1e9)
+    low = [c.label for c in auto.candidates_for("low", profile, net, 4)]
+    assert low == ["exact", "fp16"]
+    medium = [c.label for c in auto.candidates_for("medium", profile, net, 4, warm_start=640)]
+    assert medium == ["exact", "fp16", "8-bit", "2-bit"]
+    high = auto.candidates_for("high", profile, net, 4, momentum=0.9)
+    assert high[4].label == "1-bit rotated" and high[4].options["rotate"] is True
+    assert auto.candidates_for("high", profile, net, 4, momentum=0.5)[4].label == "1-bit"
+    with pytest.raises(ValueError, match="risk"):
+        auto.candidates_for("reckless", profile, net, 4)
+
+
+def test_block_size_is_the_smallest_block_within_budget():
+    # all-reduce of 4 MB at 4 workers, 1 GB/s, no latency: 2 * 3/4 * 4e6 / 1e9 = 6 ms; compute 10 ms.
+    # 6 ms / k <= 5% of 10 ms needs k >= 12: the smallest allowed is 16 steps of 32 samples
+    profile = cm.Profile(compute_s=0.01, params=1_000_000, batch=32)
+    found = auto.candidates_for("high", profile, cm.Network(0.0, 1e9), 4)
+    assert found[5].label == "block_momentum:512" and found[5].options["block_size"] == 512
+
+
+def test_choose_keeps_exact_unless_the_gain_is_enough():
+    def p(label, step):
+        return cm.Prediction(label, 2, 0.1, step, 0.0, 0.0, 0.0, 0.0)
+
+    assert auto.choose([p("exact", 0.10), p("fp16", 0.095)], 0.1)[0] == 0  # 5% < 10%
+    index, why = auto.choose([p("exact", 0.10), p("fp16", 0.05)], 0.1)
+    assert index == 1 and "100.0% faster" in why
+    assert auto.choose([p("exact", 0.05), p("fp16", 0.06)], 0.0)[0] == 0
+
+
+def test_infer_compute_inverts_the_exact_prediction():
+    profile = cm.Profile(compute_s=0.08, params=2_000_000, batch=32)
+    net = cm.Network(5e-5, 1e8)
+    step = cm.predict(profile, net, cm.Candidate("data_parallel"), 4).step_s
+    assert step > 0.09  # the exchange is partly exposed
+    assert auto.infer_compute(step, profile, net, 4) == pytest.approx(0.08, rel=1e-3)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="measure_steps"):
+        auto.Auto(measure_steps=1)
+    with pytest.raises(ValueError, match="risk"):
+        auto.Auto(risk="none")
+    with pytest.raises(TypeError, match="network"):
+        auto.Auto(network="1gbit")

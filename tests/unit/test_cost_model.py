@@ -1,0 +1,192 @@
+"""The cost model's arithmetic, against values worked out by hand (comments show the sums)."""
+
+import pytest
+
+from bunsan.algorithms import cost_model as cm
+from bunsan.algorithms.cost_model import Candidate, Network, Profile
+
+
+def test_ring_allreduce_time_and_bytes():
+    net = Network(latency_s=1e-5, bandwidth=1e9)
+    # 2 * 3/4 * 1e6 / 1e9 = 1.5e-3 s on the wire, plus 2 * 3 * 1e-5 = 6e-5 s of latency
+    assert cm.ring_allreduce_time(1e6, 4, net) == pytest.approx(1.56e-3)
+    assert cm.ring_allreduce_bytes(1e6, 4) == pytest.approx(1.5e6)
+    assert cm.ring_allreduce_time(1e6, 1, net) == 0.0
+
+
+def test_quantized_payload_matches_the_codec():
+    # 1000 elements, 1 bit, chunks of 512: 2 chunks x 8 bytes + ceil(1000 / 8) = 16 + 125
+    assert cm.quantized_payload_bytes(1000, 1, 512) == 141
+    from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
+
+    assert cm.DEFAULT_CHUNK_SIZE == DEFAULT_CHUNK_SIZE
+    for numel in (1, 511, 512, 513, 10_000):
+        for bits in (1, 2, 4, 8, 16):
+            assert cm.quantized_payload_bytes(numel, bits) == Quantizer(bits).payload_bytes(numel)
+
+
+def test_striped_exchange():
+    net = Network(latency_s=1e-5, bandwidth=1e6)
+    # stripe of 4096 / 4 = 1024 elements at 1 bit: 2 chunks x 8 + 128 = 144 bytes;
+    # all-to-all 3 x (1e-5 + 144e-6) = 4.62e-4 s, the all-gather the same
+    assert cm.striped_exchange_time(4096, 1, 4, net) == pytest.approx(9.24e-4)
+    assert cm.striped_exchange_bytes(4096, 1, 4) == 2 * 3 * 144
+    # 9 chunks (many small tensors) over 4 stripes: the largest has 3 chunks: 24 + 128 bytes
+    assert cm.stripe_bytes(4096, 1, 4, chunks=9) == 152
+    slow_gather = Network(latency_s=0.0, bandwidth=1e6, gather_bandwidth=0.5e6)
+    assert cm.striped_exchange_time(4096, 1, 4, slow_gather) == pytest.approx(2 * 3 * 144 / 0.5e6)
+
+
+def test_exposed_communication_pipeline():
+    # forward 1 s, backward 2 s, two equal buckets ready at 2 s and 3 s
+    assert cm.exposed_communication(1.0, 2.0, [1, 1], lambda b: 0.5) == pytest.approx(0.5)  # 2 -> 2.5, 3 -> 3.5
+    assert cm.exposed_communication(1.0, 2.0, [1, 1], lambda b: 1.5) == pytest.approx(2.0)  # 2 -> 3.5 -> 5
+    assert cm.exposed_communication(1.0, 2.0, [], lambda b: 1.0) == 0.0
+
+
+def test_bucket_sizes():
+    mib = 2**20
+    assert cm.bucket_sizes(60 * mib, 25 * mib) == [mib, 25 * mib, 25 * mib, 9 * mib]
+    assert cm.bucket_sizes(100, 25 * mib) == [100]
+
+
+def test_exact_prediction_with_and_without_overlap():
+    mib = 2**20
+    # 3 MiB of float32 gradients in three 1 MiB buckets; one bucket's all-reduce at 2 workers:
+    # 2 * 1/2 * 1 MiB / (10 MiB/s) = 0.1 s. Compute 0.3 s: forward 0.1, backward 0.2.
+    profile = Profile(compute_s=0.3, params=3 * mib // 4)
+    net = Network(latency_s=0.0, bandwidth=10 * mib)
+    exact = Candidate("data_parallel", {"bucket_size_mb": 1})
+    p = cm.predict(profile, net, exact, 2)
+    # ready at 0.1667, 0.2333, 0.3; done at 0.2667, 0.3667, 0.4667: 0.1667 s past backward
+    assert p.exposed_s == pytest.approx(0.3 + 1 / 6 - 0.3, rel=1e-9)
+    assert p.step_s == pytest.approx(0.4 + 1 / 15, rel=1e-9)
+    assert p.efficiency == pytest.approx(0.3 / (0.4 + 1 / 15))
+    assert p.bytes_per_step == pytest.approx(3 * mib)
+    serial = cm.predict(profile, net, exact, 2, overlap=False)
+    assert serial.step_s == pytest.approx(0.6)
+    fp16 = cm.predict(profile, net, Candidate("data_parallel", {"compression": "fp16", "bucket_size_mb": 1}), 2)
+    assert fp16.bytes_per_step == pytest.approx(1.5 * mib)
+    # fp16 buckets are still cut at 1 MiB of gradients, each all-reduce half as long (0.05 s):
+    # ready at 0.1667, 0.2333, 0.3; done at 0.2167, 0.2833, 0.35
+    assert fp16.exposed_s == pytest.approx(0.05)
+    alone = cm.predict(profile, net, exact, 1)
+    assert alone.step_s == 0.3 and alone.bytes_per_step == 0 and alone.efficiency == 1.0
+
+
+def test_quantized_prediction_adds_the_codec():
+    profile = Profile(compute_s=1.0, params=1_000_000, encode_s_per_element=1e-9, decode_s_per_element=2e-9)
+    net = Network(latency_s=0.0, bandwidth=1e12)
+    p = cm.predict(profile, net, Candidate("data_parallel", {"bits": 1}), 4)
+    # encode the gradient and the own stripe: 1e-9 * 1e6 * 1.25; decode 2 x the gradient: 2e-9 * 1e6 * 2
+    # (+ the 16-byte count all-reduce, 2 * 3/4 * 16 / 1e12 s: nothing at 1 TB/s and no latency)
+    assert p.codec_s == pytest.approx(1.25e-3 + 4e-3)
+    assert p.step_s == pytest.approx(1.0 + 5.25e-3 + p.exposed_s)
+    assert p.exposed_s < 1e-5  # the wire time is hidden in backward at 1 TB/s
+    # 10 tensors in one bucket at 4 workers: 3 x (10 + 4) + 10 / 4 + 1 = 45.5 calls of 1e-4 s
+    assert cm.codec_calls(10, 1, 4) == pytest.approx(45.5)
+    calls = Profile(compute_s=1.0, params=1000, tensors=10, codec_call_s=1e-4)
+    assert cm.predict(calls, net, Candidate("data_parallel", {"bits": 1}), 4).codec_s == pytest.approx(45.5e-4,
+                                                                                                      rel=1e-3)
+
+
+def test_block_algorithms_amortize_one_allreduce():
+    profile = Profile(compute_s=0.1, params=1_000_000, batch=32)
+    net = Network(latency_s=0.0, bandwidth=1e9)
+    # block of 320 samples / 32 per step = 10 steps; all-reduce of 4e6 bytes at 2 workers: 4e-3 s
+    for name in ("block_momentum", "model_averaging"):
+        p = cm.predict(profile, net, Candidate(name, {"block_size": 320}), 2)
+        assert p.step_s == pytest.approx(0.1004)
+        assert p.bytes_per_step == pytest.approx(4e5)
+    assert cm.block_steps(100, 32) == 4 and cm.block_steps(1, 32) == 1
+
+
+def test_async_bottleneck_is_rank_zero():
+    net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
+    # 2 workers: the worker's own push + pull, 0.1 + 0.08
+    assert cm.async_step(0.1, 4e6, 2, net, 1)[0] == pytest.approx(0.18)
+    # 11 workers: rank 0's link carries 10 x 0.04 s per round
+    assert cm.async_step(0.1, 4e6, 11, net, 1)[0] == pytest.approx(0.4)
+    assert cm.async_step(0.1, 4e6, 11, net, 4)[0] == pytest.approx(0.12)  # 0.1 + 0.08 / 4 > 0.4 / 4
+    # the job's step at 11 workers: rank 0 at 0.1 s, ten remote workers at 0.4 s: 11 / (10 + 25) s
+    p = cm.predict(Profile(compute_s=0.1, params=1_000_000), net, Candidate("async"), 11)
+    assert p.step_s == pytest.approx(11 / 35) and p.bytes_per_step == 4e6
+
+
+def test_global_batch_divides_the_compute():
+    profile = Profile(compute_s=0.4, params=10, batch=128)
+    assert profile.at_workers(4, global_batch=True).compute_s == pytest.approx(0.1)
+    assert profile.at_workers(4, global_batch=True).batch == 32
+    assert profile.at_workers(4).compute_s == 0.4
+
+
+def test_predict_all_covers_every_pair():
+    rows = cm.predict_all(Profile(compute_s=0.1, params=1000), Network(1e-5, 1e9), cm.default_candidates(), [1, 8])
+    assert len(rows) == 2 * len(cm.default_candidates())
+    assert {r.workers for r in rows} == {1, 8}
+    assert all(r.efficiency == 1.0 for r in rows if r.workers == 1)
+    assert all(0 < r.efficiency < 1.0 for r in rows if r.workers == 8)
+
+
+def test_bad_input_is_one_sentence():
+    with pytest.raises(ValueError, match="latency_s"):
+        Network(latency_s=-1.0, bandwidth=1e9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Network(latency_s=0.0, bandwidth=0.0)
+    with pytest.raises(TypeError, match="params"):
+        Profile(compute_s=0.1, params="10")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="params"):
+        Profile(compute_s=0.1, params=0)
+    with pytest.raises(ValueError, match="backward_fraction"):
+        Profile(compute_s=0.1, params=1, backward_fraction=1.5)
+    with pytest.raises(ValueError, match="knows algorithms"):
+        Candidate("quantum")
+    with pytest.raises(ValueError, match="workers"):
+        cm.predict(Profile(compute_s=0.1, params=1), Network(0.0, 1.0), Candidate("async"), 0)
+
+
+def test_network_from_timings_recovers_alpha_and_beta():
+    truth = Network(latency_s=2e-5, bandwidth=5e8, gather_bandwidth=2e8)
+    sizes = [4, 4096, 2**20, 2**22]
+    reduce = [(m, cm.ring_allreduce_time(m, 4, truth)) for m in sizes]
+    gather = [(m, cm.allgather_time(m, 4, truth)) for m in sizes]
+    fitted = cm.network_from_timings(reduce, 4, gather)
+    assert fitted.latency_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.bandwidth == pytest.approx(5e8, rel=1e-6)
+    assert fitted.gather_bandwidth == pytest.approx(2e8, rel=1e-6)
+
+
+def test_fit_line_by_hand_and_refusals():
+    assert cm.fit_line([(0, 1), (1, 3), (2, 5)]) == pytest.approx((1.0, 2.0))
+    assert cm.fit_line([(1, 1), (2, 3)]) == pytest.approx((0.0, 7 / 5))  # intercept -1 clipped: sum(xt)/sum(xx)
+    with pytest.raises(ValueError, match="two or more distinct"):
+        cm.fit_line([(1, 1), (1, 2)])
+    with pytest.raises(ValueError, match="did not grow"):
+        cm.fit_line([(1, 3), (2, 3)])
+
+
+def test_stragglers():
+    # steps: max(1, 3) = 3 and max(2, 2) = 2; mean of all four = 2, of the slowest = 2.5
+    assert cm.compute_with_stragglers([[1.0, 2.0], [3.0, 2.0]]) == pytest.approx((2.0, 0.5))
+    with pytest.raises(ValueError, match="same number"):
+        cm.compute_with_stragglers([[1.0], [1.0, 2.0]])
+    profile = Profile(compute_s=0.1, params=1000, batch=32, straggler_s=0.02)
+    net = Network(latency_s=0.0, bandwidth=1e15)
+    exact = cm.predict(profile, net, Candidate("data_parallel"), 2)
+    assert exact.step_s == pytest.approx(0.12, rel=1e-6)  # waits for the slowest every step
+    # a block of 128 / 32 = 4 steps waits once for a skew of 0.02 * sqrt(4): 0.04 / 4 per step
+    block = cm.predict(profile, net, Candidate("model_averaging", {"block_size": 128}), 2)
+    assert block.step_s == pytest.approx(0.11, rel=1e-6)
+    assert cm.predict(profile, net, Candidate("async"), 2).step_s == pytest.approx(0.1, rel=1e-3)  # no wait
+    assert cm.predict(profile, net, Candidate("data_parallel"), 1).step_s == 0.1
+
+
+def test_half_precision_traffic_pays_its_casts_and_its_own_bandwidth():
+    mib = 2**20
+    profile = Profile(compute_s=0.3, params=3 * mib // 4, cast_s_per_element=1e-8)
+    net = Network(latency_s=0.0, bandwidth=10 * mib, half_bandwidth=5 * mib)
+    p = cm.predict(profile, net, Candidate("data_parallel", {"compression": "fp16", "bucket_size_mb": 1}), 2)
+    # half the bytes at half the bandwidth: each 1 MiB bucket's all-reduce takes 0.1 s as in fp32,
+    # so the exposed part is the exact one (1/6 s); the casts add 1e-8 * 786432 s
+    assert p.codec_s == pytest.approx(1e-8 * (3 * mib // 4))
+    assert p.step_s == pytest.approx(0.3 + 1 / 6 + 1e-8 * (3 * mib // 4))

@@ -1,0 +1,75 @@
+"""``bunsan plan``: the published figures it must reproduce, its parsing, its output and its refusals."""
+
+import json
+
+import pytest
+
+from bunsan.bench import plan
+from bunsan.cli import main
+
+
+@pytest.mark.parametrize("name", sorted(plan.PUBLISHED))
+def test_reproduces_published_efficiency_within_10_points(name):
+    case, predictions = plan.plan_published(name)
+    at = next(p for p in predictions if p.workers == case.at)
+    assert abs(at.efficiency - case.efficiency) <= 0.10, (name, at.efficiency, case.efficiency)
+    # more workers never predict a higher efficiency for the same exact SGD
+    efficiencies = [p.efficiency for p in sorted(predictions, key=lambda p: p.workers)]
+    assert efficiencies == sorted(efficiencies, reverse=True)
+
+
+def test_published_compute_times_are_the_stated_arithmetic():
+    assert plan.PUBLISHED["horovod-resnet101"].compute_s == pytest.approx(0.61804, rel=1e-4)  # 64 / (1656.82 / 16)
+    assert plan.PUBLISHED["goyal-resnet50"].compute_s == pytest.approx(0.23179, rel=1e-4)  # 104400 / 450410
+    assert plan.PUBLISHED["cntk-resnet20"].compute_s == pytest.approx(0.073590, rel=1e-4)  # 2874.594 / 39062.5
+
+
+def test_parse_link_and_latency():
+    assert plan.parse_link("25gbit") == pytest.approx(3.125e9)
+    assert plan.parse_link("100mbit") == pytest.approx(12.5e6)
+    assert plan.parse_latency("10us") == pytest.approx(1e-5)
+    assert plan.parse_latency("1.5ms") == pytest.approx(1.5e-3)
+    with pytest.raises(ValueError, match="--link"):
+        plan.parse_link("25gbps")
+    with pytest.raises(ValueError, match="--latency"):
+        plan.parse_latency("10")
+
+
+def test_plan_prints_every_algorithm_at_every_count_and_writes_png_and_json(tmp_path, capsys):
+    png, record = tmp_path / "p.png", tmp_path / "p.json"
+    code = main(["plan", "--compute-ms", "100", "--params", "25000000", "--workers", "8,256", "--link", "25gbit",
+                 "--latency", "10us", "--png", str(png), "--json", str(record)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads(record.read_text())["predictions"]
+    labels = {r["label"] for r in rows}
+    assert len(rows) == 2 * len(labels) and {"exact", "1-bit", "async"} <= labels
+    for label in labels:
+        assert f"  {label}  " in out or f"  {label}\n" in out
+    exact = {r["workers"]: r for r in rows if r["label"] == "exact"}
+    # 100 MB of gradients at 25 Gbit/s: 2 * 255/256 * 100e6 / 3.125e9 = 63.75 ms on the wire, plus
+    # 2 * 255 * 10 us = 5.1 ms of latency for each of 5 buckets (1 + 25 + 25 + 25 + 19.4 MiB)
+    assert exact[256]["communication_s"] == pytest.approx(0.06375 + 5 * 0.0051, rel=1e-3)
+
+
+def test_plan_measures_a_model(tmp_path, capsys):
+    code = main(["plan", "--model", "mnist1d_cnn", "--batch", "8", "--workers", "2", "--png", str(tmp_path / "m.png")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "measured mnist1d_cnn" in out and "8,010 parameters" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "give a profile"),
+    (["--compute-ms", "10"], "give a profile"),
+    (["--compute-ms", "10", "--params", "100", "--link", "25gbps"], "--link"),
+    (["--compute-ms", "10", "--params", "100", "--workers", "0"], "-np"),
+    (["--compute-ms", "-1", "--params", "100"], "--compute-ms"),
+    (["--published", "nope"], "unknown published"),
+    (["--compute-ms", "10", "--params", "100", "--hostfile", "h"], "--probe"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, tmp_path):
+    assert main(["plan", *argv, "--png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
