@@ -38,12 +38,13 @@ the decided algorithm directly, so a resumed run does not change algorithm (to
 decide again, load only the torch optimizer's state).
 
 This is a thin wrapper: the wrapped algorithm (``self.inner``) does the work.
-Delegated: ``setup`` (builds the exact one), ``attach_optimizer``,
-``count_samples``, ``reduce_gradients``, ``after_step`` (plus the decision),
-``join``, ``synchronize``, ``begin_accumulation``, ``end_accumulation``,
+Delegated: ``setup`` (builds the exact one), ``setup_buffers``,
+``attach_optimizer``, ``count_samples``, ``note_forward``, ``confirm_forward``,
+``reduce_gradients``, ``complete_exchange``, ``after_step`` (plus the decision),
+``join``, ``sync_replicas``, ``begin_accumulation``, ``end_accumulation``,
 ``stats``, ``state_dict``/``load_state_dict`` (nested), and the counters
-``step``, ``samples``, ``local_samples``, ``traffic``; other public attributes
-are read from the inner algorithm.
+``step``, ``samples``, ``local_samples``, ``traffic``, ``buffer_sync``; other
+public attributes are read from the inner algorithm.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ class Auto(Algorithm):
     samples = _get("samples")
     local_samples = _get("local_samples")
     traffic = _get("traffic")
+    buffer_sync = _get("buffer_sync")
     _pending_samples = _get("_pending_samples")
+    _unconfirmed_samples = _get("_unconfirmed_samples")
     del _get
 
     def __getattr__(self, name: str) -> Any:  # public attributes of the chosen algorithm (bits, block_size, ...)
@@ -188,6 +191,10 @@ class Auto(Algorithm):
         self.named_params = list(named_params)
         self.inner.setup(named_params)
 
+    def setup_buffers(self, modules: Sequence[tuple[str, Any, list[str]]]) -> None:
+        self._buffer_modules = list(modules)
+        self.inner.setup_buffers(modules)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.inner.attach_optimizer(optimizer)
@@ -195,8 +202,17 @@ class Auto(Algorithm):
     def count_samples(self, n: int) -> None:
         self.inner.count_samples(n)
 
+    def note_forward(self, n: int) -> None:
+        self.inner.note_forward(n)
+
+    def confirm_forward(self, n: int) -> None:
+        self.inner.confirm_forward(n)
+
     def reduce_gradients(self) -> None:
         self.inner.reduce_gradients()
+
+    def complete_exchange(self) -> None:
+        self.inner.complete_exchange()
 
     def after_step(self) -> None:
         self.inner.after_step()
@@ -214,8 +230,8 @@ class Auto(Algorithm):
     def join(self) -> None:
         self.inner.join()
 
-    def synchronize(self) -> None:
-        self.inner.synchronize()
+    def sync_replicas(self) -> None:
+        self.inner.sync_replicas()
 
     def begin_accumulation(self) -> None:
         self.inner.begin_accumulation()
@@ -294,14 +310,11 @@ class Auto(Algorithm):
 
         old = self.inner
         new = algorithms.create(decision["algorithm"], group=self.group, **decision["options"])
-        close = getattr(old, "close", None)
-        if close is not None:
-            close()
-        else:  # the gradient hooks of the exact algorithm must stop firing
-            for handle in getattr(old, "_hook_handles", ()):
-                handle.remove()
+        if isinstance(old, DataParallelSGD):
+            old.remove_hooks()  # the exact algorithm's gradient hooks must stop firing
         new.step, new.samples, new.local_samples = old.step, old.samples, old.local_samples
         new.setup(self.named_params)
+        new.setup_buffers(getattr(self, "_buffer_modules", []))
         if self.optimizer is not None:
             new.attach_optimizer(self.optimizer)
         self.inner = new

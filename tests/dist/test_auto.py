@@ -37,7 +37,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     _train(model, optimizer, rank, 5, start=3)
     assert auto.decision is not None and auto.decision["step"] == 4
     chosen = (auto.decision["label"], repr(auto.inner))
-    optimizer.synchronize()
+    optimizer.sync_replicas()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state = optimizer.state_dict()
 
@@ -52,7 +52,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     assert repr(resumed.inner) == repr(auto.inner) and resumed.step == auto.step
     _train(resumed_model, resumed_optimizer, rank, 6, start=8)
     assert resumed.decision == auto.decision  # a fast network now, yet no new decision
-    resumed_optimizer.synchronize()
+    resumed_optimizer.sync_replicas()
     return {"chosen": chosen, "params": params.tolist(),
             "resumed": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist()}
 
@@ -105,7 +105,7 @@ def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> l
     assert type(auto.inner).name == algorithm and auto.samples == samples and auto.step == 3
     _train(model, optimizer, rank, 5, start=3)
     assert auto.step == 8
-    optimizer.synchronize()
+    optimizer.sync_replicas()
     assert auto.samples == 8 * 8 * world_size  # (block algorithms count a block's samples when it ends)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
