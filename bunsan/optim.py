@@ -52,6 +52,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        __import__("bunsan.runtime").runtime.track_optimizer(self)  # finalize() joins it unless the script does
 
     # The wrapped optimizer's attributes, seen through this object.
     @property  # type: ignore[override]

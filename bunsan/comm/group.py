@@ -31,6 +31,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from bunsan.comm import inspector as _inspector
+
 __all__ = [
     "Watchdog",
     "abort_reason",
@@ -237,6 +239,7 @@ class Watchdog(threading.Thread):
         while not self._stop_event.wait(self.poll_s):
             try:
                 self.publish()
+                _inspector.poll(self.store)  # out-of-step collectives and stall reports
                 if self.store.check([_ABORT_KEY]):
                     value = self.store.get(_ABORT_KEY).decode(errors="replace")
                     failed, _, reason = value.partition(":")

@@ -1,0 +1,365 @@
+"""Which collective each rank is in and what it is doing: out-of-step detection and stall reports.
+
+Every collective of :mod:`bunsan.comm.collectives` is numbered per process
+group, on every rank alike (the same order on all ranks is the contract of a
+collective). A rank that skips one (``if not torch.isfinite(loss): continue``
+before ``optimizer.step()``), or that calls another one (a loss logged with
+``all_reduce`` while a finished rank answers the others inside ``join()``),
+pairs its collectives with the wrong ones of its peers. Gloo then either waits
+until the timeout (minutes) or, when the message sizes differ, ends a process
+with ``std::terminate``. This module names such a mismatch within seconds.
+
+How, without cost on the fast path:
+
+1. Each collective appends ``(group, number, op, shape)`` to a ring of the last
+   :data:`RING` ones (a deque append) and marks the rank "waiting" while it
+   blocks (two attribute writes). Nothing is sent.
+2. The failure watch thread of :mod:`bunsan.comm.group` calls :func:`poll`
+   every ``poll_s``. It publishes this rank's *state* (its last collective and
+   its activity: training, "in join", "in join called by finalize()",
+   "finished", "in checkpoint save", ...) to the store when it changed, as the
+   watch already publishes its progress count.
+3. Only when a collective has waited longer than :data:`CHECK_S` does the
+   thread publish the ring and read the peers' rings. Two rings that hold
+   different operations under the same number are proof that the ranks are
+   out of step: every rank that sees it prints one sentence naming the group,
+   the number, each rank's operation and activity, sets the job's abort key
+   (so the other ranks end too) and exits with code 1. A job whose collectives
+   went out of step never exits 0.
+4. After ``stall_s`` (default 60 s, :func:`configure`) of waiting, the lowest
+   waiting rank prints once which ranks have not reached the collective and
+   what each is doing, and keeps waiting (Horovod's stall inspector does the
+   same for its tensor queue).
+5. When the backend raises instead (a peer ended, a timeout), :func:`diagnose`
+   turns the peers' published states into the sentence the user needs, e.g.
+   "rank 1 finished its data and called finalize() while rank 0 was still
+   training: call optimizer.join() on every rank after the loop".
+
+Activities that matter for those sentences are published at once from the
+main thread (:func:`activity`): they change a few times per job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "CHECK_S",
+    "DEFAULT_STALL_S",
+    "RING",
+    "activity",
+    "collectives_in_world",
+    "configure",
+    "describe_mismatch",
+    "diagnose",
+    "poll",
+    "set_activity",
+    "started",
+    "waiting",
+]
+
+RING = 64  # recent collectives kept per rank for the comparison
+CHECK_S = 1.0  # a wait longer than this publishes the ring and compares it with the peers'
+DEFAULT_STALL_S = 60.0
+TRAINING = "training"
+FINALIZE_JOIN = "in join called by finalize()"
+IN_FINALIZE = "in finalize()"
+
+_STATE_KEY = "inspect/state/{rank}"
+_RING_KEY = "inspect/ring/{rank}"
+
+
+class _Local:
+    """This rank's view; written by the main thread, read by the watch thread."""
+
+    rank = 0
+    world_size = 1
+    stall_s = DEFAULT_STALL_S
+    seqs: dict[Any, int] = {}  # per group key: collectives started
+    ring: deque[tuple[str, int, str]] = deque(maxlen=RING)
+    last: tuple[str, int, str] | None = None
+    activity = TRAINING
+    wait_since: float | None = None
+    published_state = ""
+    published_ring_for: float | None = None
+    reported_stall_for: float | None = None
+    group_keys: dict[int, str] = {}
+    lock = threading.Lock()
+
+
+_local = _Local()
+
+
+def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> None:
+    """Reset the counters for a new world (called by :func:`bunsan.init`)."""
+    if stall_s is not None and not stall_s > 0:
+        raise ValueError(f"stall_s must be a positive number of seconds, got {stall_s!r}")
+    _local.rank, _local.world_size = rank, world_size
+    _local.stall_s = DEFAULT_STALL_S if stall_s is None else float(stall_s)
+    _local.seqs, _local.group_keys = {}, {}
+    _local.ring = deque(maxlen=RING)
+    _local.last, _local.activity, _local.wait_since = None, TRAINING, None
+    _local.published_state = ""
+    _local.published_ring_for = _local.reported_stall_for = None
+
+
+def collectives_in_world() -> int:
+    """Collectives of the world group this rank has started (the same on every rank in step)."""
+    return _local.seqs.get("world", 0)
+
+
+def _group_key(group: Any) -> str:
+    """A name of ``group`` that every member computes alike: ``world`` or its global ranks."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return "world"
+    key = _local.group_keys.get(id(group))
+    if key is None:
+        try:
+            key = "group " + ",".join(map(str, dist.get_process_group_ranks(group)))
+        except Exception:  # noqa: BLE001 - a group unknown to torch: never compared
+            key = f"group@{id(group)}"
+        _local.group_keys[id(group)] = key
+    return key
+
+
+def started(what: str, group: Any, shape: str) -> int:
+    """Record one collective started by this rank; returns its number in ``group`` (from 1)."""
+    key = "world" if group is None else _group_key(group)
+    seq = _local.seqs.get(key, 0) + 1
+    _local.seqs[key] = seq
+    entry = (key, seq, f"{what} [{shape}]")
+    _local.ring.append(entry)
+    _local.last = entry
+    return seq
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Mark this rank as blocked in a collective (the watch thread times the wait)."""
+    if _local.wait_since is not None:  # nested: the outer wait is the one timed
+        yield
+        return
+    _local.wait_since = time.monotonic()
+    try:
+        yield
+    finally:
+        _local.wait_since = None
+
+
+def _state() -> dict[str, Any]:
+    last = _local.last
+    return {
+        "rank": _local.rank,
+        "activity": _local.activity,
+        "last": list(last) if last else None,
+        "waiting": _local.wait_since is not None,
+    }
+
+
+def _main_store() -> Any:
+    from bunsan.comm import group as _group
+
+    return _group._world.store
+
+
+@contextlib.contextmanager
+def activity(name: str) -> Iterator[None]:
+    """Say what this rank is doing (``"in checkpoint save"``, ``"in join"``) while inside.
+
+    Published at once (one store write from the calling thread), so a peer that
+    fails meanwhile can name it.
+    """
+    previous = _local.activity
+    set_activity(name)
+    try:
+        yield
+    finally:
+        set_activity(previous)
+
+
+def set_activity(name: str) -> None:
+    """Set this rank's activity and publish it now (see :func:`activity`)."""
+    _local.activity = name
+    store = _main_store()
+    if store is None or _local.world_size == 1:
+        return
+    with contextlib.suppress(Exception):  # the store may be gone at the very end
+        store.set(_STATE_KEY.format(rank=_local.rank), json.dumps(_state()))
+
+
+def _read(store: Any, key: str) -> dict[str, Any] | None:
+    try:
+        if not store.check([key]):
+            return None
+        return json.loads(store.get(key).decode())
+    except Exception:  # noqa: BLE001 - a peer's record is a hint, never a failure
+        return None
+
+
+def _describe_state(state: dict[str, Any] | None) -> str:
+    if state is None:
+        return "has published nothing yet"
+    last = state.get("last")
+    where = f"last started {last[0]} collective #{last[1]} {last[2]}" if last else "has started no collective"
+    doing = "waiting in it" if state.get("waiting") else state.get("activity", TRAINING)
+    if state.get("activity") not in (TRAINING, None) and state.get("waiting"):
+        doing = f"{state['activity']}, waiting in it"
+    return f"{doing} ({where})"
+
+
+def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[str, Any] | None]) -> str | None:
+    """The sentence for ranks whose recent collectives differ under one number, or None.
+
+    Pure: ``rings`` maps a rank to its recent ``[group, number, op]`` entries,
+    ``states`` to its published state. Finished ranks answering the others'
+    exchanges from ``finalize()`` get the fix for a forgotten ``join()``.
+    """
+    ranks = sorted(rings)
+    for i, a in enumerate(ranks):
+        ops_a = {(g, n): op for g, n, op in rings[a]}
+        for b in ranks[i + 1 :]:
+            for g, n, op_b in rings[b]:
+                op_a = ops_a.get((g, n))
+                if op_a is None or op_a == op_b:
+                    continue
+                forgot = _forgotten_join(states)
+                if forgot is not None:
+                    return forgot
+                return (
+                    f"collectives out of step at {g} collective #{n}: rank {a} called {op_a} but rank {b} "
+                    f"called {op_b} (a rank skipped or added a collective, e.g. skipped optimizer.step() on one "
+                    f"rank only); rank {a} is {_describe_state(states.get(a))}, rank {b} is "
+                    f"{_describe_state(states.get(b))}"
+                )
+    return None
+
+
+def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
+    finished = [r for r, s in sorted(states.items())
+                if s is not None and s.get("activity") in (FINALIZE_JOIN, IN_FINALIZE, "finished")]
+    training = [r for r, s in sorted(states.items()) if s is not None and s.get("activity") == TRAINING]
+    if not finished or not training:
+        return None
+    who = f"rank {finished[0]}" if len(finished) == 1 else f"ranks {finished}"
+    was = "was" if len(training) == 1 else "were"
+    still = f"rank {training[0]}" if len(training) == 1 else f"ranks {training}"
+    return (
+        f"{who} finished its data and called finalize() while {still} {was} still training: "
+        "call optimizer.join() on every rank after the loop"
+    )
+
+
+def _end_job(message: str, store: Any) -> None:
+    """Print ``message``, set the abort key so every rank ends, and exit 1."""
+    print(f"[bunsan] rank {_local.rank}: {message}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        if not store.check(["abort"]):
+            store.set("abort", f"{_local.rank}:{message}")
+    time.sleep(0.5)  # let the peers read the key and print their own line
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def poll(store: Any) -> None:
+    """One round of the watch thread: publish the state; on a long wait compare rings and report stalls.
+
+    Never raises: a store that fails is the watch's own business (it ends the process).
+    """
+    if _local.world_size <= 1:
+        return
+    with contextlib.suppress(Exception):
+        _poll(store)
+
+
+def _poll(store: Any) -> None:
+    state = json.dumps(_state())
+    if state != _local.published_state:
+        store.set(_STATE_KEY.format(rank=_local.rank), state)
+        _local.published_state = state
+    since = _local.wait_since
+    if since is None:
+        return
+    waited = time.monotonic() - since
+    if waited < CHECK_S:
+        return
+    if _local.published_ring_for != since:
+        store.set(_RING_KEY.format(rank=_local.rank), json.dumps([list(e) for e in list(_local.ring)]))
+        _local.published_ring_for = since
+    rings, states = {_local.rank: [list(e) for e in list(_local.ring)]}, {_local.rank: _state()}
+    for r in range(_local.world_size):
+        if r == _local.rank:
+            continue
+        states[r] = _read(store, _STATE_KEY.format(rank=r))
+        if states[r] is not None and states[r].get("waiting"):
+            ring = _read(store, _RING_KEY.format(rank=r))
+            if ring is not None:
+                rings[r] = ring  # type: ignore[assignment]
+    message = describe_mismatch(rings, states)
+    if message is not None:
+        _end_job(message, store)
+        return
+    if waited >= _local.stall_s and _local.reported_stall_for != since:
+        _local.reported_stall_for = since
+        waiting_ranks = [r for r, s in states.items() if s is not None and s.get("waiting")]
+        if min(waiting_ranks, default=_local.rank) == _local.rank:
+            print(f"[bunsan] rank {_local.rank}: {stall_report(waited, states)}", file=sys.stderr, flush=True)
+
+
+def stall_report(waited: float, states: dict[int, dict[str, Any] | None]) -> str:
+    """One report: this rank's collective, the ranks that have not reached it and what each is doing."""
+    mine = _local.last
+    here = f"{mine[0]} collective #{mine[1]} {mine[2]}" if mine else "a collective"
+    missing = []
+    for r, s in sorted(states.items()):
+        if r == _local.rank:
+            continue
+        last = s.get("last") if s else None
+        reached = s is not None and s.get("waiting") and last is not None and mine is not None and \
+            last[0] == mine[0] and last[1] >= mine[1]
+        if not reached:
+            missing.append(f"rank {r} is {_describe_state(s)}")
+    if not missing:
+        return (f"{here} has waited {waited:.0f} s; every rank has reached it (the backend is slow "
+                "or a message is lost); still waiting")
+    return f"{here} has waited {waited:.0f} s for {len(missing)} rank(s), still waiting: " + "; ".join(missing)
+
+
+def diagnose(timeout_s: float = 2.0) -> str | None:
+    """After the backend raised: the sentence the peers' published states support, or None.
+
+    Publishes this rank's state and ring at once, then reads the peers' for up
+    to ``timeout_s`` (they publish theirs within a poll of the watch thread).
+    """
+    store = _main_store()
+    if store is None or _local.world_size <= 1:
+        return None
+    rank = _local.rank
+    try:
+        store.set(_STATE_KEY.format(rank=rank), json.dumps({**_state(), "waiting": True}))
+        store.set(_RING_KEY.format(rank=rank), json.dumps([list(e) for e in list(_local.ring)]))
+    except Exception:  # noqa: BLE001
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {rank: _state()}
+        rings = {rank: [list(e) for e in list(_local.ring)]}
+        for r in range(_local.world_size):
+            if r != rank:
+                states[r] = _read(store, _STATE_KEY.format(rank=r))
+                ring = _read(store, _RING_KEY.format(rank=r))
+                if ring is not None:
+                    rings[r] = ring  # type: ignore[assignment]
+        message = _forgotten_join(states) or describe_mismatch(rings, states)
+        if message is not None or time.monotonic() >= deadline:
+            return message
+        time.sleep(0.25)
