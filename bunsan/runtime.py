@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 import uuid
 import weakref
 from collections.abc import Iterator, Mapping
@@ -352,17 +353,19 @@ def track_optimizer(optimizer: Any) -> None:
     _optimizers[:] = [e for e in _optimizers if e.algorithm is not None]
     _optimizers.append(entry)
     join = type(optimizer).join
-    ref = entry.ref  # no strong reference from the optimizer to itself: it dies with its last user
+    if getattr(entry.algorithm, "name", "") == "data_parallel":
+        # Its every step communicates, so its step count tags each collective for the
+        # out-of-step comparison. Block and asynchronous algorithms legitimately
+        # communicate after different numbers of steps on different ranks.
+        _inspector.count_steps_of(entry.algorithm)
 
-    def tracked_join(*args: Any, **kwargs: Any) -> Any:
-        target = ref()
-        assert target is not None
+    def tracked_join(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _inspector.activity("in join"):
-            result = join(target, *args, **kwargs)
+            result = join(self, *args, **kwargs)
         entry.algorithm = None  # joined: nothing owed
         return result
 
-    optimizer.join = tracked_join
+    optimizer.join = types.MethodType(tracked_join, optimizer)
 
 
 def _join_optimizers() -> None:
@@ -389,6 +392,9 @@ def _check_in_step() -> None:
     peers' published states name it; see :mod:`bunsan.comm.inspector`).
     """
     n = comm.get_world_size()
+    mismatch = _inspector.compare_at_end(timeout_s=30.0)
+    if mismatch is not None:
+        raise CommunicationError(mismatch)
     mine = torch.tensor([_inspector.collectives_in_world()], dtype=torch.int64)
     counts = torch.empty(n, dtype=torch.int64)
     comm.all_gather_into(counts, mine)

@@ -128,7 +128,7 @@ def _communication_error(what: str, seq: int, e: BaseException) -> Communication
     first = text.splitlines()[0] if text else type(e).__name__
     # The peers' published states often say what went wrong (a forgotten join(),
     # collectives out of step); that sentence comes first, the backend's after it.
-    named = _inspector.diagnose()
+    named = _inspector.diagnose() or _inspector.in_finalize_join_hint()
     if named is not None:
         return CommunicationError(f"{what} (collective #{seq}) failed: {named}. Backend said: {first}")
     if "timed out" in text.lower() or "timeout" in text.lower():

@@ -47,6 +47,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -59,9 +60,12 @@ __all__ = [
     "RING",
     "activity",
     "collectives_in_world",
+    "compare_at_end",
     "configure",
+    "count_steps_of",
     "describe_mismatch",
     "diagnose",
+    "in_finalize_join_hint",
     "poll",
     "set_activity",
     "started",
@@ -86,8 +90,10 @@ class _Local:
     world_size = 1
     stall_s = DEFAULT_STALL_S
     seqs: dict[Any, int] = {}  # per group key: collectives started
-    ring: deque[tuple[str, int, str]] = deque(maxlen=RING)
-    last: tuple[str, int, str] | None = None
+    ring: deque[tuple[str, int, str, int]] = deque(maxlen=RING)
+    last: tuple[str, int, str, int] | None = None
+    step_sources: list[weakref.ref[Any]] = []  # algorithms whose .step tags the collectives
+    published_ring: tuple[str, int, str, int] | None = None
     activity = TRAINING
     wait_since: float | None = None
     published_state = ""
@@ -109,6 +115,7 @@ def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> No
     _local.seqs, _local.group_keys = {}, {}
     _local.ring = deque(maxlen=RING)
     _local.last, _local.activity, _local.wait_since = None, TRAINING, None
+    _local.step_sources, _local.published_ring = [], None
     _local.published_state = ""
     _local.published_ring_for = _local.reported_stall_for = None
 
@@ -137,7 +144,9 @@ def started(what: str, group: Any, shape: str) -> int:
     key = "world" if group is None else _group_key(group)
     seq = _local.seqs.get(key, 0) + 1
     _local.seqs[key] = seq
-    entry = (key, seq, f"{what} [{shape}]")
+    # The step tag: collectives made while training carry the number of optimizer
+    # steps completed before them; inside join() a rank answers other ranks' steps (-1: not compared).
+    entry = (key, seq, f"{what} [{shape}]", _steps() if _local.activity == TRAINING else -1)
     _local.ring.append(entry)
     _local.last = entry
     return seq
@@ -154,6 +163,24 @@ def waiting() -> Iterator[None]:
         yield
     finally:
         _local.wait_since = None
+
+
+def count_steps_of(algorithm: Any) -> None:
+    """Tag this rank's collectives with ``algorithm.step`` (completed optimizer steps); held weakly.
+
+    For algorithms whose every step communicates: the same collective made after
+    different numbers of steps on two ranks means one of them skipped a step.
+    """
+    _local.step_sources.append(weakref.ref(algorithm))
+
+
+def _steps() -> int:
+    total = 0
+    for ref in _local.step_sources:
+        algorithm = ref()
+        if algorithm is not None:
+            total += algorithm.step
+    return total
 
 
 def _state() -> dict[str, Any]:
@@ -220,28 +247,57 @@ def _describe_state(state: dict[str, Any] | None) -> str:
 def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[str, Any] | None]) -> str | None:
     """The sentence for ranks whose recent collectives differ under one number, or None.
 
-    Pure: ``rings`` maps a rank to its recent ``[group, number, op]`` entries,
-    ``states`` to its published state. Finished ranks answering the others'
-    exchanges from ``finalize()`` get the fix for a forgotten ``join()``.
+    Pure: ``rings`` maps a rank to its recent ``[group, number, op, steps]``
+    entries, ``states`` to its published state. The first difference wins: the
+    operation (a collective skipped or added), else the step tag (the same
+    collective made after different numbers of optimizer steps: a rank skipped
+    ``optimizer.step()``). Finished ranks answering the others' exchanges from
+    ``finalize()`` get the fix for a forgotten ``join()``.
     """
     ranks = sorted(rings)
+    found: tuple[int, str] | None = None
     for i, a in enumerate(ranks):
-        ops_a = {(g, n): op for g, n, op in rings[a]}
+        by_number = {(e[0], e[1]): e for e in rings[a]}
         for b in ranks[i + 1 :]:
-            for g, n, op_b in rings[b]:
-                op_a = ops_a.get((g, n))
-                if op_a is None or op_a == op_b:
+            for entry_b in rings[b]:
+                entry_a = by_number.get((entry_b[0], entry_b[1]))
+                if entry_a is None:
                     continue
-                forgot = _forgotten_join(states)
-                if forgot is not None:
-                    return forgot
-                return (
-                    f"collectives out of step at {g} collective #{n}: rank {a} called {op_a} but rank {b} "
-                    f"called {op_b} (a rank skipped or added a collective, e.g. skipped optimizer.step() on one "
-                    f"rank only); rank {a} is {_describe_state(states.get(a))}, rank {b} is "
-                    f"{_describe_state(states.get(b))}"
-                )
-    return None
+                g, n = entry_b[0], entry_b[1]
+                if entry_a[2] != entry_b[2]:
+                    text = _op_mismatch(g, n, a, entry_a, b, entry_b, states)
+                elif len(entry_a) > 3 and len(entry_b) > 3 and min(entry_a[3], entry_b[3]) >= 0 \
+                        and entry_a[3] != entry_b[3]:
+                    text = _step_mismatch(g, n, a, entry_a, b, entry_b)
+                else:
+                    continue
+                if found is None or n < found[0]:
+                    found = (n, text)
+                break
+    return found[1] if found else None
+
+
+def _op_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any],
+                 states: dict[int, dict[str, Any] | None]) -> str:
+    forgot = _forgotten_join(states)
+    if forgot is not None:
+        return forgot
+    return (
+        f"collectives out of step at {g} collective #{n}: rank {a} called {entry_a[2]} but rank {b} "
+        f"called {entry_b[2]} (a rank skipped or added a collective, e.g. skipped optimizer.step() on one "
+        f"rank only); rank {a} is {_describe_state(states.get(a))}, rank {b} is "
+        f"{_describe_state(states.get(b))}"
+    )
+
+
+def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any]) -> str:
+    (lo, lo_steps), (hi, hi_steps) = sorted([(a, entry_a[3]), (b, entry_b[3])], key=lambda t: t[1])
+    return (
+        f"optimizer steps out of step at {g} collective #{n} ({entry_a[2]}): rank {hi} made it after "
+        f"{hi_steps} optimizer steps, rank {lo} after {lo_steps}, so rank {lo} skipped optimizer.step() at its "
+        f"step {lo_steps} (0-based) while the others stepped; every rank must call optimizer.step() after "
+        "every backward (skip the update on all ranks alike, as GradScaler does after its all-reduced inf check)"
+    )
 
 
 def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
@@ -286,6 +342,21 @@ def _poll(store: Any) -> None:
     if state != _local.published_state:
         store.set(_STATE_KEY.format(rank=_local.rank), state)
         _local.published_state = state
+    ring = [list(e) for e in list(_local.ring)]
+    if ring and _local.published_ring != tuple(ring[-1]):
+        # The recent collectives, compared with the next rank's: a ring of ranks
+        # each comparing with its neighbour sees any pair that differs, at a cost
+        # of one write and two reads per rank and poll.
+        store.set(_RING_KEY.format(rank=_local.rank), json.dumps(ring))
+        _local.published_ring = tuple(ring[-1])
+        neighbour = (_local.rank + 1) % _local.world_size
+        theirs = _read(store, _RING_KEY.format(rank=neighbour))
+        if theirs is not None:
+            states = {_local.rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
+            message = describe_mismatch({_local.rank: ring, neighbour: theirs}, states)  # type: ignore[dict-item]
+            if message is not None:
+                _end_job(message, store)
+                return
     since = _local.wait_since
     if since is None:
         return
@@ -293,9 +364,9 @@ def _poll(store: Any) -> None:
     if waited < CHECK_S:
         return
     if _local.published_ring_for != since:
-        store.set(_RING_KEY.format(rank=_local.rank), json.dumps([list(e) for e in list(_local.ring)]))
+        store.set(_RING_KEY.format(rank=_local.rank), json.dumps(ring))
         _local.published_ring_for = since
-    rings, states = {_local.rank: [list(e) for e in list(_local.ring)]}, {_local.rank: _state()}
+    rings, states = {_local.rank: ring}, {_local.rank: _state()}
     for r in range(_local.world_size):
         if r == _local.rank:
             continue
@@ -332,6 +403,49 @@ def stall_report(waited: float, states: dict[int, dict[str, Any] | None]) -> str
         return (f"{here} has waited {waited:.0f} s; every rank has reached it (the backend is slow "
                 "or a message is lost); still waiting")
     return f"{here} has waited {waited:.0f} s for {len(missing)} rank(s), still waiting: " + "; ".join(missing)
+
+
+def compare_at_end(timeout_s: float) -> str | None:
+    """At the end of the job: compare this rank's recent collectives with the next rank's; the sentence or None.
+
+    Every rank calls it at the same point (after the joins, which end
+    together), so the next rank's record appears within moments. Short jobs end
+    before the watch thread has compared anything; this is their check.
+    """
+    store = _main_store()
+    if store is None or _local.world_size <= 1:
+        return None
+    from datetime import timedelta
+
+    rank, neighbour = _local.rank, (_local.rank + 1) % _local.world_size
+    ring = [list(e) for e in list(_local.ring)]
+    store.set(f"inspect/final/{rank}", json.dumps(ring))
+    store.set(_STATE_KEY.format(rank=rank), json.dumps(_state()))
+    key = f"inspect/final/{neighbour}"
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+        theirs = json.loads(store.get(key).decode())
+    except Exception:  # noqa: BLE001 - the neighbour never got here: the collectives after this one say why
+        return None
+    states = {rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
+    return describe_mismatch({rank: ring, neighbour: theirs}, states)
+
+
+def in_finalize_join_hint() -> str | None:
+    """The likely cause when a peer vanished while this rank answered its exchanges from finalize(), or None.
+
+    A rank still training that calls a collective which ``join()`` does not
+    answer (a logged loss, an evaluation) pairs it with this rank's exchange;
+    when the sizes differ, Gloo ends one of the two processes on the spot, and
+    if that one hosted the store there is nothing left to read.
+    """
+    if _local.activity != FINALIZE_JOIN:
+        return None
+    return (
+        f"another rank ended while rank {_local.rank}, which had finished its data and called finalize(), was "
+        "answering its exchanges: that rank was still training and called another collective (such as an "
+        "all_reduce of the loss); call optimizer.join() on every rank after the loop"
+    )
 
 
 def diagnose(timeout_s: float = 2.0) -> str | None:
