@@ -11,6 +11,8 @@ Options:
     --extra R:K  rank R trains K more batches (uneven data)
     --skip R:S   rank R skips optimizer.step() at its step S (as a GradScaler inf check would)
     --log-loss   every step, all-reduce the loss for logging (a collective that join() does not answer)
+    --barrier R:S  rank R calls an extra barrier() before its step S (a collective the others do not make)
+    --pause R:S  rank R spends --pause-s seconds "in checkpoint save" before its step S
     --join       call optimizer.join() after the loop (the documented way)
     --finalize   call bunsan.finalize() at the end (otherwise interpreter exit does it)
     --seconds T  train for T seconds instead of a number of batches (memory measurements)
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from bunsan.comm import all_reduce
+from bunsan.comm import all_reduce, barrier, inspector
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -51,6 +53,9 @@ def main() -> None:
     parser.add_argument("--extra", type=_pair, default=None)
     parser.add_argument("--skip", type=_pair, default=None)
     parser.add_argument("--log-loss", action="store_true")
+    parser.add_argument("--barrier", type=_pair, default=None)
+    parser.add_argument("--pause", type=_pair, default=None)
+    parser.add_argument("--pause-s", type=float, default=4.0)
     parser.add_argument("--join", action="store_true")
     parser.add_argument("--finalize", action="store_true")
     parser.add_argument("--seconds", type=float, default=0.0)
@@ -83,6 +88,11 @@ def main() -> None:
     start = time.monotonic()
     step = 0
     while (time.monotonic() - start < args.seconds) if args.seconds else (step < batches):
+        if args.barrier is not None and args.barrier == (rank, step):
+            barrier()
+        if args.pause is not None and args.pause == (rank, step):
+            with inspector.activity("in checkpoint save"):
+                time.sleep(args.pause_s)
         x = torch.randn(4, 8, generator=generator)
         y = torch.randn(4, 2, generator=generator)
         optimizer.zero_grad()
