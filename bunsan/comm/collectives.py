@@ -88,10 +88,6 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
-def _shape(tensor: Tensor | None) -> str:
-    return "" if tensor is None else f"{tensor.numel()} x {str(tensor.dtype).removeprefix('torch.')}"
-
-
 def _call(
     what: str,
     fn: Callable[[], T],
@@ -111,16 +107,16 @@ def _call(
     """
     seq = _group.note_collective()
     if numbered:
-        _inspector.started(what, group, _shape(tensor))
+        _inspector.started(what, group, tensor)
+    waits = blocking and _inspector.begin_wait()
     try:
-        if not blocking:
-            return fn()
-        with _inspector.waiting():
-            return fn()
+        return fn()
     except CommunicationError:
         raise
     except RuntimeError as e:
         raise _communication_error(what, seq, e) from e
+    finally:
+        _inspector.end_wait(waits)
 
 
 def _communication_error(what: str, seq: int, e: BaseException) -> CommunicationError:
@@ -142,11 +138,13 @@ def wait(work: Any, what: str = "collective") -> None:
     """Wait for an asynchronous collective started by :func:`all_reduce`."""
     if work is None:
         return
+    waits = _inspector.begin_wait()
     try:
-        with _inspector.waiting():
-            work.wait()
+        work.wait()
     except RuntimeError as e:
         raise _communication_error(what, _group.collectives_started(), e) from e
+    finally:
+        _inspector.end_wait(waits)
 
 
 def all_reduce(

@@ -59,12 +59,14 @@ __all__ = [
     "DEFAULT_STALL_S",
     "RING",
     "activity",
+    "begin_wait",
     "collectives_in_world",
     "compare_at_end",
     "configure",
     "count_steps_of",
     "describe_mismatch",
     "diagnose",
+    "end_wait",
     "in_finalize_join_hint",
     "poll",
     "set_activity",
@@ -90,8 +92,8 @@ class _Local:
     world_size = 1
     stall_s = DEFAULT_STALL_S
     seqs: dict[Any, int] = {}  # per group key: collectives started
-    ring: deque[tuple[str, int, str, int]] = deque(maxlen=RING)
-    last: tuple[str, int, str, int] | None = None
+    ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
+    last: tuple[Any, ...] | None = None
     step_sources: list[weakref.ref[Any]] = []  # algorithms whose .step tags the collectives
     published_ring: tuple[str, int, str, int] | None = None
     activity = TRAINING
@@ -139,30 +141,56 @@ def _group_key(group: Any) -> str:
     return key
 
 
-def started(what: str, group: Any, shape: str) -> int:
-    """Record one collective started by this rank; returns its number in ``group`` (from 1)."""
+def started(what: str, group: Any, tensor: Any = None) -> int:
+    """Record one collective started by this rank; returns its number in ``group`` (from 1).
+
+    On the fast path: the entry keeps the tensor's size and dtype as they are;
+    the text is made only when the watch thread publishes it.
+    """
     key = "world" if group is None else _group_key(group)
     seq = _local.seqs.get(key, 0) + 1
     _local.seqs[key] = seq
     # The step tag: collectives made while training carry the number of optimizer
     # steps completed before them; inside join() a rank answers other ranks' steps (-1: not compared).
-    entry = (key, seq, f"{what} [{shape}]", _steps() if _local.activity == TRAINING else -1)
+    tag = _steps() if _local.activity == TRAINING else -1
+    entry = (key, seq, what, -1 if tensor is None else tensor.numel(), None if tensor is None else tensor.dtype, tag)
     _local.ring.append(entry)
     _local.last = entry
     return seq
 
 
+def begin_wait() -> bool:
+    """Mark this rank as blocked in a collective; returns whether this call started the wait (pass it to end_wait)."""
+    if _local.wait_since is not None:  # nested: the outer wait is the one timed
+        return False
+    _local.wait_since = time.monotonic()
+    return True
+
+
+def end_wait(started_here: bool) -> None:
+    if started_here:
+        _local.wait_since = None
+
+
 @contextlib.contextmanager
 def waiting() -> Iterator[None]:
-    """Mark this rank as blocked in a collective (the watch thread times the wait)."""
-    if _local.wait_since is not None:  # nested: the outer wait is the one timed
-        yield
-        return
-    _local.wait_since = time.monotonic()
+    """:func:`begin_wait` and :func:`end_wait` around a block."""
+    mine = begin_wait()
     try:
         yield
     finally:
-        _local.wait_since = None
+        end_wait(mine)
+
+
+def _entry(e: tuple[Any, ...]) -> list[Any]:
+    """A ring entry as published: ``[group, number, "op [numel x dtype]", steps]``."""
+    key, seq, what, numel, dtype, tag = e
+    shape = "" if dtype is None else f"{numel} x {str(dtype).removeprefix('torch.')}"
+    return [key, seq, f"{what} [{shape}]", tag]
+
+
+def _ring() -> list[list[Any]]:
+    return [_entry(e) for e in list(_local.ring)]
 
 
 def count_steps_of(algorithm: Any) -> None:
@@ -188,7 +216,7 @@ def _state() -> dict[str, Any]:
     return {
         "rank": _local.rank,
         "activity": _local.activity,
-        "last": list(last) if last else None,
+        "last": _entry(last) if last else None,
         "waiting": _local.wait_since is not None,
     }
 
@@ -342,7 +370,7 @@ def _poll(store: Any) -> None:
     if state != _local.published_state:
         store.set(_STATE_KEY.format(rank=_local.rank), state)
         _local.published_state = state
-    ring = [list(e) for e in list(_local.ring)]
+    ring = _ring()
     if ring and _local.published_ring != tuple(ring[-1]):
         # The recent collectives, compared with the next rank's: a ring of ranks
         # each comparing with its neighbour sees any pair that differs, at a cost
@@ -388,7 +416,7 @@ def _poll(store: Any) -> None:
 
 def stall_report(waited: float, states: dict[int, dict[str, Any] | None]) -> str:
     """One report: this rank's collective, the ranks that have not reached it and what each is doing."""
-    mine = _local.last
+    mine = _entry(_local.last) if _local.last else None
     here = f"{mine[0]} collective #{mine[1]} {mine[2]}" if mine else "a collective"
     missing = []
     for r, s in sorted(states.items()):
@@ -418,7 +446,7 @@ def compare_at_end(timeout_s: float) -> str | None:
     from datetime import timedelta
 
     rank, neighbour = _local.rank, (_local.rank + 1) % _local.world_size
-    ring = [list(e) for e in list(_local.ring)]
+    ring = _ring()
     store.set(f"inspect/final/{rank}", json.dumps(ring))
     store.set(_STATE_KEY.format(rank=rank), json.dumps(_state()))
     key = f"inspect/final/{neighbour}"
@@ -460,13 +488,13 @@ def diagnose(timeout_s: float = 2.0) -> str | None:
     rank = _local.rank
     try:
         store.set(_STATE_KEY.format(rank=rank), json.dumps({**_state(), "waiting": True}))
-        store.set(_RING_KEY.format(rank=rank), json.dumps([list(e) for e in list(_local.ring)]))
+        store.set(_RING_KEY.format(rank=rank), json.dumps(_ring()))
     except Exception:  # noqa: BLE001
         return None
     deadline = time.monotonic() + timeout_s
     while True:
         states = {rank: _state()}
-        rings = {rank: [list(e) for e in list(_local.ring)]}
+        rings = {rank: _ring()}
         for r in range(_local.world_size):
             if r != rank:
                 states[r] = _read(store, _STATE_KEY.format(rank=r))
