@@ -296,7 +296,10 @@ def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[
                     text = _op_mismatch(g, n, a, entry_a, b, entry_b, states)
                 elif len(entry_a) > 3 and len(entry_b) > 3 and min(entry_a[3], entry_b[3]) >= 0 \
                         and entry_a[3] != entry_b[3]:
-                    text = _step_mismatch(g, n, a, entry_a, b, entry_b)
+                    earlier_b = {(e[0], e[1]): e for e in rings[b]}
+                    exact = any(e[0] == g and e[1] < n and len(e) > 3 and (g, e[1]) in earlier_b
+                                and e[3] == earlier_b[(g, e[1])][3] >= 0 for e in rings[a])
+                    text = _step_mismatch(g, n, a, entry_a, b, entry_b, exact)
                 else:
                     continue
                 if found is None or n < found[0]:
@@ -318,13 +321,16 @@ def _op_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: li
     )
 
 
-def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any]) -> str:
+def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool) -> str:
     (lo, lo_steps), (hi, hi_steps) = sorted([(a, entry_a[3]), (b, entry_b[3])], key=lambda t: t[1])
+    # Exact when the rings also hold an earlier collective both ranks made after
+    # the same number of steps; otherwise the skip happened before the recent window.
+    when = f"at its step {lo_steps}" if exact else f"at or before its step {lo_steps}"
     return (
         f"optimizer steps out of step at {g} collective #{n} ({entry_a[2]}): rank {hi} made it after "
-        f"{hi_steps} optimizer steps, rank {lo} after {lo_steps}, so rank {lo} skipped optimizer.step() at its "
-        f"step {lo_steps} (0-based) while the others stepped; every rank must call optimizer.step() after "
-        "every backward (skip the update on all ranks alike, as GradScaler does after its all-reduced inf check)"
+        f"{hi_steps} optimizer steps, rank {lo} after {lo_steps}, so rank {lo} skipped optimizer.step() {when} "
+        "(0-based) while the others stepped; every rank must call optimizer.step() after every backward "
+        "(skip the update on all ranks alike, as GradScaler does after its all-reduced inf check)"
     )
 
 

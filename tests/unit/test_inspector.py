@@ -42,7 +42,14 @@ def test_the_same_op_after_different_step_counts_names_the_rank_that_skipped_and
     a = [["world", 5, "all_reduce [20 x float32]", 2], ["world", 6, "all_reduce [20 x float32]", 3]]
     b = [["world", 5, "all_reduce [20 x float32]", 2], ["world", 6, "all_reduce [20 x float32]", 2]]
     text = inspector.describe_mismatch({0: a, 1: b}, {0: _state(), 1: _state()})
-    assert text is not None and "rank 1 skipped optimizer.step() at its step 2" in text and "#6" in text
+    assert text is not None and "rank 1 skipped optimizer.step() at its step 2 " in text and "#6" in text
+
+
+def test_a_skip_older_than_the_rings_is_named_as_a_bound():
+    a = [["world", n, "all_reduce [20 x float32]", n + 1] for n in range(100, 110)]
+    b = [["world", n, "all_reduce [20 x float32]", n] for n in range(100, 110)]
+    text = inspector.describe_mismatch({0: a, 1: b}, {0: _state(), 1: _state()})
+    assert text is not None and "rank 1 skipped optimizer.step() at or before its step 100 " in text
 
 
 def test_collectives_inside_join_are_not_compared_by_step():
