@@ -13,6 +13,9 @@ import pytest
 
 from tests.launch.edges_run import run_job
 
+# Every test starts 2 fresh processes (3-5 s each on an idle 2-core machine): `make test-all` runs them.
+pytestmark = pytest.mark.slow
+
 LIMIT_S = 90.0  # a hard end for any job here; the assertions on time are much tighter
 FIX = "call optimizer.join() on every rank after the loop"
 
