@@ -547,6 +547,9 @@ class AsyncSGD(Algorithm):
     done, then every rank receives the final global model. Uneven data is fine:
     a worker that runs out early simply waits in ``join()`` (keep-alives keep its
     wait from timing out). Afterwards every replica equals the server's model.
+    A script that forgets it is joined by :func:`bunsan.finalize` (or at
+    interpreter exit): rank 0 must not leave while its server threads still wait
+    in gloo receives, which ended the process in ``std::terminate`` (exit 134).
     ``optimizer.synchronize()`` (:meth:`synchronize`) gives every replica the
     same global model in the middle of training (for an evaluation); every rank
     must call it, and none may have joined.
