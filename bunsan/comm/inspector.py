@@ -351,10 +351,12 @@ def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
 
 def _end_job(message: str, store: Any) -> None:
     """Print ``message``, set the abort key so every rank ends, and exit 1."""
+    from bunsan.comm import group as _group
+
     print(f"[bunsan] rank {_local.rank}: {message}", file=sys.stderr, flush=True)
-    with contextlib.suppress(Exception):
-        if not store.check(["abort"]):
-            store.set("abort", f"{_local.rank}:{message}")
+    with contextlib.suppress(Exception):  # the watch thread's own store client, in the abort key's format
+        if not store.check([_group._ABORT_KEY]):
+            store.set(_group._ABORT_KEY, f"{_local.rank}:{message}")
     time.sleep(0.5)  # let the peers read the key and print their own line
     sys.stdout.flush()
     os._exit(1)
