@@ -101,7 +101,6 @@ class _Local:
     published_state = ""
     published_ring_for: float | None = None
     reported_stall_for: float | None = None
-    group_keys: dict[int, str] = {}
     lock = threading.Lock()
 
 
@@ -114,7 +113,7 @@ def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> No
         raise ValueError(f"stall_s must be a positive number of seconds, got {stall_s!r}")
     _local.rank, _local.world_size = rank, world_size
     _local.stall_s = DEFAULT_STALL_S if stall_s is None else float(stall_s)
-    _local.seqs, _local.group_keys = {}, {}
+    _local.seqs = {}
     _local.ring = deque(maxlen=RING)
     _local.last, _local.activity, _local.wait_since = None, TRAINING, None
     _local.step_sources, _local.published_ring = [], None
@@ -128,17 +127,16 @@ def collectives_in_world() -> int:
 
 
 def _group_key(group: Any) -> str:
-    """A name of ``group`` that every member computes alike: ``world`` or its global ranks."""
+    """A name of ``group`` that every member computes alike: ``world`` or its global ranks.
+
+    Not cached by ``id(group)``: a destroyed group's id can be reused by a new one.
+    """
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
-    key = _local.group_keys.get(id(group))
-    if key is None:
-        try:
-            key = "group " + ",".join(map(str, dist.get_process_group_ranks(group)))
-        except Exception:  # noqa: BLE001 - a group unknown to torch: never compared
-            key = f"group@{id(group)}"
-        _local.group_keys[id(group)] = key
-    return key
+    try:
+        return "group " + ",".join(map(str, dist.get_process_group_ranks(group)))
+    except Exception:  # noqa: BLE001 - a group unknown to torch: counted on its own, never matched
+        return f"group@{id(group)}"
 
 
 def started(what: str, group: Any, tensor: Any = None) -> int:
