@@ -433,9 +433,12 @@ def finalize() -> None:
                 _check_in_step()
         _inspector.set_activity("finished")
     except BaseException as e:
+        # The group is left as it is: pending work of collectives out of step can hang
+        # its teardown. The exception reaches bunsan's excepthook, which prints it,
+        # tells the other ranks and exits 1 at once (a script that catches it may
+        # still print or save, then must exit).
         _state.failed = True
         _group.signal_abort(f"{type(e).__name__}: {e}"[:200])  # a peer still waiting ends too
-        _leave()
         raise
     _leave()
 

@@ -124,7 +124,8 @@ def _communication_error(what: str, seq: int, e: BaseException) -> Communication
     first = text.splitlines()[0] if text else type(e).__name__
     # The peers' published states often say what went wrong (a forgotten join(),
     # collectives out of step); that sentence comes first, the backend's after it.
-    named = _inspector.diagnose() or _inspector.in_finalize_join_hint()
+    # Inside finalize()'s join the likely cause needs no store (which may have died with the peer).
+    named = _inspector.in_finalize_join_hint() or _inspector.diagnose()
     if named is not None:
         return CommunicationError(f"{what} (collective #{seq}) failed: {named}. Backend said: {first}")
     if "timed out" in text.lower() or "timeout" in text.lower():

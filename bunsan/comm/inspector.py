@@ -499,6 +499,10 @@ def diagnose(timeout_s: float = 2.0) -> str | None:
         return None
     deadline = time.monotonic() + timeout_s
     while True:
+        try:
+            store.check([_STATE_KEY.format(rank=rank)])
+        except Exception:  # noqa: BLE001 - the store died (with rank 0): nothing to read
+            return None
         states = {rank: _state()}
         rings = {rank: _ring()}
         for r in range(_local.world_size):

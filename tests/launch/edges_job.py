@@ -84,6 +84,8 @@ def main() -> None:
     batches = args.batches
     if args.extra is not None and args.extra[0] == rank:
         batches += args.extra[1]
+    # The parent measures how long the job lasted after training began (start-up excluded).
+    print(f"edges: training starts at {time.time():.3f}", file=sys.stderr, flush=True)
     generator = torch.Generator().manual_seed(100 + rank)
     start = time.monotonic()
     step = 0

@@ -34,6 +34,8 @@ class JobResult:
     seconds: float
     stderr: list[str]
     replicas: list[list[float] | None] = field(default_factory=list)
+    after_start: float | None = None  # seconds from the first rank's start of training to the last exit
+
 
     @property
     def equal_replicas(self) -> bool:
@@ -47,7 +49,9 @@ class JobResult:
             lines = [ln for ln in text.splitlines() if ln.startswith("[bunsan]") or "Error" in ln or "terminate" in ln]
             if lines:
                 notes.append(f"rank {r}: {lines[-1][:300]}")
-        return f"codes={self.codes} seconds={self.seconds:.1f} equal={self.equal_replicas} " + " | ".join(notes)
+        after = "?" if self.after_start is None else f"{self.after_start:.1f}"
+        return (f"codes={self.codes} seconds={self.seconds:.1f} after_training_began={after} "
+                f"equal={self.equal_replicas} " + " | ".join(notes))
 
 
 def _free_port() -> int:
@@ -74,6 +78,7 @@ def run_job(job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         start = time.monotonic()
         stderr: list[str] = []
+        ended_at = 0.0
         for proc in procs:
             try:
                 _, err = proc.communicate(timeout=max(timeout_s - (time.monotonic() - start), 0.1))
@@ -83,13 +88,16 @@ def run_job(job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0
                         p.kill()
                 _, err = proc.communicate()
             stderr.append(err)
+            ended_at = time.time()
         seconds = time.monotonic() - start
         replicas = []
         for rank in range(world_size):
             path = Path(out) / f"rank{rank}.pt"
             replicas.append(torch.load(path).tolist() if path.exists() else None)
     codes = [p.returncode for p in procs]
-    return JobResult(codes, seconds, stderr, replicas)
+    starts = [float(line.split()[-1]) for text in stderr for line in text.splitlines()
+              if line.startswith("edges: training starts at")]
+    return JobResult(codes, seconds, stderr, replicas, ended_at - min(starts) if starts else None)
 
 
 def main() -> None:

@@ -62,15 +62,16 @@ def test_forgotten_join_with_another_collective_names_the_fix():
                      timeout_s=LIMIT_S)
     assert any(code != 0 for code in result.codes), result.summary()
     assert FIX in "".join(result.stderr), result.summary()
-    assert result.seconds < 25, result.summary()  # process start-up included; the timeout is 30 s
+    assert result.after_start is not None and result.after_start < 20, result.summary()  # the timeout is 30 s
 
 
-def test_skipped_step_on_one_rank_is_named_and_fails_the_job():
-    result = run_job(["--algorithm", "data_parallel", "--skip", "1:2", "--collective-timeout", "30"],
+@pytest.mark.parametrize("finalize", [[], ["--finalize"]], ids=["at-exit", "finalize"])
+def test_skipped_step_on_one_rank_is_named_and_fails_the_job(finalize):
+    result = run_job(["--algorithm", "data_parallel", "--skip", "1:2", "--collective-timeout", "30", *finalize],
                      timeout_s=LIMIT_S)
     assert all(code != 0 for code in result.codes), result.summary()
     assert "rank 1 skipped optimizer.step() at its step 2" in "".join(result.stderr), result.summary()
-    assert result.seconds < 25, result.summary()
+    assert result.after_start is not None and result.after_start < 20, result.summary()
 
 
 def test_an_extra_collective_on_one_rank_is_named_while_the_others_wait():
@@ -82,7 +83,7 @@ def test_an_extra_collective_on_one_rank_is_named_while_the_others_wait():
     text = "".join(result.stderr)
     assert "collectives out of step at world collective #" in text, result.summary()
     assert "rank 1 called barrier" in text, result.summary()
-    assert result.seconds < 25, result.summary()
+    assert result.after_start is not None and result.after_start < 20, result.summary()
 
 
 def test_stall_report_names_the_absent_rank_and_what_it_does():
