@@ -426,10 +426,11 @@ def finalize() -> None:
     if _state.info is None:
         return
     try:
-        if not _state.failed:
+        # Alone, or after the script destroyed the group itself, there is nobody to answer.
+        if not _state.failed and comm.is_initialized() and comm.get_world_size() > 1:
             _inspector.set_activity(_inspector.IN_FINALIZE)
             _join_optimizers()
-            if _state.owns_world and _state.info.world_size > 1:
+            if _state.owns_world:
                 _check_in_step()
         _inspector.set_activity("finished")
     except BaseException as e:
