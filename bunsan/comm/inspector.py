@@ -406,9 +406,9 @@ def _poll(store: Any) -> None:
             continue
         states[r] = _read(store, _STATE_KEY.format(rank=r))
         if states[r] is not None and states[r].get("waiting"):
-            ring = _read(store, _RING_KEY.format(rank=r))
-            if ring is not None:
-                rings[r] = ring  # type: ignore[assignment]
+            theirs = _read(store, _RING_KEY.format(rank=r))
+            if theirs is not None:
+                rings[r] = theirs  # type: ignore[assignment]
     message = describe_mismatch(rings, states)
     if message is not None:
         _end_job(message, store)
