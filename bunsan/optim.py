@@ -65,6 +65,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
         # Wrap step() as torch.optim.Optimizer.__init__ does, so step hooks fire.
         self._patch_step_function()
+        from bunsan import runtime
+
+        runtime.track_optimizer(self)  # finalize() joins it unless the script does
 
     # The wrapped optimizer's attributes, seen through this object.
     @property  # type: ignore[override]

@@ -39,14 +39,18 @@ import sys
 import threading
 import time
 import traceback
+import types
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from bunsan import comm
 from bunsan.comm import group as _group
+from bunsan.comm import inspector as _inspector
 from bunsan.errors import BunsanError, CommunicationError, ConfigurationError
 
 __all__ = [
@@ -64,6 +68,7 @@ __all__ = [
     "rank",
     "session",
     "size",
+    "track_optimizer",
 ]
 
 DEFAULT_PORT = 29500
@@ -220,7 +225,7 @@ def _resolve_master(info: WorldInfo) -> str:
     return MPI.COMM_WORLD.bcast(socket.gethostname() if info.rank == 0 else None, root=0)
 
 
-def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInfo:
+def init(backend: str | None = None, timeout_s: float | None = None, stall_s: float | None = None) -> WorldInfo:
     """Join the job: create the process group, pick the device. Idempotent. Collective.
 
     Args:
@@ -228,6 +233,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
             CUDA device is present, else gloo.
         timeout_s: how long a collective may wait for the other ranks before it
             raises; default ``BUNSAN_TIMEOUT`` or 300 s.
+        stall_s: after this long in one collective, the lowest waiting rank prints
+            once which ranks have not reached it and what each is doing, and keeps
+            waiting; default ``BUNSAN_STALL_S`` or 60 s (see :mod:`bunsan.comm.inspector`).
 
     Returns:
         This process's :class:`WorldInfo`.
@@ -263,6 +271,12 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
             raise ConfigurationError(f"BUNSAN_TIMEOUT={raw!r} is not a number of seconds") from None
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
+        try:
+            stall_s = float(os.environ["BUNSAN_STALL_S"])
+        except ValueError:
+            raise ConfigurationError(f"BUNSAN_STALL_S={os.environ['BUNSAN_STALL_S']!r} is not a number of seconds") from None
+    _inspector.configure(rank=info.rank, world_size=info.world_size, stall_s=stall_s)
 
     if backend == "nccl":
         _state.device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
@@ -295,7 +309,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> WorldInf
         sys.excepthook = _excepthook
         if info.launcher != "bunsan":
             _install_sigterm_hook()
-    atexit.register(finalize)
+    atexit.register(_finalize_at_exit)
     return info
 
 
@@ -379,11 +393,124 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -
     _group.end_process(1)
 
 
+class _Tracked:
+    """A DistributedOptimizer's algorithm, which finalize() joins unless the script did."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.ref = weakref.ref(optimizer)
+        # The algorithm is held until it is joined: in the usual `def main(): ...`
+        # the optimizer and the model are gone when finalize() runs at exit, and
+        # the join (the last partial block, answering a peer's exchanges, the
+        # parameter server's threads) is still owed.
+        self.algorithm: Any = getattr(optimizer, "algorithm", None)
+
+
+_optimizers: list[_Tracked] = []
+
+
+def track_optimizer(optimizer: Any) -> None:
+    """Remember ``optimizer`` (a :class:`bunsan.DistributedOptimizer`) for :func:`finalize`.
+
+    Called by its constructor. The optimizer itself is held weakly, its
+    algorithm until it has joined; ``optimizer.join`` is wrapped so that a join
+    the script makes is not repeated, and so that a stall report can say "in join".
+    """
+    entry = _Tracked(optimizer)
+    _optimizers[:] = [e for e in _optimizers if e.algorithm is not None]
+    _optimizers.append(entry)
+    join = type(optimizer).join
+    if getattr(entry.algorithm, "name", "") == "data_parallel":
+        # Its every step communicates, so its step count tags each collective for the
+        # out-of-step comparison. Block and asynchronous algorithms legitimately
+        # communicate after different numbers of steps on different ranks.
+        _inspector.count_steps_of(entry.algorithm)
+
+    def tracked_join(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _inspector.activity("in join"):
+            result = join(self, *args, **kwargs)
+        entry.algorithm = None  # joined: nothing owed
+        return result
+
+    optimizer.join = types.MethodType(tracked_join, optimizer)
+
+
+def _join_optimizers() -> None:
+    """Collective: join every tracked algorithm that the script did not join, in creation order.
+
+    A rank whose data ended first keeps answering the others' exchanges here
+    until every rank has joined (what ``optimizer.join()`` after the loop does),
+    and block algorithms finish their last partial block, so every replica ends
+    equal. The order is the order of creation, the same on every rank.
+    """
+    for entry in list(_optimizers):
+        algorithm, entry.algorithm = entry.algorithm, None
+        if algorithm is not None:
+            with _inspector.activity(_inspector.FINALIZE_JOIN):
+                algorithm.join()
+    _optimizers.clear()
+
+
+def _check_in_step() -> None:
+    """Collective: raise on every rank unless every rank made the same number of world collectives.
+
+    The last chance to see collectives that went out of step without a hang
+    (a rank that skipped one pairs this gather with another collective, and the
+    peers' published states name it; see :mod:`bunsan.comm.inspector`).
+    """
+    n = comm.get_world_size()
+    mismatch = _inspector.compare_at_end(timeout_s=30.0)
+    if mismatch is not None:
+        raise CommunicationError(mismatch)
+    mine = torch.tensor([_inspector.collectives_in_world()], dtype=torch.int64)
+    counts = torch.empty(n, dtype=torch.int64)
+    comm.all_gather_into(counts, mine)
+    values = counts.tolist()
+    if len(set(values)) > 1:
+        by_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(values))
+        raise CommunicationError(
+            f"collectives went out of step: at finalize() the ranks had made different numbers of collectives "
+            f"({by_rank}); a rank skipped or added one (e.g. skipped optimizer.step() on one rank only), so the "
+            "models are not what the other ranks think"
+        )
+
+
 def finalize() -> None:
     """Leave the job cleanly. Collective on a normal end; safe to call twice.
 
+    First joins every :class:`bunsan.DistributedOptimizer` of this process that
+    the script did not join (so a rank whose data ended early answers the
+    others' exchanges until all are done, and block algorithms average their
+    last partial block), then checks that every rank made the same number of
+    collectives, then destroys the process group.
+
     Called automatically at interpreter exit if the script does not call it.
+
+    Raises:
+        CommunicationError: the ranks' collectives went out of step, or a peer
+            failed while this rank was joining.
     """
+    if _state.info is None:
+        return
+    try:
+        # Alone, or after the script destroyed the group itself, there is nobody to answer.
+        if not _state.failed and comm.is_initialized() and comm.get_world_size() > 1:
+            _inspector.set_activity(_inspector.IN_FINALIZE)
+            _join_optimizers()
+            if _state.owns_world:
+                _check_in_step()
+        _inspector.set_activity("finished")
+    except BaseException as e:
+        # The group is left as it is: pending work of collectives out of step can hang
+        # its teardown. The exception reaches bunsan's excepthook, which prints it,
+        # tells the other ranks and exits 1 at once (a script that catches it may
+        # still print or save, then must exit).
+        _state.failed = True
+        _group.signal_abort(f"{type(e).__name__}: {e}"[:200])  # a peer still waiting ends too
+        raise
+    _leave()
+
+
+def _leave() -> None:
     if _state.info is None:
         return
     if _state.owns_world:
@@ -392,8 +519,21 @@ def finalize() -> None:
         sys.excepthook = _state.previous_excepthook or sys.__excepthook__
     _state.info, _state.backend, _state.owns_world = None, None, False
     _state.device = torch.device("cpu")
+    _optimizers.clear()
     with contextlib.suppress(Exception):
-        atexit.unregister(finalize)
+        atexit.unregister(_finalize_at_exit)
+
+
+def _finalize_at_exit() -> None:
+    """finalize() for a script that did not call it; a failure here must not exit 0."""
+    where = f"rank {_state.info.rank}" if _state.info else "a rank"
+    try:
+        finalize()
+    except BaseException as e:  # noqa: BLE001 - an exception in an atexit handler would not change the exit code
+        sys.stderr.write(f"[bunsan] {where} failed at exit in finalize(): {type(e).__name__}: {e}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
 
 @contextlib.contextmanager

@@ -89,12 +89,12 @@ worker's pending receive raises.
 
 from __future__ import annotations
 
-import array
 import math
 import numbers
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +110,7 @@ from bunsan.errors import CheckpointError, CommunicationError, ConfigurationErro
 
 __all__ = [
     "AsyncSGD",
+    "ARRIVALS_KEPT",
     "ParameterServer",
     "lr_warmup_factor",
     "may_proceed",
@@ -123,6 +124,7 @@ _KIND_NAMES = {PUSH: "PUSH", DONE: "DONE", REPLY: "REPLY", WAIT: "WAIT", FINAL: 
 _HEADER_BYTES = 32  # four int64
 _ALIGN = 16  # every dtype's segment starts at a multiple of this many bytes
 _LOCAL_POLL_S = 0.5  # rank 0's worker re-checks for failures this often while held back
+ARRIVALS_KEPT = 10_000  # the server remembers this many recent arrivals (about 1 MB); counts cover all
 
 
 # -- pure arithmetic ----------------------------------------------------------------
@@ -266,7 +268,10 @@ class ParameterServer:
 
     All state is guarded by one lock (``cond``). An update is applied under the
     lock, so updates are applied one at a time; the order in which they take the
-    lock is the arrival order, recorded in :attr:`arrivals`.
+    lock is the arrival order; the most recent ``arrivals_kept`` arrivals are in
+    :attr:`arrivals`, and running counts (:attr:`version`, :attr:`pushes`, the
+    staleness sum and maximum) cover every update, so memory stays flat however
+    long the job runs.
 
     Args:
         layout: where each parameter lies in a message.
@@ -277,6 +282,7 @@ class ParameterServer:
         staleness_aware: weight each update by :func:`staleness_scale`.
         timeout_s: how long a thread waits for its worker's next message; the
             keep-alive period is a quarter of it.
+        arrivals_kept: how many recent arrivals :attr:`arrivals` keeps.
     """
 
     def __init__(
@@ -288,7 +294,10 @@ class ParameterServer:
         staleness_bound: int | None,
         staleness_aware: bool,
         timeout_s: float,
+        arrivals_kept: int = ARRIVALS_KEPT,
     ) -> None:
+        if arrivals_kept < 1:
+            raise ValueError(f"arrivals_kept must be >= 1, got {arrivals_kept}")
         self.layout = layout
         self.channels = dict(channels)
         self.staleness_bound = staleness_bound
@@ -309,8 +318,9 @@ class ParameterServer:
         self.held_back = 0  # replies that waited for the staleness bound
         self.error: BaseException | None = None
         self.failed_rank: int | None = None
-        self._arrival_workers = array.array("q")
-        self._arrival_staleness = array.array("q")
+        # (worker rank, its push number from 1, staleness) of the recent updates: a ring,
+        # so that a job of any length holds at most arrivals_kept of them.
+        self._arrivals: deque[tuple[int, int, int]] = deque(maxlen=arrivals_kept)
         self._threads: list[threading.Thread] = []
         self._traffics: list[Traffic] = []
 
@@ -335,8 +345,7 @@ class ParameterServer:
         self.worker_samples[worker] += samples
         self.staleness_sum += staleness
         self.staleness_max = max(self.staleness_max, staleness)
-        self._arrival_workers.append(worker)
-        self._arrival_staleness.append(staleness)
+        self._arrivals.append((worker, self.pushes[worker], staleness))
         self.cond.notify_all()
 
     def _snapshot(self, worker: int, message: Tensor, kind: int) -> None:
@@ -475,14 +484,13 @@ class ParameterServer:
 
     @property
     def arrivals(self) -> list[tuple[int, int, int]]:
-        """Every applied update in arrival order: ``(worker rank, its push number from 1, staleness)``."""
+        """The most recent applied updates (at most ``arrivals_kept``), oldest first, in arrival order.
+
+        Each is ``(worker rank, its push number from 1, staleness)``; push numbers
+        count from the start of training, so a trimmed log still says which push it was.
+        """
         with self.cond:
-            counts: dict[int, int] = {}
-            out = []
-            for w, s in zip(self._arrival_workers, self._arrival_staleness):
-                counts[w] = counts.get(w, 0) + 1
-                out.append((w, counts[w], s))
-            return out
+            return list(self._arrivals)
 
     def state_dict(self) -> dict[str, Any]:
         with self.cond:
@@ -539,6 +547,9 @@ class AsyncSGD(Algorithm):
     done, then every rank receives the final global model. Uneven data is fine:
     a worker that runs out early simply waits in ``join()`` (keep-alives keep its
     wait from timing out). Afterwards every replica equals the server's model.
+    A script that forgets it is joined by :func:`bunsan.finalize` (or at
+    interpreter exit): rank 0 must not leave while its server threads still wait
+    in gloo receives, which ended the process in ``std::terminate`` (exit 134).
     ``optimizer.sync_replicas()`` (:meth:`sync_replicas`) gives every replica the
     same global model in the middle of training (for an evaluation); every rank
     must call it, and none may have joined.
@@ -844,7 +855,10 @@ class AsyncSGD(Algorithm):
     # -- measurement and state ------------------------------------------------------
     @property
     def arrivals(self) -> list[tuple[int, int, int]]:
-        """On rank 0, every applied update in arrival order as ``(worker rank, push number, staleness)``."""
+        """On rank 0, the recent applied updates in arrival order as ``(worker rank, push number, staleness)``.
+
+        At most :data:`ARRIVALS_KEPT` (the oldest are dropped); ``stats()`` counts every update.
+        """
         return self.server.arrivals if self.server is not None else []
 
     def stats(self) -> dict[str, float]:

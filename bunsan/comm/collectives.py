@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.comm import group as _group
+from bunsan.comm import inspector as _inspector
 from bunsan.errors import CommunicationError
 
 __all__ = [
@@ -87,33 +88,64 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
-def _call(what: str, fn: Callable[[], T]) -> T:
+def _call(
+    what: str,
+    fn: Callable[[], T],
+    *,
+    group: ProcessGroup | None = None,
+    tensor: Tensor | None = None,
+    blocking: bool = True,
+    numbered: bool = True,
+) -> T:
+    """Run one collective: number it (per group, the same on every rank) and translate its errors.
+
+    ``blocking`` marks the rank as waiting while ``fn`` runs, so that the watch
+    thread can compare the ranks' recent collectives when the wait is long
+    (:mod:`bunsan.comm.inspector`); an asynchronous start is timed in :func:`wait`.
+    ``numbered=False`` is for exchanges that not every rank of the group makes
+    (a halo exchange between neighbours), which must not enter the comparison.
+    """
     seq = _group.note_collective()
+    if numbered:
+        _inspector.started(what, group, tensor)
+    waits = blocking and _inspector.begin_wait()
     try:
         return fn()
     except CommunicationError:
         raise
     except RuntimeError as e:
         raise _communication_error(what, seq, e) from e
+    finally:
+        _inspector.end_wait(waits)
 
 
 def _communication_error(what: str, seq: int, e: BaseException) -> CommunicationError:
     text = str(e)
+    first = text.splitlines()[0] if text else type(e).__name__
+    # The peers' published states often say what went wrong (a forgotten join(),
+    # collectives out of step); that sentence comes first, the backend's after it.
+    # Inside finalize()'s join the likely cause needs no store (which may have died with the peer).
+    named = _inspector.in_finalize_join_hint() or _inspector.diagnose()
+    if named is not None:
+        return CommunicationError(f"{what} (collective #{seq}) failed: {named}. Backend said: {first}")
     if "timed out" in text.lower() or "timeout" in text.lower():
         lagging = _group.lagging_ranks()
         who = f"ranks {lagging} never reached it" if lagging else "the missing ranks are unknown"
-        return CommunicationError(f"{what} (collective #{seq}) timed out: {who}. Backend said: {text.splitlines()[0]}")
-    return CommunicationError(f"{what} (collective #{seq}) failed, most likely because another rank died: {text.splitlines()[0] if text else type(e).__name__}")
+        return CommunicationError(f"{what} (collective #{seq}) timed out: {who}. Backend said: {first}")
+    return CommunicationError(f"{what} (collective #{seq}) failed, most likely because another rank died: {first}")
 
 
 def wait(work: Any, what: str = "collective") -> None:
     """Wait for an asynchronous collective started by :func:`all_reduce`."""
     if work is None:
         return
+    waits = _inspector.begin_wait()
     try:
         work.wait()
     except RuntimeError as e:
         raise _communication_error(what, _group.collectives_started(), e) from e
+    finally:
+        _inspector.end_wait(waits)
 
 
 def all_reduce(
@@ -140,7 +172,8 @@ def all_reduce(
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
-    return _call("all_reduce", lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op))
+    return _call("all_reduce", lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op),
+                 group=group, tensor=tensor, blocking=not async_op)
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -185,7 +218,7 @@ def broadcast_tensors(
         if traffic is not None:
             nbytes = flat.numel() * flat.element_size()
             traffic.add(nbytes * (n - 1) if is_src else 0, 0 if is_src else nbytes)
-        _call("broadcast", lambda flat=flat: dist.broadcast(flat, src=src, group=group))
+        _call("broadcast", lambda flat=flat: dist.broadcast(flat, src=src, group=group), group=group, tensor=flat)
         if not is_src:
             unflatten_into(flat, group_tensors)
 
@@ -213,7 +246,8 @@ def all_gather_into(
         return None
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch >= 2.4 is supported
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _call("all_gather", lambda: gather(output, tensor.contiguous(), group=group, async_op=async_op))
+    return _call("all_gather", lambda: gather(output, tensor.contiguous(), group=group, async_op=async_op),
+                 group=group, tensor=tensor, blocking=not async_op)
 
 
 def all_to_all(
@@ -237,7 +271,8 @@ def all_to_all(
     if n == 1:
         output.copy_(tensor)
         return None
-    return _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=async_op))
+    return _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=async_op),
+                 group=group, tensor=tensor, blocking=not async_op)
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
@@ -250,7 +285,7 @@ def global_rank(group: ProcessGroup | None, group_rank: int) -> int:
 def barrier(group: ProcessGroup | None = None) -> None:
     """Block until every rank of ``group`` has called it. Collective."""
     if is_initialized():
-        _call("barrier", lambda: dist.barrier(group=group))
+        _call("barrier", lambda: dist.barrier(group=group), group=group)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
@@ -259,5 +294,5 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     if n == 1:
         return [obj]
     out: list[Any] = [None] * n
-    _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
+    _call("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group), group=group)
     return out

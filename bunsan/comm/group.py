@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from bunsan.launch import treewatch
+from bunsan.comm import inspector as _inspector
 
 __all__ = [
     "REPORT_FD_VARIABLE",
@@ -545,6 +546,7 @@ class Watchdog(threading.Thread):
                 self.publish()
                 self._beats += 1
                 self.store.set(_BEAT_KEY.format(rank=self.rank), str(self._beats))
+                _inspector.poll(self.store)  # out-of-step collectives and stall reports
                 if self.store.check([_ABORT_KEY]):
                     value = self.store.get(_ABORT_KEY).decode(errors="replace")
                     failed, _, reason = value.partition(":")
