@@ -565,7 +565,7 @@ class Watchdog(threading.Thread):
     def _end(self, why: str, peer: int | None = None) -> None:
         if self._stop_event.is_set():
             return
-        print(f"[bunsan] rank {self.rank}: stopping because {why}", file=sys.stderr, flush=True)
+        print(f"[bunsan] rank {self.rank} of {_world.world_size}: stopping because {why}", file=sys.stderr, flush=True)
         report("stopped", peer=peer, what=why)
         # Give the failed rank's own exit a head start, so a launcher that reports
         # the first process to exit (not bunsan run) reports the real one.
