@@ -523,9 +523,7 @@ class DataParallelSGD(Algorithm):
                 summed.zero_()
                 for i in range(n):  # rank order: the same sum on whichever rank owns the stripe
                     base = i * q.payload + at
-                    quantizer.decode(q.received[base : base + quantizer.payload_bytes(length)], length,
-                                     out=q.scratch[:length])
-                    summed.add_(q.scratch[:length])
+                    quantizer.decode_add(q.received[base : base + quantizer.payload_bytes(length)], length, summed)
                 if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
                     summed.mul_(n / n_active)
                 out = q.own_payload[at : at + quantizer.payload_bytes(length)]

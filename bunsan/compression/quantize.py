@@ -93,6 +93,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bunsan.compression import native
 from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
 
 __all__ = ["CLIP_ALPHA", "DEFAULT_CHUNK_SIZE", "Quantizer"]
@@ -228,6 +229,9 @@ class Quantizer:
             out = _check_buffer(out, numel, torch.float32, payload.device, "out")
         if numel == 0:
             return out
+        if self._native(out):
+            self.decode_native(payload, numel, out)
+            return out
         params = self._read_params(payload, numel)
         packed = payload[self._params_bytes(numel) :]
         if (self.chunk_size * self.bits) % 8:  # chunks do not start on byte boundaries
@@ -299,6 +303,31 @@ class Quantizer:
             blocks.append((full, 1, numel - full * self.chunk_size))
         return blocks
 
+    def _native(self, values: Tensor) -> bool:
+        """Whether the C kernels (:mod:`bunsan.compression.native`) serve this call."""
+        return (
+            self.bits == 1
+            and self.chunk_size % 8 == 0
+            and values.device.type == "cpu"
+            and native.available()
+        )
+
+    def decode_native(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool = False) -> None:
+        """1 bit on CPU: decode into ``out`` (or add to it), in place; the caller checked the sizes."""
+        params = self._read_params(payload, numel)
+        native.onebit_decode(params[0], params[1], payload[self._params_bytes(numel) :], numel, self.chunk_size,
+                             out, accumulate)
+
+    def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
+        """``out += decode(payload)`` in place, rounded as that sum would be, without a temporary."""
+        payload = self._check_payload(payload, numel)
+        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        if numel and self._native(out):
+            self.decode_native(payload, numel, out, accumulate=True)
+        elif numel:
+            out.add_(self.decode(payload, numel))
+        return out
+
     def _encode_into(self, values: Tensor, payload: Tensor, addend: Tensor | None = None) -> None:
         """Encode ``values`` into ``payload``, in place.
 
@@ -306,6 +335,21 @@ class Quantizer:
         ``v = values + addend``, ``v`` is encoded, and ``values = v - decoded``.
         """
         numel = values.numel()
+        if self._native(values):
+            if addend is not None:  # values is the residual, contiguous
+                addend = addend.contiguous() if addend.dtype == torch.float32 else addend.float().contiguous()
+            else:  # read only
+                values = values.contiguous()
+            params_bytes = self._params_bytes(numel)
+            raw = payload[:params_bytes]
+            aligned = raw.storage_offset() % 4 == 0
+            params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
+            chunks = params.numel() // 2
+            native.onebit_encode(values, addend, self.chunk_size, params[:chunks], params[chunks:],
+                                 payload[params_bytes:])
+            if not aligned:
+                raw.copy_(params.view(torch.uint8))
+            return
         device = values.device
         params = torch.empty(_PARAMS_PER_CHUNK, self.num_chunks(numel), dtype=torch.float32, device=device)
         params_bytes = 4 * params.numel()

@@ -190,6 +190,11 @@ class RotatedQuantizer:
         values.sub_(self.decode(payload, values.numel()))
         return payload
 
+    def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
+        """``out += decode(payload)`` in place (as :meth:`Quantizer.decode_add`)."""
+        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        return out.add_(self.decode(payload, numel))
+
     def decode(self, payload: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
         padded = self.padded_numel(numel)
         rotated = self.inner.decode(payload, padded)

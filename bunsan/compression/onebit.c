@@ -1,0 +1,170 @@
+/* 1-bit codec kernels for bunsan.compression (see native.py, which compiles and loads this file).
+ *
+ * Seide et al. (2014), "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
+ * Distributed Training of Speech DNNs": per chunk, code 1 where v >= 0, and two reconstruction
+ * values, the means of the non-negative and of the negative entries. Payload format and
+ * arithmetic are those of bunsan/compression/quantize.py, bit for bit where it matters:
+ *
+ *   decode:   value = code * step + offset   (two float32 roundings, as torch computes it)
+ *   residual: v - decode(payload)            (exactly, so error feedback loses nothing)
+ *
+ * Why C: torch runs one pass over memory per operation; encoding with error feedback takes
+ * about ten of them, decoding three. Here a chunk (2 KiB at 512 elements) is read from memory
+ * once, kept in L1 for its second pass, and the packed bits are written once.
+ *
+ * Plain C99 with SSE2 intrinsics where the machine has them (every x86-64), scalar elsewhere.
+ */
+#include <stdint.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define BUNSAN_SSE2 1
+#else
+#define BUNSAN_SSE2 0
+#endif
+
+/* The two reconstruction values of one chunk: offset (negative side) and step. */
+static void chunk_means(const float *v, int64_t len, float *offset, float *step) {
+    float sum_pos = 0.0f, sum_neg = 0.0f, low, high;
+    int64_t count_pos = 0, i = 0;
+#if BUNSAN_SSE2
+    __m128 zero = _mm_setzero_ps();
+    __m128 sp0 = zero, sp1 = zero, sn0 = zero, sn1 = zero;
+    __m128i c0 = _mm_setzero_si128(), c1 = _mm_setzero_si128();
+    __m128 lo0 = _mm_set1_ps(v[0]), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+    for (; i + 8 <= len; i += 8) {
+        __m128 a = _mm_loadu_ps(v + i), b = _mm_loadu_ps(v + i + 4);
+        __m128 ma = _mm_cmpge_ps(a, zero), mb = _mm_cmpge_ps(b, zero);
+        sp0 = _mm_add_ps(sp0, _mm_and_ps(ma, a));
+        sp1 = _mm_add_ps(sp1, _mm_and_ps(mb, b));
+        sn0 = _mm_add_ps(sn0, _mm_andnot_ps(ma, a));
+        sn1 = _mm_add_ps(sn1, _mm_andnot_ps(mb, b));
+        c0 = _mm_sub_epi32(c0, _mm_castps_si128(ma)); /* a true lane is -1 */
+        c1 = _mm_sub_epi32(c1, _mm_castps_si128(mb));
+        lo0 = _mm_min_ps(lo0, a); hi0 = _mm_max_ps(hi0, a);
+        lo1 = _mm_min_ps(lo1, b); hi1 = _mm_max_ps(hi1, b);
+    }
+    float fp[4], fn[4], fl[4], fh[4];
+    int32_t ci[4];
+    _mm_storeu_ps(fp, _mm_add_ps(sp0, sp1));
+    _mm_storeu_ps(fn, _mm_add_ps(sn0, sn1));
+    _mm_storeu_ps(fl, _mm_min_ps(lo0, lo1));
+    _mm_storeu_ps(fh, _mm_max_ps(hi0, hi1));
+    _mm_storeu_si128((__m128i *)ci, _mm_add_epi32(c0, c1));
+    sum_pos = (fp[0] + fp[1]) + (fp[2] + fp[3]);
+    sum_neg = (fn[0] + fn[1]) + (fn[2] + fn[3]);
+    count_pos = (int64_t)ci[0] + ci[1] + ci[2] + ci[3];
+    low = fl[0]; high = fh[0];
+    for (int k = 1; k < 4; k++) {
+        if (fl[k] < low) low = fl[k];
+        if (fh[k] > high) high = fh[k];
+    }
+#else
+    low = high = v[0];
+#endif
+    for (; i < len; i++) {
+        float a = v[i];
+        if (a >= 0.0f) { sum_pos += a; count_pos++; } else { sum_neg += a; }
+        if (a < low) low = a;
+        if (a > high) high = a;
+    }
+    int64_t count_neg = len - count_pos;
+    float mean_pos = count_pos ? sum_pos / (float)count_pos : 0.0f;
+    float mean_neg = count_neg ? sum_neg / (float)count_neg : 0.0f;
+    if (low == high) { /* a rounded sum / count can miss a constant chunk's value: take it exactly */
+        mean_pos = high > 0.0f ? high : 0.0f;
+        mean_neg = low < 0.0f ? low : 0.0f;
+    }
+    *offset = mean_neg;
+    *step = mean_pos - mean_neg;
+}
+
+/* Codes of v[0..len) into packed (bit k of byte k / 8 for element k; unused high bits zero);
+ * with residual, v becomes v - decode, in place. */
+static void chunk_codes(float *v, int64_t len, float offset, float step, uint8_t *packed, int residual) {
+    float zero = 0.0f, one = 1.0f;
+    float d0 = zero * step + offset, d1 = one * step + offset; /* what decode computes */
+    int64_t i = 0;
+#if BUNSAN_SSE2
+    __m128 z = _mm_setzero_ps(), v0 = _mm_set1_ps(d0), v1 = _mm_set1_ps(d1);
+    for (; i + 8 <= len; i += 8) {
+        __m128 a = _mm_loadu_ps(v + i), b = _mm_loadu_ps(v + i + 4);
+        __m128 ma = _mm_cmpge_ps(a, z), mb = _mm_cmpge_ps(b, z);
+        packed[i >> 3] = (uint8_t)(_mm_movemask_ps(ma) | (_mm_movemask_ps(mb) << 4));
+        if (residual) {
+            __m128 da = _mm_or_ps(_mm_and_ps(ma, v1), _mm_andnot_ps(ma, v0));
+            __m128 db = _mm_or_ps(_mm_and_ps(mb, v1), _mm_andnot_ps(mb, v0));
+            _mm_storeu_ps(v + i, _mm_sub_ps(a, da));
+            _mm_storeu_ps(v + i + 4, _mm_sub_ps(b, db));
+        }
+    }
+#endif
+    for (; i < len; i += 8) {
+        int64_t end = len - i < 8 ? len - i : 8;
+        uint8_t byte = 0;
+        for (int64_t k = 0; k < end; k++) {
+            float a = v[i + k];
+            int bit = a >= 0.0f;
+            byte |= (uint8_t)(bit << k);
+            if (residual) v[i + k] = a - (bit ? d1 : d0);
+        }
+        packed[i >> 3] = byte;
+    }
+}
+
+/* Encode n floats, chunk by chunk. values: float32[n]; with addend, values is the residual and
+ * becomes values + addend - decode (error feedback), else it is only read. offsets, steps:
+ * float32[ceil(n / chunk)]; packed: ceil(n / 8) bytes. chunk must be a multiple of 8, so every
+ * chunk starts on a byte. */
+void bunsan_onebit_encode(float *values, const float *addend, int64_t n, int64_t chunk,
+                          float *offsets, float *steps, uint8_t *packed) {
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk;
+        float *v = values + start;
+        if (addend) {
+            const float *x = addend + start;
+            int64_t i = 0;
+#if BUNSAN_SSE2
+            for (; i + 4 <= len; i += 4) _mm_storeu_ps(v + i, _mm_add_ps(_mm_loadu_ps(v + i), _mm_loadu_ps(x + i)));
+#endif
+            for (; i < len; i++) v[i] = v[i] + x[i];
+        }
+        chunk_means(v, len, &offsets[j], &steps[j]);
+        chunk_codes(v, len, offsets[j], steps[j], packed + (start >> 3), addend != 0);
+    }
+}
+
+/* Decode n floats into out (accumulate: out += decoded, rounded as torch's add_ of the decoded
+ * values would be). Layout as in bunsan_onebit_encode. */
+void bunsan_onebit_decode(const float *offsets, const float *steps, const uint8_t *packed, int64_t n,
+                          int64_t chunk, float *out, int accumulate) {
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk;
+        float zero = 0.0f, one = 1.0f;
+        float d0 = zero * steps[j] + offsets[j], d1 = one * steps[j] + offsets[j];
+        float *o = out + start;
+        const uint8_t *p = packed + (start >> 3);
+        int64_t i = 0;
+#if BUNSAN_SSE2
+        __m128 v0 = _mm_set1_ps(d0), v1 = _mm_set1_ps(d1);
+        __m128i lowbits = _mm_set_epi32(8, 4, 2, 1), highbits = _mm_set_epi32(128, 64, 32, 16);
+        for (; i + 8 <= len; i += 8) {
+            __m128i byte = _mm_set1_epi32(p[i >> 3]);
+            __m128 ma = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, lowbits), lowbits));
+            __m128 mb = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, highbits), highbits));
+            __m128 da = _mm_or_ps(_mm_and_ps(ma, v1), _mm_andnot_ps(ma, v0));
+            __m128 db = _mm_or_ps(_mm_and_ps(mb, v1), _mm_andnot_ps(mb, v0));
+            if (accumulate) {
+                da = _mm_add_ps(_mm_loadu_ps(o + i), da);
+                db = _mm_add_ps(_mm_loadu_ps(o + i + 4), db);
+            }
+            _mm_storeu_ps(o + i, da);
+            _mm_storeu_ps(o + i + 4, db);
+        }
+#endif
+        for (; i < len; i++) {
+            float d = (p[i >> 3] >> (i & 7)) & 1 ? d1 : d0;
+            o[i] = accumulate ? o[i] + d : d;
+        }
+    }
+}

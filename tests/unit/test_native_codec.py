@@ -1,0 +1,85 @@
+"""bunsan.compression.native: the C 1-bit kernels agree with the torch path they replace."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from bunsan.compression import Quantizer, native
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler: the codec runs on torch operations"
+)
+
+
+def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "available", lambda: False)
+
+
+@needs_compiler
+def test_the_kernels_build_where_a_compiler_exists():
+    assert native.available(), native.unavailable_reason()
+
+
+@needs_compiler
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 511, 512, 1000, 3 * 512 + 5, 70_001])
+@pytest.mark.parametrize("chunk_size", [8, 64, 512])
+def test_native_encode_matches_torch_and_decodes_bit_for_bit(monkeypatch, numel, chunk_size):
+    quantizer = Quantizer(1, chunk_size)
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g) ** 4  # heavy-tailed
+    x[: min(numel, 3)] = 0.0  # zeros are non-negative: code 1
+    residual = torch.randn(numel, generator=g) * 0.1
+    fast_residual = residual.clone()
+    fast = quantizer.encode_with_feedback(x, fast_residual)
+    fast_plain = quantizer.encode(x + residual)
+    fast_decoded = quantizer.decode(fast, numel)
+    _torch_path(monkeypatch)
+    slow_residual = residual.clone()
+    slow = quantizer.encode_with_feedback(x, slow_residual)
+    chunks = quantizer.num_chunks(numel)
+    # The codes are identical; the chunk means may differ in their last bits (another summation order).
+    assert torch.equal(fast[8 * chunks :], slow[8 * chunks :])
+    assert torch.equal(fast_plain, fast)  # encode(v) and encode_with_feedback(x, r) with v = x + r
+    fast_params, slow_params = quantizer.chunk_params(fast, numel), quantizer.chunk_params(slow, numel)
+    for a, b in zip(fast_params, slow_params):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    # Decoding one payload gives the same bits on both paths, and each residual is exactly v - decode.
+    assert torch.equal(quantizer.decode(fast, numel), fast_decoded)
+    assert torch.equal(fast_residual, (x + residual) - fast_decoded)
+    assert torch.equal(slow_residual, (x + residual) - quantizer.decode(slow, numel))
+
+
+@needs_compiler
+def test_decode_add_is_the_sum_rounded_as_torch_rounds_it(monkeypatch):
+    quantizer = Quantizer(1)
+    g = torch.Generator().manual_seed(3)
+    numel = 5000
+    payloads = [quantizer.encode(torch.randn(numel, generator=g)) for _ in range(3)]
+    total = torch.zeros(numel)
+    for payload in payloads:
+        quantizer.decode_add(payload, numel, total)
+    _torch_path(monkeypatch)
+    expected = torch.zeros(numel)
+    for payload in payloads:
+        expected.add_(quantizer.decode(payload, numel))
+    assert torch.equal(total, expected)
+
+
+@needs_compiler
+def test_native_handles_unaligned_payloads_and_half_inputs():
+    quantizer = Quantizer(1)
+    x = torch.randn(1300, generator=torch.Generator().manual_seed(5))
+    size = quantizer.payload_bytes(x.numel())
+    storage = torch.zeros(size + 3, dtype=torch.uint8)
+    payload = quantizer.encode(x, out=storage[3:])  # params at an address that is not 4-byte aligned
+    assert torch.equal(payload, quantizer.encode(x))
+    residual_a, residual_b = torch.zeros(1300), torch.zeros(1300)
+    quantizer.encode_with_feedback(x.half(), residual_a)
+    quantizer.encode_with_feedback(x.half().float(), residual_b)
+    assert torch.equal(residual_a, residual_b)
+    strided = torch.randn(2600, generator=torch.Generator().manual_seed(6))[::2]  # not contiguous
+    assert torch.equal(quantizer.encode(strided), quantizer.encode(strided.contiguous()))
