@@ -21,6 +21,7 @@ library.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "onebit_decode", "onebit_encode"]
+__all__ = ["available", "onebit_decode", "onebit_decode_rotated", "onebit_encode", "onebit_encode_rotated"]
 
 _SOURCE = Path(__file__).with_name("onebit.c")
 # No -march=native: the library may sit in a home directory shared by machines of
@@ -72,6 +73,10 @@ def _compile() -> ctypes.CDLL:
     library.bunsan_onebit_encode.restype = None
     library.bunsan_onebit_decode.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     library.bunsan_onebit_decode.restype = None
+    library.bunsan_onebit_encode_rotated.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    library.bunsan_onebit_encode_rotated.restype = None
+    library.bunsan_onebit_decode_rotated.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
+    library.bunsan_onebit_decode_rotated.restype = None
     return library
 
 
@@ -129,3 +134,32 @@ def onebit_decode(offsets: Tensor, steps: Tensor, packed: Tensor, numel: int, ch
     assert library is not None and chunk_size % 8 == 0
     library.bunsan_onebit_decode(_ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(out),
                                  int(accumulate))
+
+
+@functools.lru_cache(maxsize=None)
+def _scales(chunk_size: int) -> Tensor:
+    """float32 ``2 ** (-k / 2)`` for k = 0..log2(chunk_size): the Hadamard scale of each row length,
+    rounded as torch rounds ``tensor * n ** -0.5`` (the Python float cast to float32)."""
+    return torch.tensor([(1 << k) ** -0.5 for k in range(chunk_size.bit_length())], dtype=torch.float32)
+
+
+def onebit_encode_rotated(values: Tensor, addend: Tensor | None, chunk_size: int, signs: Tensor, offsets: Tensor,
+                          steps: Tensor, packed: Tensor) -> None:
+    """As :func:`onebit_encode` on chunks rotated as :class:`~bunsan.compression.RotatedQuantizer` rotates
+    them (``signs``: float32 ``chunk_size``, CPU); the residual stays in the original coordinates."""
+    library = _load()
+    assert library is not None and chunk_size % 8 == 0
+    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
+    library.bunsan_onebit_encode_rotated(_ptr(values), _ptr(addend), values.numel(), chunk_size, _ptr(signs),
+                                         _ptr(scales), _ptr(work), _ptr(offsets), _ptr(steps),
+                                         _ptr(packed))
+
+
+def onebit_decode_rotated(offsets: Tensor, steps: Tensor, packed: Tensor, numel: int, chunk_size: int,
+                          signs: Tensor, out: Tensor, accumulate: bool = False) -> None:
+    """As :func:`onebit_decode` for :func:`onebit_encode_rotated`'s payloads; ``numel`` unpadded."""
+    library = _load()
+    assert library is not None and chunk_size % 8 == 0
+    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
+    library.bunsan_onebit_decode_rotated(_ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(signs),
+                                         _ptr(scales), _ptr(work), _ptr(out), int(accumulate))

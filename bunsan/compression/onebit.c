@@ -137,34 +137,142 @@ void bunsan_onebit_encode(float *values, const float *addend, int64_t n, int64_t
 /* Decode n floats into out (accumulate: out += decoded, rounded as torch's add_ of the decoded
  * values would be). Layout as in bunsan_onebit_encode. */
 void bunsan_onebit_decode(const float *offsets, const float *steps, const uint8_t *packed, int64_t n,
+                          int64_t chunk, float *out, int accumulate);
+
+/* ---- Rotated chunks (bunsan/compression/rotation.py): random signs, then Walsh-Hadamard ---- */
+
+/* The butterflies of rotation.hadamard, in place, with the same operations on the same operands
+ * (a + (-b) is a - b in IEEE arithmetic), so the same bits. n a power of two. Levels 1 and 2 run
+ * on groups of 4 in registers; the others two at a time (radix 4), so a 512-chunk is read 5 times
+ * from L1 instead of 9. */
+static void butterflies(float *a, int64_t n) {
+    int64_t h = 1;
+#if BUNSAN_SSE2
+    if (n >= 4) {
+        const __m128 odd = _mm_castsi128_ps(_mm_set_epi32((int)0x80000000, 0, (int)0x80000000, 0));
+        const __m128 high = _mm_castsi128_ps(_mm_set_epi32((int)0x80000000, (int)0x80000000, 0, 0));
+        for (int64_t i = 0; i < n; i += 4) {
+            __m128 x = _mm_loadu_ps(a + i); /* a b c d */
+            __m128 y = _mm_shuffle_ps(x, x, _MM_SHUFFLE(2, 2, 0, 0));
+            __m128 z = _mm_xor_ps(_mm_shuffle_ps(x, x, _MM_SHUFFLE(3, 3, 1, 1)), odd);
+            x = _mm_add_ps(y, z); /* a+b a-b c+d c-d */
+            y = _mm_shuffle_ps(x, x, _MM_SHUFFLE(1, 0, 1, 0));
+            z = _mm_xor_ps(_mm_shuffle_ps(x, x, _MM_SHUFFLE(3, 2, 3, 2)), high);
+            _mm_storeu_ps(a + i, _mm_add_ps(y, z));
+        }
+        h = 4;
+        for (; 4 * h <= n; h *= 4)
+            for (int64_t i = 0; i < n; i += 4 * h)
+                for (int64_t k = i; k < i + h; k += 4) {
+                    __m128 p0 = _mm_loadu_ps(a + k), p1 = _mm_loadu_ps(a + k + h);
+                    __m128 p2 = _mm_loadu_ps(a + k + 2 * h), p3 = _mm_loadu_ps(a + k + 3 * h);
+                    __m128 q0 = _mm_add_ps(p0, p1), q1 = _mm_sub_ps(p0, p1);
+                    __m128 q2 = _mm_add_ps(p2, p3), q3 = _mm_sub_ps(p2, p3);
+                    _mm_storeu_ps(a + k, _mm_add_ps(q0, q2));
+                    _mm_storeu_ps(a + k + 2 * h, _mm_sub_ps(q0, q2));
+                    _mm_storeu_ps(a + k + h, _mm_add_ps(q1, q3));
+                    _mm_storeu_ps(a + k + 3 * h, _mm_sub_ps(q1, q3));
+                }
+    }
+#endif
+    for (; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t k = i; k < i + h; k++) {
+                float x = a[k], y = a[k + h];
+                a[k] = x + y;
+                a[k + h] = x - y;
+            }
+}
+
+static int64_t next_power_of_two(int64_t n) {
+    int64_t p = 1;
+    while (p < n) p *= 2;
+    return p;
+}
+
+static int log2_of(int64_t p) {
+    int k = 0;
+    while (((int64_t)1 << k) < p) k++;
+    return k;
+}
+
+/* out[0..len) = the two-valued decode of len codes (accumulate: out += it). */
+static void expand(const uint8_t *p, int64_t len, float d0, float d1, float *o, int accumulate) {
+    int64_t i = 0;
+#if BUNSAN_SSE2
+    __m128 v0 = _mm_set1_ps(d0), v1 = _mm_set1_ps(d1);
+    __m128i lowbits = _mm_set_epi32(8, 4, 2, 1), highbits = _mm_set_epi32(128, 64, 32, 16);
+    for (; i + 8 <= len; i += 8) {
+        __m128i byte = _mm_set1_epi32(p[i >> 3]);
+        __m128 ma = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, lowbits), lowbits));
+        __m128 mb = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, highbits), highbits));
+        __m128 da = _mm_or_ps(_mm_and_ps(ma, v1), _mm_andnot_ps(ma, v0));
+        __m128 db = _mm_or_ps(_mm_and_ps(mb, v1), _mm_andnot_ps(mb, v0));
+        if (accumulate) {
+            da = _mm_add_ps(_mm_loadu_ps(o + i), da);
+            db = _mm_add_ps(_mm_loadu_ps(o + i + 4), db);
+        }
+        _mm_storeu_ps(o + i, da);
+        _mm_storeu_ps(o + i + 4, db);
+    }
+#endif
+    for (; i < len; i++) {
+        float d = (p[i >> 3] >> (i & 7)) & 1 ? d1 : d0;
+        o[i] = accumulate ? o[i] + d : d;
+    }
+}
+
+/* As bunsan_onebit_encode, on rotated chunks: a chunk of len < chunk (the last) is padded with
+ * zeros to a power of two p, and its codes and means cover all p. signs: float32[chunk] of +-1;
+ * scales[k] = float32(2 ** (-k / 2)); work: float32[chunk]. With addend the residual stays in
+ * the original coordinates: values = v - signs * H(decoded) * scale, as rotation.py computes. */
+void bunsan_onebit_encode_rotated(float *values, const float *addend, int64_t n, int64_t chunk, const float *signs,
+                                  const float *scales, float *work, float *offsets, float *steps, uint8_t *packed) {
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk;
+        int64_t p = len == chunk ? chunk : next_power_of_two(len);
+        float scale = scales[log2_of(p)], zero = 0.0f, one = 1.0f;
+        float *v = values + start;
+        if (addend)
+            for (int64_t i = 0; i < len; i++) v[i] = v[i] + addend[start + i];
+        for (int64_t i = 0; i < p; i++) work[i] = (i < len ? v[i] : 0.0f) * signs[i];
+        butterflies(work, p);
+        for (int64_t i = 0; i < p; i++) work[i] = work[i] * scale;
+        chunk_means(work, p, &offsets[j], &steps[j]);
+        chunk_codes(work, p, offsets[j], steps[j], packed + (start >> 3), 0);
+        if (!addend) continue;
+        expand(packed + (start >> 3), p, zero * steps[j] + offsets[j], one * steps[j] + offsets[j], work, 0);
+        butterflies(work, p);
+        for (int64_t i = 0; i < len; i++) v[i] = v[i] - (work[i] * signs[i]) * scale;
+    }
+}
+
+/* Decode n floats of rotated chunks (layout as bunsan_onebit_encode_rotated) into out, or add. */
+void bunsan_onebit_decode_rotated(const float *offsets, const float *steps, const uint8_t *packed, int64_t n,
+                                  int64_t chunk, const float *signs, const float *scales, float *work, float *out,
+                                  int accumulate) {
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk;
+        int64_t p = len == chunk ? chunk : next_power_of_two(len);
+        float scale = scales[log2_of(p)], zero = 0.0f, one = 1.0f;
+        expand(packed + (start >> 3), p, zero * steps[j] + offsets[j], one * steps[j] + offsets[j], work, 0);
+        butterflies(work, p);
+        float *o = out + start;
+        for (int64_t i = 0; i < len; i++) {
+            float value = (work[i] * signs[i]) * scale;
+            o[i] = accumulate ? o[i] + value : value;
+        }
+    }
+}
+
+/* Decode n floats into out (accumulate: out += decoded, rounded as torch's add_ of the decoded
+ * values would be). Layout as in bunsan_onebit_encode. */
+void bunsan_onebit_decode(const float *offsets, const float *steps, const uint8_t *packed, int64_t n,
                           int64_t chunk, float *out, int accumulate) {
     for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
         int64_t len = n - start < chunk ? n - start : chunk;
         float zero = 0.0f, one = 1.0f;
-        float d0 = zero * steps[j] + offsets[j], d1 = one * steps[j] + offsets[j];
-        float *o = out + start;
-        const uint8_t *p = packed + (start >> 3);
-        int64_t i = 0;
-#if BUNSAN_SSE2
-        __m128 v0 = _mm_set1_ps(d0), v1 = _mm_set1_ps(d1);
-        __m128i lowbits = _mm_set_epi32(8, 4, 2, 1), highbits = _mm_set_epi32(128, 64, 32, 16);
-        for (; i + 8 <= len; i += 8) {
-            __m128i byte = _mm_set1_epi32(p[i >> 3]);
-            __m128 ma = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, lowbits), lowbits));
-            __m128 mb = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(byte, highbits), highbits));
-            __m128 da = _mm_or_ps(_mm_and_ps(ma, v1), _mm_andnot_ps(ma, v0));
-            __m128 db = _mm_or_ps(_mm_and_ps(mb, v1), _mm_andnot_ps(mb, v0));
-            if (accumulate) {
-                da = _mm_add_ps(_mm_loadu_ps(o + i), da);
-                db = _mm_add_ps(_mm_loadu_ps(o + i + 4), db);
-            }
-            _mm_storeu_ps(o + i, da);
-            _mm_storeu_ps(o + i + 4, db);
-        }
-#endif
-        for (; i < len; i++) {
-            float d = (p[i >> 3] >> (i & 7)) & 1 ? d1 : d0;
-            o[i] = accumulate ? o[i] + d : d;
-        }
+        expand(packed + (start >> 3), len, zero * steps[j] + offsets[j], one * steps[j] + offsets[j], out + start,
+               accumulate);
     }
 }

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bunsan.compression import native
 from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_float32, _check_buffer, check_residual
 
 __all__ = ["RotatedQuantizer", "hadamard"]
@@ -173,8 +174,31 @@ class RotatedQuantizer:
             values = torch.cat((values, values.new_zeros(padded - n)))
         return self._rotate(values, inverse=False)
 
+    def _native(self, device: torch.device) -> bool:
+        """Whether the C kernels (:mod:`bunsan.compression.native`) serve this call: 1 bit on CPU."""
+        return self.bits == 1 and self.chunk_size % 8 == 0 and device.type == "cpu" and native.available()
+
+    def _native_encode(self, values: Tensor, addend: Tensor | None, out: Tensor | None) -> Tensor:
+        n = values.numel()
+        payload = self.inner._payload_buffer(self.padded_numel(n), values.device, out)
+        if n == 0:
+            return payload
+        params_bytes = self.inner._params_bytes(self.padded_numel(n))
+        raw = payload[:params_bytes]
+        aligned = raw.storage_offset() % 4 == 0
+        params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
+        chunks = params.numel() // 2
+        native.onebit_encode_rotated(values, addend, self.chunk_size, self._signs_on(values.device),
+                                     params[:chunks], params[chunks:], payload[params_bytes:])
+        if not aligned:
+            raw.copy_(params.view(torch.uint8))
+        return payload
+
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        return self.inner.encode(self._forward(_as_flat_float32(x, "x")), out=out)
+        values = _as_flat_float32(x, "x")
+        if self._native(values.device):
+            return self._native_encode(values.contiguous(), None, out)
+        return self.inner.encode(self._forward(values), out=out)
 
     def encode_with_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
         """Quantize ``x + residual`` in rotated coordinates; the residual stays in the original ones.
@@ -185,6 +209,10 @@ class RotatedQuantizer:
         """
         check_residual(x, residual)
         values = residual.view(-1)
+        if self._native(values.device):
+            addend = x.reshape(-1)
+            addend = addend.contiguous() if addend.dtype == torch.float32 else addend.float().contiguous()
+            return self._native_encode(values, addend, out)
         values.add_(x.reshape(-1))
         payload = self.encode(values, out=out)
         values.sub_(self.decode(payload, values.numel()))
@@ -193,9 +221,29 @@ class RotatedQuantizer:
     def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
         """``out += decode(payload)`` in place (as :meth:`Quantizer.decode_add`)."""
         out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        if numel and self._native(out.device):
+            self._native_decode(payload, numel, out, accumulate=True)
+            return out
         return out.add_(self.decode(payload, numel))
 
+    def _native_decode(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool) -> None:
+        padded = self.padded_numel(numel)
+        payload = self.inner._check_payload(payload, padded)
+        params = self.inner._read_params(payload, padded)
+        native.onebit_decode_rotated(params[0], params[1], payload[self.inner._params_bytes(padded) :], numel,
+                                     self.chunk_size, self._signs_on(out.device), out, accumulate)
+
     def decode(self, payload: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        if self._native(payload.device):
+            if out is None:
+                out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+            else:
+                out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+            if numel:
+                self._native_decode(payload, numel, out, accumulate=False)
+            else:
+                self.inner._check_payload(payload, 0)
+            return out
         padded = self.padded_numel(numel)
         rotated = self.inner.decode(payload, padded)
         values = self._rotate(rotated, inverse=True)[:numel]

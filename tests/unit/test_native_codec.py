@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from bunsan.compression import Quantizer, native
+from bunsan.compression import Quantizer, RotatedQuantizer, native
 
 needs_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler: the codec runs on torch operations"
@@ -83,3 +83,28 @@ def test_native_handles_unaligned_payloads_and_half_inputs():
     assert torch.equal(residual_a, residual_b)
     strided = torch.randn(2600, generator=torch.Generator().manual_seed(6))[::2]  # not contiguous
     assert torch.equal(quantizer.encode(strided), quantizer.encode(strided.contiguous()))
+
+
+@needs_compiler
+@pytest.mark.parametrize("numel", [1, 8, 100, 512, 1000, 5 * 512 + 37])
+def test_native_rotated_codec_matches_the_torch_rotation(monkeypatch, numel):
+    codec = RotatedQuantizer(1)
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g) ** 4
+    residual = torch.randn(numel, generator=g) * 0.1
+    fast_residual = residual.clone()
+    fast = codec.encode_with_feedback(x, fast_residual)
+    fast_decoded = codec.decode(fast, numel)
+    added = torch.ones(numel)
+    codec.decode_add(fast, numel, added)
+    _torch_path(monkeypatch)
+    # The torch path decodes the native payload to the same bits, and the residual is exactly v - decode.
+    assert torch.equal(codec.decode(fast, numel), fast_decoded)
+    assert torch.equal(fast_residual, (x + residual) - fast_decoded)
+    assert torch.equal(added, torch.ones(numel) + fast_decoded)
+    slow_residual = residual.clone()
+    slow = codec.encode_with_feedback(x, slow_residual)
+    chunks = codec.inner.num_chunks(codec.padded_numel(numel))
+    assert torch.equal(fast[8 * chunks :], slow[8 * chunks :])  # the same codes
+    torch.testing.assert_close(fast[: 8 * chunks].view(torch.float32), slow[: 8 * chunks].view(torch.float32),
+                               rtol=2e-6, atol=1e-7)
