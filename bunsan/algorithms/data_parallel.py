@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
 from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
 from bunsan.compression import Quantizer
 from bunsan.compression.rotation import RotatedQuantizer
@@ -253,6 +254,8 @@ class DataParallelSGD(Algorithm):
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._held: list[tuple[dict[str, Any], dict[str, Any]]] = []  # param groups whose momentum we hold
+        self._adam: FrozenVarianceAdam | None = None  # quantized steps of an Adam/AdamW optimizer (1-bit Adam)
+        self._adam_warm_steps: int | None = None  # warm_start=0 with Adam: this many exact steps first
         self.bucket_size_mb = float(bucket_size_mb)
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
@@ -283,7 +286,37 @@ class DataParallelSGD(Algorithm):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super().attach_optimizer(optimizer)
         self._group_of = {}
-        if self.bits != 1 or self.rotate or not isinstance(optimizer, torch.optim.SGD):
+        self._adam = None
+        if self.bits == 32:
+            return
+        if is_adam(optimizer) and self.local_momentum:
+            # 1-bit Adam (bunsan.algorithms.onebit_adam): exact warm-up, then frozen variance.
+            self._adam = FrozenVarianceAdam(optimizer)
+            if self.warm_start == 0:
+                self._adam_warm_steps = warm_up_steps(optimizer)
+                self.warm_start = 2**62  # set in samples after the first step (after_step)
+                self._update_mode()
+                if get_rank(self.group) == 0:
+                    warnings.warn(
+                        f"DataParallelSGD(bits={self.bits}) with {type(optimizer).__name__} and warm_start=0: Adam's "
+                        f"variance must be estimated from exact gradients before it is frozen (1-bit Adam, Tang et "
+                        f"al. 2021), so the first {self._adam_warm_steps} steps (1 / (1 - beta2)) average exactly. "
+                        "Pass warm_start=<samples> to choose, e.g. the samples of the learning-rate warm-up "
+                        "(0/1 Adam, Lu et al. 2022)",
+                        stacklevel=3,
+                    )
+            return
+        if not isinstance(optimizer, torch.optim.SGD):
+            if get_rank(self.group) == 0:
+                warnings.warn(
+                    f"DataParallelSGD(bits={self.bits}) serves torch.optim.SGD (momentum taken per worker before "
+                    f"compression) and Adam/AdamW (frozen variance, 1-bit Adam); {type(optimizer).__name__} gets the "
+                    "decoded average gradient, whose quantization error an optimizer with per-coordinate statistics "
+                    "(Adagrad, RMSprop, Adamax, ...) folds into them. Use bits=32 (or compression='bf16') for it",
+                    stacklevel=3,
+                )
+            return
+        if self.bits != 1 or self.rotate:
             return
         heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
         if heavy >= HEAVY_MOMENTUM_1BIT and get_rank(self.group) == 0:
@@ -413,17 +446,21 @@ class DataParallelSGD(Algorithm):
 
     def _momentum_group(self, p: Tensor) -> dict[str, Any] | None:
         """The SGD param group whose momentum this worker applies before compression, if any."""
-        if not (self.quantizing and self.local_momentum) or not isinstance(self.optimizer, torch.optim.SGD):
+        if not (self.quantizing and self.local_momentum):
+            return None
+        if self._adam is None and not isinstance(self.optimizer, torch.optim.SGD):
             return None
         if not self._group_of:
             self._group_of = {q: g for g in self.optimizer.param_groups for q in g["params"]}
         group = self._group_of.get(p)
-        if group is None or (group["momentum"] == 0 and group["weight_decay"] == 0):
+        if group is None or (self._adam is None and group["momentum"] == 0 and group["weight_decay"] == 0):
             return None
         return group
 
     def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
-        """torch.optim.SGD's momentum arithmetic, on this worker's own gradient."""
+        """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
+        if self._adam is not None:
+            return self._adam.momentum_step(self._momentum, self._name_of[p], p, grad, group)
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])
@@ -449,6 +486,9 @@ class DataParallelSGD(Algorithm):
 
     def _hold_momentum(self) -> None:
         """For this (quantized) step the optimizer must not apply momentum or weight decay again."""
+        if self._adam is not None:
+            self._adam.hide(self.params)  # the frozen-variance update runs in after_step instead
+            return
         if not self.local_momentum or not isinstance(self.optimizer, torch.optim.SGD):
             return
         for group in self.optimizer.param_groups:
@@ -461,6 +501,13 @@ class DataParallelSGD(Algorithm):
         for group, saved in self._held:
             group.update(saved)
         self._held = []
+        if self._adam is not None:
+            self._adam.apply()
+            if self._adam_warm_steps is not None and self.samples > 0:
+                # The default warm-up was in steps: now that a step's samples are known, in samples.
+                self.warm_start = self._adam_warm_steps * self.samples // (self.step + 1)
+                self._adam_warm_steps = None
+                self._update_mode()
 
     def _launch_in_order(self) -> None:
         # Same order on every rank: bucket k leaves only after buckets 0..k-1.

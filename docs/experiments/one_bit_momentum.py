@@ -7,9 +7,12 @@ again with a second residual (stage 2, the stripe owner's re-quantization), and 
 result goes to torch.optim.SGD. This is the arithmetic of the real striped exchange
 without the processes, so variants the package does not ship can be tried in a minute:
 
-  --mode exact | after | local   exact averaging; momentum applied by the optimizer
+  --mode exact | after | local | owner
+                                 exact averaging; momentum applied by the optimizer
                                  after decompression; momentum taken per worker before
-                                 compression (the package's default, Zheng et al. 2019)
+                                 compression (Zheng et al. 2019); momentum taken by the
+                                 stripe owner on the decoded mean gradient, then the
+                                 momentum compressed (stage 2) and applied as it is
   --codec twomeans | rotated | scaledsign | dither | none
                                  Seide et al. 2014's two means per chunk (the package's
                                  codec); the same after a random rotation of each chunk
@@ -66,7 +69,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--mode", choices=["exact", "after", "local"], default="local")
+    ap.add_argument("--mode", choices=["exact", "after", "local", "owner"], default="local")
     ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "rotated", "none"], default="twomeans")
     ap.add_argument("--stages", type=int, choices=[1, 2], default=2)
     ap.add_argument("--bits", type=int, default=1)
@@ -115,9 +118,14 @@ def main() -> None:
     worker_res = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
     owner_res = [torch.zeros(p.numel()) for p in params]
     worker_mom = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
+    owner_mom = [torch.zeros(p.numel()) for p in params]
     for epoch in range(a.epochs):
         quantized = a.mode != "exact" and epoch >= a.warm
         local = quantized and a.mode == "local"
+        owner = quantized and a.mode == "owner"
+        if owner and epoch == a.warm and a.warm > 0:  # continue from the global momentum
+            for k, p in enumerate(params):
+                owner_mom[k] = opt.state[p]["momentum_buffer"].reshape(-1).clone()
         if local and epoch == a.warm and a.warm > 0:  # continue from the global momentum
             for w in range(n):
                 for k, p in enumerate(params):
@@ -143,10 +151,12 @@ def main() -> None:
                             u = worker_mom[w][k].mul_(a.momentum).add_(u)
                         sent.append(compress(u / n, worker_res[w][k], stage1=True))
                     g = sum(sent)
+                    if owner:
+                        g = owner_mom[k].mul_(a.momentum).add_(g)
                     if a.stages == 2:
                         g = compress(g, owner_res[k])
                 p.grad = g.view_as(p).clone()
-            if local:
+            if local or owner:
                 for group in opt.param_groups:
                     group["momentum"] = 0.0
             opt.step()
