@@ -42,8 +42,8 @@ from torch.distributed import ProcessGroup
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
 from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
-from bunsan.compression import Quantizer
-from bunsan.compression.rotation import RotatedQuantizer
+from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
+from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
 
 __all__ = ["DataParallelSGD", "plan_stripes"]
 
@@ -226,7 +226,7 @@ class DataParallelSGD(Algorithm):
         error_feedback: bool = True,
         local_momentum: bool = True,
         chunk_size: int | None = None,
-        rotate: bool = False,
+        rotate: bool | None = None,
         bucket_size_mb: float = 25.0,
         group: ProcessGroup | None = None,
     ) -> None:
@@ -259,9 +259,11 @@ class DataParallelSGD(Algorithm):
         self.bucket_size_mb = float(bucket_size_mb)
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
-        self.rotate = bool(rotate)
-        codec = RotatedQuantizer if rotate else Quantizer
-        self._quantizer = None if bits == 32 else (codec(bits) if chunk_size is None else codec(bits, chunk_size))
+        self.rotate = bits == 1 if rotate is None else bool(rotate)  # docs/design-notes.md, "1-bit defaults"
+        codec = RotatedQuantizer if self.rotate else Quantizer
+        if chunk_size is None:
+            chunk_size = ROTATED_CHUNK_SIZE if self.rotate else DEFAULT_CHUNK_SIZE
+        self._quantizer = None if bits == 32 else codec(bits, chunk_size)
         self.quantizing = False  # this step's exchange is quantized (decided identically on every rank)
         self._stripes: dict[int, _Stripes] = {}
         self._loaded_residuals: dict[str, dict[str, Tensor]] | None = None
@@ -308,11 +310,14 @@ class DataParallelSGD(Algorithm):
             return
         if not isinstance(optimizer, torch.optim.SGD):
             if get_rank(self.group) == 0:
+                why = ("local_momentum=False: it" if is_adam(optimizer) else
+                       "it is neither torch.optim.SGD (momentum taken per worker before compression) nor Adam/AdamW "
+                       "(frozen variance, 1-bit Adam), so it")
                 warnings.warn(
-                    f"DataParallelSGD(bits={self.bits}) serves torch.optim.SGD (momentum taken per worker before "
-                    f"compression) and Adam/AdamW (frozen variance, 1-bit Adam); {type(optimizer).__name__} gets the "
-                    "decoded average gradient, whose quantization error an optimizer with per-coordinate statistics "
-                    "(Adagrad, RMSprop, Adamax, ...) folds into them. Use bits=32 (or compression='bf16') for it",
+                    f"DataParallelSGD(bits={self.bits}) with {type(optimizer).__name__}, {why} gets the decoded "
+                    "average gradient, and an optimizer with per-coordinate statistics (Adam, Adagrad, RMSprop, ...) "
+                    "folds the quantization error into them and loses accuracy (Tang et al. 2021). Use bits=32 (or "
+                    "compression='bf16') for it",
                     stacklevel=3,
                 )
             return
@@ -561,6 +566,9 @@ class DataParallelSGD(Algorithm):
             return
         if self._merge_owner_residuals:
             self._merge_loaded_owner_residuals()
+        if n == 2:
+            self._finish_two_ranks(n_active)
+            return
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             start = time.perf_counter()
@@ -597,6 +605,47 @@ class DataParallelSGD(Algorithm):
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
+
+    def _finish_two_ranks(self, n_active: int) -> None:
+        """Phases 2 and 3 for 2 ranks: no second quantization, at the same bytes.
+
+        Each rank sends its own first-stage payload of the stripe it owns, instead of
+        the owner's re-quantized sum: with 2 ranks that is as many bytes (half a
+        payload each way in each phase), and every rank then holds both ranks'
+        payloads of both stripes and decodes their sum in rank order, so the replicas
+        agree bit for bit. What the owner's second quantization dropped (as much again
+        as the first, and the larger part of 1 bit's loss of accuracy with heavy
+        momentum: docs/design-notes.md) is not dropped at all; the owners' residuals
+        stay zero.
+        """
+        assert self._quantizer is not None
+        quantizer, me = self._quantizer, get_rank(self.group)
+        other = 1 - me
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            q.work = all_gather_into(q.gathered, q.send[me * q.payload : (me + 1) * q.payload], group=self.group,
+                                     traffic=self.traffic, async_op=True)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            wait(q.work, "quantized gradient gather")
+            start = time.perf_counter()
+            for j, stripe in enumerate(q.segments):
+                # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
+                # (j == me, in received) or now (j == other, in gathered, which it owns).
+                theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
+                sources = {me: q.send[j * q.payload :], other: theirs}
+                for lo, length, at in stripe:
+                    size = quantizer.payload_bytes(length)
+                    summed = q.scratch[:length]
+                    summed.zero_()
+                    for r in (0, 1):  # rank order: the same sum on both ranks
+                        quantizer.decode_add(sources[r][at : at + size], length, summed)
+                    if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
+                        summed.mul_(2 / n_active)
+                    bucket.buffer[lo : lo + length].copy_(summed)
+            self._decode_s += time.perf_counter() - start
+            q.work = None
+            self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
 
     # -- in optimizer.step() ------------------------------------------------------
     def _exchange(self, local_samples: int, active: bool) -> int:

@@ -18,6 +18,15 @@ training in two stages:
    ``weight_decay * x`` to ``g_i``). With the variance frozen the update is
    linear in the momentum, so error feedback is as sound as for momentum SGD.
 
+One change from the paper: what is quantized is not ``m_i`` but the update
+direction ``m_i / (sqrt(v_hat) + eps)``, the same linear map on every rank. Adam
+gives every coordinate a step of about the same size, so these values share one
+scale, which a chunk's two reconstruction values fit; a raw momentum mixes
+coordinates of very different scales in one chunk, and the small ones, whose
+``1 / sqrt(v_hat)`` is large, get an error of the chunk's size multiplied by it.
+Measured on the transformer of docs/experiments/transformer_onebit_adam.py (see
+docs/design-notes.md, "1-bit Adam").
+
 0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale
 Training via 0/1 Adam") freezes ``v`` at the end of the learning-rate warm-up,
 which needs no tuning: that is this module's advice for ``warm_start``. Users of
@@ -83,13 +92,36 @@ class FrozenVarianceAdam:
         self._denominators: dict[Tensor, tuple[Tensor, Tensor]] = {}
         self._hidden: list[tuple[Tensor, Tensor]] = []
 
+    def denominator(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """``sqrt(v_hat) + eps`` of ``p``, frozen at its first call (the end of the warm-up)."""
+        state = self.optimizer.state.get(p, {})
+        if "exp_avg_sq" not in state:
+            raise RuntimeError(
+                "the compressed Adam stage started before Adam had updated this parameter: give DataParallelSGD "
+                "a warm_start long enough for every parameter to get a gradient"
+            )
+        if CORRECTION_KEY not in state:  # the freeze: the variance as it is now, bias-corrected
+            state[CORRECTION_KEY] = 1.0 - float(group["betas"][1]) ** float(state["step"])
+        variance = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
+        source, value = self._denominators.get(p, (None, None))
+        if source is not variance or value is None:
+            value = (variance / state[CORRECTION_KEY]).sqrt_().add_(group["eps"])
+            self._denominators[p] = (variance, value)
+        return value
+
     def momentum_step(self, momentum: dict[str, Tensor], name: str, p: Tensor, grad: Tensor,
                       group: dict[str, Any]) -> Tensor:
-        """This worker's Adam momentum ``m_i = beta1 * m_i + (1 - beta1) * d``; returns ``m_i``.
+        """This worker's Adam momentum, preconditioned: returns ``m_i / (sqrt(v_hat) + eps)``.
 
-        ``d`` is the gradient (negated under ``maximize``, plus ``weight_decay * p``
-        for Adam's L2 form). The first time, ``m_i`` continues from the optimizer's
-        ``exp_avg``, which the exact warm-up made equal on every rank.
+        ``m_i = beta1 * m_i + (1 - beta1) * d``, with ``d`` the gradient (negated
+        under ``maximize``, plus ``weight_decay * p`` for Adam's L2 form). The first
+        time, ``m_i`` continues from the optimizer's ``exp_avg``, which the exact
+        warm-up made equal on every rank. What travels is the momentum divided by
+        the frozen denominator, the update itself: its coordinates share one scale,
+        which is what a chunk's two means fit, whereas a raw momentum's small
+        coordinates would get the chunk's error at their own, tiny, scale and have
+        it multiplied by their large ``1 / sqrt(v_hat)``. The map is linear and the
+        same on every rank, so error feedback in these coordinates loses nothing.
         """
         d = -grad if group["maximize"] else grad
         if group["weight_decay"] and not _decoupled(self.optimizer, group):
@@ -101,7 +133,7 @@ class FrozenVarianceAdam:
             buf = held.detach().clone() if held is not None else torch.zeros_like(p, dtype=torch.float32)
             momentum[name] = buf
         buf.mul_(beta1).add_(d, alpha=1 - beta1)
-        return buf
+        return buf / self.denominator(p, group)
 
     def hide(self, params: list[Tensor]) -> None:
         """Take ``p.grad`` away from the torch optimizer for this step (it skips a parameter without one)."""
@@ -110,7 +142,10 @@ class FrozenVarianceAdam:
             p.grad = None
 
     def apply(self) -> None:
-        """The frozen-variance update of every hidden parameter, with its averaged momentum; in place."""
+        """The frozen-variance update of every hidden parameter from its averaged update direction; in place.
+
+        ``p.grad`` holds the mean over workers of ``m_i / (sqrt(v_hat) + eps)``.
+        """
         groups = {p: g for g in self.optimizer.param_groups for p in g["params"]}
         hidden, self._hidden = self._hidden, []
         with torch.no_grad():
@@ -118,26 +153,14 @@ class FrozenVarianceAdam:
                 p.grad = averaged  # visible again, e.g. to logging after the step
                 group = groups[p]
                 state = self.optimizer.state[p]
-                if "exp_avg_sq" not in state:
-                    raise RuntimeError(
-                        "the compressed Adam stage started before Adam had taken a step: give "
-                        "DataParallelSGD a warm_start of at least one step's samples"
-                    )
-                beta1, beta2 = (float(b) for b in group["betas"])
+                beta1 = float(group["betas"][0])
                 lr = float(group["lr"])
                 step = state["step"]
                 t = float(step) + 1
-                if CORRECTION_KEY not in state:  # the freeze: the variance as it is now
-                    state[CORRECTION_KEY] = 1.0 - beta2 ** (t - 1)
-                variance = state["max_exp_avg_sq"] if group["amsgrad"] else state["exp_avg_sq"]
-                source, denominator = self._denominators.get(p, (None, None))
-                if source is not variance or denominator is None:
-                    denominator = (variance / state[CORRECTION_KEY]).sqrt_().add_(group["eps"])
-                    self._denominators[p] = (variance, denominator)
                 if group["weight_decay"] and _decoupled(self.optimizer, group):
                     p.mul_(1 - lr * group["weight_decay"])
-                p.addcdiv_(averaged, denominator, value=-lr / (1 - beta1**t))
-                state["exp_avg"].copy_(averaged)
+                p.add_(averaged, alpha=-lr / (1 - beta1**t))
+                torch.mul(averaged, self.denominator(p, group), out=state["exp_avg"])  # the mean momentum
                 if isinstance(step, Tensor):
                     step.add_(1)
                 else:
