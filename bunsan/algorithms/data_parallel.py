@@ -53,6 +53,10 @@ _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early in bac
 # heavy momentum"): measured on MNIST-1D at 4 workers with a warm start, 0.5 stayed within
 # 2 points of exact SGD at 3 seeds, 0.7 at 2 of 3 (3.2 points at the third), 0.9 at none.
 HEAVY_MOMENTUM_1BIT = 0.7
+# The SGD momentum the workers apply while exchanging 1-bit gradients, at most (the step
+# lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
+# extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
+QUANTIZED_MOMENTUM_1BIT = 0.5
 
 
 @dataclass
@@ -201,13 +205,20 @@ class DataParallelSGD(Algorithm):
             delays amplified by the momentum afterwards. Measured on MNIST-1D, 4
             workers, momentum 0.9: with the momentum after decompression 1-bit
             training diverged to chance; see docs/design-notes.md. Default True.
-        chunk_size: elements per quantization chunk (default: the codec's).
+        chunk_size: elements per quantization chunk (default: 1024 when rotating, else
+            the codec's 512).
         rotate: quantize every chunk after a fixed random rotation (random signs, then
             Walsh-Hadamard; DRIVE, Vargaftik et al. 2021), with the residual kept in
-            the original coordinates (:mod:`bunsan.compression.rotation`). Same bytes;
+            the original coordinates (:mod:`bunsan.compression.rotation`). Default
+            (None): on for ``bits=1``, off otherwise. Same bytes;
             heavy-tailed chunks lose far less, which is what 1 bit with SGD momentum
             0.9 needs (docs/design-notes.md). Costs ``log2(chunk_size)`` butterfly
             passes each way; ``chunk_size`` must be a power of two.
+        quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
+            workers apply while quantizing, at most; the gradient is scaled by
+            ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
+            ``"auto"`` (default): 0.5 for ``bits=1``, None (the optimizer's) otherwise;
+            measured in docs/design-notes.md, "1-bit defaults".
         bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
@@ -227,6 +238,7 @@ class DataParallelSGD(Algorithm):
         local_momentum: bool = True,
         chunk_size: int | None = None,
         rotate: bool | None = None,
+        quantized_momentum: float | None | str = "auto",
         bucket_size_mb: float = 25.0,
         group: ProcessGroup | None = None,
     ) -> None:
@@ -260,6 +272,13 @@ class DataParallelSGD(Algorithm):
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
         self.rotate = bits == 1 if rotate is None else bool(rotate)  # docs/design-notes.md, "1-bit defaults"
+        if quantized_momentum == "auto":
+            quantized_momentum = QUANTIZED_MOMENTUM_1BIT if bits == 1 else None
+        if quantized_momentum is not None and (
+            isinstance(quantized_momentum, (bool, str)) or not 0 <= float(quantized_momentum) < 1
+        ):
+            raise ValueError(f"quantized_momentum must be 'auto', None or a number in [0, 1), got {quantized_momentum!r}")
+        self.quantized_momentum = None if quantized_momentum is None else float(quantized_momentum)
         codec = RotatedQuantizer if self.rotate else Quantizer
         if chunk_size is None:
             chunk_size = ROTATED_CHUNK_SIZE if self.rotate else DEFAULT_CHUNK_SIZE
@@ -472,6 +491,11 @@ class DataParallelSGD(Algorithm):
         beta = group["momentum"]
         if beta == 0:
             return d
+        # While quantizing, the workers' momentum may be lower than the optimizer's (see
+        # quantized_momentum), with the gradient scaled by keep = (1 - applied) / (1 - beta)
+        # so that the steady step lr / (1 - beta) is the same. keep = 1 when they agree.
+        applied = beta if self.quantized_momentum is None else min(beta, self.quantized_momentum)
+        keep = (1 - applied) / (1 - beta)
         name = self._name_of[p]
         buf = self._momentum.get(name)
         if buf is None:
@@ -481,13 +505,13 @@ class DataParallelSGD(Algorithm):
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             held = state.get("momentum_buffer")
             if held is not None:
-                buf = held.detach().clone().mul_(beta).add_(d, alpha=1 - group["dampening"])
+                buf = held.detach().clone().mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
             else:
-                buf = d.detach().clone()
+                buf = d.detach().clone().mul_(keep)
             self._momentum[name] = buf
         else:
-            buf.mul_(beta).add_(d, alpha=1 - group["dampening"])
-        return d.add(buf, alpha=beta) if group["nesterov"] else buf
+            buf.mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
+        return d.mul(keep).add_(buf, alpha=applied) if group["nesterov"] else buf
 
     def _hold_momentum(self) -> None:
         """For this (quantized) step the optimizer must not apply momentum or weight decay again."""
