@@ -484,7 +484,8 @@ class DataParallelSGD(Algorithm):
     def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
         """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
         if self._adam is not None:
-            return self._adam.momentum_step(self._momentum, self._name_of[p], p, grad, group)
+            return self._adam.momentum_step(self._momentum, self._name_of[p], p, grad, group,
+                                            cap=self.quantized_momentum)
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])

@@ -110,7 +110,7 @@ class FrozenVarianceAdam:
         return value
 
     def momentum_step(self, momentum: dict[str, Tensor], name: str, p: Tensor, grad: Tensor,
-                      group: dict[str, Any]) -> Tensor:
+                      group: dict[str, Any], cap: float | None = None) -> Tensor:
         """This worker's Adam momentum, preconditioned: returns ``m_i / (sqrt(v_hat) + eps)``.
 
         ``m_i = beta1 * m_i + (1 - beta1) * d``, with ``d`` the gradient (negated
@@ -122,11 +122,13 @@ class FrozenVarianceAdam:
         coordinates would get the chunk's error at their own, tiny, scale and have
         it multiplied by their large ``1 / sqrt(v_hat)``. The map is linear and the
         same on every rank, so error feedback in these coordinates loses nothing.
+        ``cap``: the workers' ``beta1`` at most (Adam's momentum averages, so the steady
+        value is kept whatever ``beta1`` is).
         """
         d = -grad if group["maximize"] else grad
         if group["weight_decay"] and not _decoupled(self.optimizer, group):
             d = d.add(p.detach(), alpha=group["weight_decay"])
-        beta1 = float(group["betas"][0])
+        beta1 = float(group["betas"][0]) if cap is None else min(float(group["betas"][0]), cap)
         buf = momentum.get(name)
         if buf is None:
             held = self.optimizer.state.get(p, {}).get("exp_avg")

@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows here (rank 0)")
     parser.add_argument("--settings", default="exact,1bit,decoded",
-                        help="which of exact, 1bit, 1bit_plain, frozen16, decoded to train")
+                        help="which of exact, 1bit, 1bit_beta1, 1bit_plain, frozen16, decoded to train")
     parser.add_argument("--warm-fraction", type=float, default=0.1, help="learning-rate warm-up, fraction of steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -137,6 +137,8 @@ def main() -> None:
     settings = {
         "exact": ("exact", lambda: DataParallelSGD()),
         "1bit": ("1 bit", lambda: DataParallelSGD(bits=1, warm_start=warm_samples)),
+        "1bit_beta1": ("1 bit, workers' beta1 not capped",
+                       lambda: DataParallelSGD(bits=1, warm_start=warm_samples, quantized_momentum=None)),
         "1bit_plain": ("1 bit, unrotated chunks of 512",
                        lambda: DataParallelSGD(bits=1, warm_start=warm_samples, rotate=False, chunk_size=512)),
         "frozen16": ("16 bits, frozen variance", lambda: DataParallelSGD(bits=16, warm_start=warm_samples)),
