@@ -600,10 +600,9 @@ class DataParallelSGD(Algorithm):
             position = 0
             for lo, length, at in q.segments[me]:
                 summed = q.summed[position : position + length]
-                summed.zero_()
-                for i in range(n):  # rank order: the same sum on whichever rank owns the stripe
-                    base = i * q.payload + at
-                    quantizer.decode_add(q.received[base : base + quantizer.payload_bytes(length)], length, summed)
+                size = quantizer.payload_bytes(length)
+                # rank order: the same sum on whichever rank owns the stripe
+                quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
                 if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
                     summed.mul_(n / n_active)
                 out = q.own_payload[at : at + quantizer.payload_bytes(length)]
@@ -659,15 +658,16 @@ class DataParallelSGD(Algorithm):
                 # (j == me, in received) or now (j == other, in gathered, which it owns).
                 theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
                 sources = {me: q.send[j * q.payload :], other: theirs}
+                direct = bucket.buffer.dtype == torch.float32
                 for lo, length, at in stripe:
                     size = quantizer.payload_bytes(length)
-                    summed = q.scratch[:length]
-                    summed.zero_()
-                    for r in (0, 1):  # rank order: the same sum on both ranks
-                        quantizer.decode_add(sources[r][at : at + size], length, summed)
+                    summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
+                    # rank order: the same sum on both ranks
+                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed)
                     if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
                         summed.mul_(2 / n_active)
-                    bucket.buffer[lo : lo + length].copy_(summed)
+                    if not direct:
+                        bucket.buffer[lo : lo + length].copy_(summed)
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2

@@ -32,6 +32,7 @@ import bunsan
 from bunsan.bench import write_json
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.compression import Quantizer, RotatedQuantizer
+from bunsan.compression.rotation import ROTATED_CHUNK_SIZE
 
 __all__ = ["main"]
 
@@ -61,7 +62,8 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tup
 
 
 def parse_setting(label: str) -> tuple[int, bool]:
-    """``"8"`` -> 8 bits; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``)."""
+    """``"8"`` -> 8 bits, unrotated; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``,
+    the default at 1 bit)."""
     rotate = label.endswith("r")
     digits = label[:-1] if rotate else label
     bits = int(digits) if digits.isdigit() else 0
@@ -128,7 +130,7 @@ def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[di
         bits, rotate = parse_setting(label)
         if bits == 32:
             continue
-        codec = RotatedQuantizer(bits) if rotate else Quantizer(bits)
+        codec = RotatedQuantizer(bits, ROTATED_CHUNK_SIZE) if rotate else Quantizer(bits)  # DataParallelSGD's
         residual = torch.zeros(numel)
         payload = torch.empty(codec.payload_bytes(numel), dtype=torch.uint8)
         encode_ms = _best_ms(lambda: codec.encode_with_feedback(x, residual, out=payload), repeats)

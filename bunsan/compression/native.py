@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "onebit_decode", "onebit_decode_rotated", "onebit_encode", "onebit_encode_rotated"]
+__all__ = ["available", "onebit_decode", "onebit_decode_rotated", "onebit_decode_rotated_sum", "onebit_encode",
+           "onebit_encode_rotated"]
 
 _SOURCE = Path(__file__).with_name("onebit.c")
 # No -march=native: the library may sit in a home directory shared by machines of
@@ -77,6 +78,8 @@ def _compile() -> ctypes.CDLL:
     library.bunsan_onebit_encode_rotated.restype = None
     library.bunsan_onebit_decode_rotated.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int]
     library.bunsan_onebit_decode_rotated.restype = None
+    library.bunsan_onebit_decode_rotated_sum.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    library.bunsan_onebit_decode_rotated_sum.restype = None
     return library
 
 
@@ -163,3 +166,16 @@ def onebit_decode_rotated(offsets: Tensor, steps: Tensor, packed: Tensor, numel:
     work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
     library.bunsan_onebit_decode_rotated(_ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(signs),
                                          _ptr(scales), _ptr(work), _ptr(out), int(accumulate))
+
+
+def onebit_decode_rotated_sum(params: list[tuple[Tensor, Tensor, Tensor]], numel: int, chunk_size: int,
+                              signs: Tensor, out: Tensor) -> None:
+    """The sum of several rotated payloads ``(offsets, steps, packed)``, decoded into ``out``: summed in
+    rotated coordinates in the given order, then rotated back once."""
+    library = _load()
+    assert library is not None and chunk_size % 8 == 0 and params
+    k = len(params)
+    pointers = [(ctypes.c_void_p * k)(*(_ptr(t[i]) for t in params)) for i in range(3)]
+    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
+    library.bunsan_onebit_decode_rotated_sum(k, pointers[0], pointers[1], pointers[2], numel, chunk_size,
+                                             _ptr(signs), _ptr(scales), _ptr(work), _ptr(out))

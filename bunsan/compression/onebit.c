@@ -276,3 +276,21 @@ void bunsan_onebit_decode(const float *offsets, const float *steps, const uint8_
                accumulate);
     }
 }
+
+/* The sum of k payloads of rotated chunks, decoded: summed in rotated coordinates (in rank
+ * order), then rotated back once, so k payloads cost one inverse transform instead of k. */
+void bunsan_onebit_decode_rotated_sum(int k, const float *const *offsets, const float *const *steps,
+                                      const uint8_t *const *packed, int64_t n, int64_t chunk, const float *signs,
+                                      const float *scales, float *work, float *out) {
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk;
+        int64_t p = len == chunk ? chunk : next_power_of_two(len);
+        float scale = scales[log2_of(p)], zero = 0.0f, one = 1.0f;
+        for (int r = 0; r < k; r++)
+            expand(packed[r] + (start >> 3), p, zero * steps[r][j] + offsets[r][j], one * steps[r][j] + offsets[r][j],
+                   work, r > 0);
+        butterflies(work, p);
+        float *o = out + start;
+        for (int64_t i = 0; i < len; i++) o[i] = (work[i] * signs[i]) * scale;
+    }
+}

@@ -328,6 +328,19 @@ class Quantizer:
             out.add_(self.decode(payload, numel))
         return out
 
+    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+        """``out = decode(payloads[0]) + decode(payloads[1]) + ...`` in place, added in that order.
+
+        The first payload is decoded into ``out`` and the others added to it, so
+        ``out`` is written once per payload and no temporary is needed.
+        """
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        self.decode(payloads[0], numel, out=out)
+        for payload in payloads[1:]:
+            self.decode_add(payload, numel, out)
+        return out
+
     def _encode_into(self, values: Tensor, payload: Tensor, addend: Tensor | None = None) -> None:
         """Encode ``values`` into ``payload``, in place.
 

@@ -230,6 +230,29 @@ class RotatedQuantizer:
             return out
         return out.add_(self.decode(payload, numel))
 
+    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+        """``out`` = the sum of the payloads' values, in place: the payloads are decoded and summed
+        in rotated coordinates, in the given order, and rotated back once (the rotation is linear),
+        so k payloads cost one inverse transform. Bit for bit the same on the C and torch paths."""
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        out = _check_buffer(out, numel, torch.float32, payloads[0].device, "out")
+        if numel == 0:
+            return out
+        padded = self.padded_numel(numel)
+        if self._native(out.device):
+            params = []
+            for payload in payloads:
+                payload = self.inner._check_payload(payload, padded)
+                chunk_params = self.inner._read_params(payload, padded)
+                params.append((chunk_params[0], chunk_params[1], payload[self.inner._params_bytes(padded) :]))
+            native.onebit_decode_rotated_sum(params, numel, self.chunk_size, self._signs_on(out.device), out)
+            return out
+        rotated = self.inner.decode(payloads[0], padded)
+        for payload in payloads[1:]:
+            self.inner.decode_add(payload, padded, rotated)
+        return out.copy_(self._rotate(rotated, inverse=True)[:numel])
+
     def _native_decode(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool) -> None:
         padded = self.padded_numel(numel)
         payload = self.inner._check_payload(payload, padded)

@@ -108,3 +108,17 @@ def test_native_rotated_codec_matches_the_torch_rotation(monkeypatch, numel):
     assert torch.equal(fast[8 * chunks :], slow[8 * chunks :])  # the same codes
     torch.testing.assert_close(fast[: 8 * chunks].view(torch.float32), slow[: 8 * chunks].view(torch.float32),
                                rtol=2e-6, atol=1e-7)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rotate", [False, True])
+def test_decode_sum_is_the_same_on_both_paths_and_near_the_sum_of_decodes(monkeypatch, rotate):
+    codec = RotatedQuantizer(1, 1024) if rotate else Quantizer(1)
+    numel = 3 * 1024 + 300
+    g = torch.Generator().manual_seed(11)
+    payloads = [codec.encode(torch.randn(numel, generator=g)) for _ in range(3)]
+    fast = codec.decode_sum(payloads, numel, torch.empty(numel))
+    separate = sum(codec.decode(p, numel) for p in payloads)
+    torch.testing.assert_close(fast, separate, rtol=1e-5, atol=1e-5)  # rotated: summed before rotating back
+    _torch_path(monkeypatch)
+    assert torch.equal(codec.decode_sum(payloads, numel, torch.empty(numel)), fast)
