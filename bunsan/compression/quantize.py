@@ -70,7 +70,11 @@ faults); min of 7 runs, in ms::
     relative MSE            0.362   0.118   3.7e-2  1.1e-2  4.8e-5  1.9e-7  7.2e-10
     payload vs float32      28.4x   15.1x   10.2x   7.8x    3.9x    2.6x    2.0x
 
-2 to 4 bits try two ranges per chunk, hence their cost. On CPU the work runs
+2 to 4 bits try two ranges per chunk, hence their cost. At 1 bit on CPU (chunk
+sizes that are multiples of 8) the C kernels of :mod:`bunsan.compression.native`
+replace these torch passes: encode with feedback and decode at about the speed
+of a memory copy of the same float32 (``python -m bunsan.bench.quantized
+--codec-only``), the same payload, decoding bit for bit the same. On CPU the work runs
 in blocks of 128 K elements, so that each pass reads the cache, not memory
 (1.5-2x faster than whole-tensor passes here); on a GPU it is one block.
 

@@ -24,13 +24,15 @@ per step that the delayed remainder destabilizes training (MNIST-1D, 4 workers,
 warm start: 19.4-42.5% test error against 9.0-11.2% exact); rotated, the same
 bytes gave 9.5-12.3% (docs/design-notes.md, "1 bit and heavy momentum").
 
-Cost: ``log2(chunk_size)`` butterfly passes in each direction (9 for the
-default 512), and a chunk at the end of a tensor is padded with zeros to the
-next power of two (at most doubling that one chunk's codes). One CPU thread
-here, 10 M elements, 1 bit: encode with feedback 49 ms plain, about 220 ms
-rotated (a rotation each way, 72 ms each); decode 22 ms plain, about 130 ms
-rotated. On a GPU they should cost little next to the exchange (not measured
-here: no GPU).
+Cost: ``log2(chunk_size)`` butterfly passes in each direction (10 for
+DataParallelSGD's 1024), and a chunk at the end of a tensor is padded with
+zeros to the next power of two (at most doubling that one chunk's codes). With
+torch operations, one CPU thread, 10 M elements, 1 bit: encode with feedback
+about 220 ms, decode about 130 ms. At 1 bit on CPU the C kernels of
+:mod:`bunsan.compression.native` do the same arithmetic chunk by chunk in L1
+(the same bits): about 4x and 2.4x a memory copy of the same float32
+(``python -m bunsan.bench.quantized --codec-only``). On a GPU the torch path
+runs (not measured here: no GPU).
 
 The chunk size must be a power of two. Pure tensor code like
 :class:`~bunsan.compression.quantize.Quantizer`, whose interface this class
