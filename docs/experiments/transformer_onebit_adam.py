@@ -23,7 +23,16 @@ on the same batches:
 * ``1 bit, Adam on decoded gradients``: ``local_momentum=False``, so AdamW runs on
   the quantized average gradient (what bunsan did before; for contrast).
 
-Run (about a minute per setting on an idle core)::
+More rows with ``--settings``: ``1bit_beta1`` (the workers' beta1 not capped,
+``quantized_momentum=None``), ``1bit_plain`` (unrotated chunks of 512),
+``frozen16`` (16 bits with the frozen variance: the cost of the freeze alone).
+
+Clipping is written as a user writes it, ``clip_grad_norm_`` between backward and
+step; which gradients it reaches depends on when DataParallelSGD completes its
+exchange (it was started during backward from the gradients as they came), the
+same for every row.
+
+Run (20-40 s per setting here, under load)::
 
     bunsan run -np 2 python docs/experiments/transformer_onebit_adam.py
     bunsan run -np 2 python docs/experiments/transformer_onebit_adam.py --seed 1 --json out.json
