@@ -143,8 +143,12 @@ void bunsan_onebit_decode(const float *offsets, const float *steps, const uint8_
 
 /* The butterflies of rotation.hadamard, in place, with the same operations on the same operands
  * (a + (-b) is a - b in IEEE arithmetic), so the same bits. n a power of two. Levels 1 and 2 run
- * on groups of 4 in registers; the others two at a time (radix 4), so a 512-chunk is read 5 times
- * from L1 instead of 9. */
+ * on groups of 4 in registers; the others two at a time (radix 4) where they can, so a chunk of
+ * 1024 is read from L1 6 times instead of 10. With AVX (a build of its own, chosen at load
+ * time) the wide levels take 8 floats at a time. */
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 static void butterflies(float *a, int64_t n) {
     int64_t h = 1;
 #if BUNSAN_SSE2
@@ -161,6 +165,35 @@ static void butterflies(float *a, int64_t n) {
             _mm_storeu_ps(a + i, _mm_add_ps(y, z));
         }
         h = 4;
+#if defined(__AVX__)
+        if (n >= 8) { /* level 4 alone, then 8 floats at a time */
+            for (int64_t i = 0; i < n; i += 8) {
+                __m128 p0 = _mm_loadu_ps(a + i), p1 = _mm_loadu_ps(a + i + 4);
+                _mm_storeu_ps(a + i, _mm_add_ps(p0, p1));
+                _mm_storeu_ps(a + i + 4, _mm_sub_ps(p0, p1));
+            }
+            h = 8;
+            for (; 4 * h <= n; h *= 4)
+                for (int64_t i = 0; i < n; i += 4 * h)
+                    for (int64_t k = i; k < i + h; k += 8) {
+                        __m256 p0 = _mm256_loadu_ps(a + k), p1 = _mm256_loadu_ps(a + k + h);
+                        __m256 p2 = _mm256_loadu_ps(a + k + 2 * h), p3 = _mm256_loadu_ps(a + k + 3 * h);
+                        __m256 q0 = _mm256_add_ps(p0, p1), q1 = _mm256_sub_ps(p0, p1);
+                        __m256 q2 = _mm256_add_ps(p2, p3), q3 = _mm256_sub_ps(p2, p3);
+                        _mm256_storeu_ps(a + k, _mm256_add_ps(q0, q2));
+                        _mm256_storeu_ps(a + k + 2 * h, _mm256_sub_ps(q0, q2));
+                        _mm256_storeu_ps(a + k + h, _mm256_add_ps(q1, q3));
+                        _mm256_storeu_ps(a + k + 3 * h, _mm256_sub_ps(q1, q3));
+                    }
+            for (; h < n; h *= 2) /* a last single level */
+                for (int64_t i = 0; i < n; i += 2 * h)
+                    for (int64_t k = i; k < i + h; k += 8) {
+                        __m256 x = _mm256_loadu_ps(a + k), y = _mm256_loadu_ps(a + k + h);
+                        _mm256_storeu_ps(a + k, _mm256_add_ps(x, y));
+                        _mm256_storeu_ps(a + k + h, _mm256_sub_ps(x, y));
+                    }
+        }
+#else
         for (; 4 * h <= n; h *= 4)
             for (int64_t i = 0; i < n; i += 4 * h)
                 for (int64_t k = i; k < i + h; k += 4) {
@@ -173,6 +206,14 @@ static void butterflies(float *a, int64_t n) {
                     _mm_storeu_ps(a + k + h, _mm_add_ps(q1, q3));
                     _mm_storeu_ps(a + k + 3 * h, _mm_sub_ps(q1, q3));
                 }
+        for (; h < n; h *= 2) /* a last single level */
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t k = i; k < i + h; k += 4) {
+                    __m128 x = _mm_loadu_ps(a + k), y = _mm_loadu_ps(a + k + h);
+                    _mm_storeu_ps(a + k, _mm_add_ps(x, y));
+                    _mm_storeu_ps(a + k + h, _mm_sub_ps(x, y));
+                }
+#endif
     }
 #endif
     for (; h < n; h *= 2)
@@ -235,7 +276,8 @@ void bunsan_onebit_encode_rotated(float *values, const float *addend, int64_t n,
         float *v = values + start;
         if (addend)
             for (int64_t i = 0; i < len; i++) v[i] = v[i] + addend[start + i];
-        for (int64_t i = 0; i < p; i++) work[i] = (i < len ? v[i] : 0.0f) * signs[i];
+        for (int64_t i = 0; i < len; i++) work[i] = v[i] * signs[i];
+        for (int64_t i = len; i < p; i++) work[i] = 0.0f * signs[i]; /* the padding, as torch pads */
         butterflies(work, p);
         for (int64_t i = 0; i < p; i++) work[i] = work[i] * scale;
         chunk_means(work, p, &offsets[j], &steps[j]);
@@ -258,10 +300,10 @@ void bunsan_onebit_decode_rotated(const float *offsets, const float *steps, cons
         expand(packed + (start >> 3), p, zero * steps[j] + offsets[j], one * steps[j] + offsets[j], work, 0);
         butterflies(work, p);
         float *o = out + start;
-        for (int64_t i = 0; i < len; i++) {
-            float value = (work[i] * signs[i]) * scale;
-            o[i] = accumulate ? o[i] + value : value;
-        }
+        if (accumulate)
+            for (int64_t i = 0; i < len; i++) o[i] = o[i] + (work[i] * signs[i]) * scale;
+        else
+            for (int64_t i = 0; i < len; i++) o[i] = (work[i] * signs[i]) * scale;
     }
 }
 

@@ -122,3 +122,26 @@ def test_decode_sum_is_the_same_on_both_paths_and_near_the_sum_of_decodes(monkey
     torch.testing.assert_close(fast, separate, rtol=1e-5, atol=1e-5)  # rotated: summed before rotating back
     _torch_path(monkeypatch)
     assert torch.equal(codec.decode_sum(payloads, numel, torch.empty(numel)), fast)
+
+
+@needs_compiler
+def test_the_sse2_and_avx2_builds_give_the_same_bits(monkeypatch):
+    """The AVX2 build (chosen where the CPU has it) and the SSE2 baseline do the same IEEE operations."""
+    codec = RotatedQuantizer(1, 1024)
+    numel = 5 * 1024 + 77
+    g = torch.Generator().manual_seed(21)
+    x, residual = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    if not native._has_avx2():
+        pytest.skip("this CPU has no AVX2: only the SSE2 build runs here")
+    results = []
+    for extra in ([], ["-mavx2"]):
+        try:
+            library = native._compile_with(extra)
+        except Exception as e:  # a compiler without -mavx2: nothing to compare
+            pytest.skip(f"no {extra} build: {e}")
+        monkeypatch.setattr(native, "_library", library)
+        r = residual.clone()
+        payload = codec.encode_with_feedback(x, r)
+        results.append((payload, r, codec.decode(payload, numel)))
+    (p0, r0, d0), (p1, r1, d1) = results
+    assert torch.equal(p0, p1) and torch.equal(r0, r1) and torch.equal(d0, d1)
