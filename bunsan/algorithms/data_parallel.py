@@ -52,9 +52,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
 from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
-from bunsan.compression import Quantizer
-from bunsan.compression.rotation import RotatedQuantizer
+from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
+from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
 
 __all__ = ["DataParallelSGD", "plan_stripes"]
 
@@ -64,6 +65,10 @@ _FIRST_BUCKET_MB = 1.0  # a small first bucket starts communication early in bac
 # heavy momentum"): measured on MNIST-1D at 4 workers with a warm start, 0.5 stayed within
 # 2 points of exact SGD at 3 seeds, 0.7 at 2 of 3 (3.2 points at the third), 0.9 at none.
 HEAVY_MOMENTUM_1BIT = 0.7
+# The SGD momentum the workers apply while exchanging 1-bit gradients, at most (the step
+# lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
+# extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
+QUANTIZED_MOMENTUM_1BIT = 0.5
 
 
 @dataclass
@@ -218,13 +223,20 @@ class DataParallelSGD(Algorithm):
             delays amplified by the momentum afterwards. Measured on MNIST-1D, 4
             workers, momentum 0.9: with the momentum after decompression 1-bit
             training diverged to chance; see docs/design-notes.md. Default True.
-        chunk_size: elements per quantization chunk (default: the codec's).
+        chunk_size: elements per quantization chunk (default: 1024 when rotating, else
+            the codec's 512).
         rotate: quantize every chunk after a fixed random rotation (random signs, then
             Walsh-Hadamard; DRIVE, Vargaftik et al. 2021), with the residual kept in
-            the original coordinates (:mod:`bunsan.compression.rotation`). Same bytes;
+            the original coordinates (:mod:`bunsan.compression.rotation`). Default
+            (None): on for ``bits=1``, off otherwise. Same bytes;
             heavy-tailed chunks lose far less, which is what 1 bit with SGD momentum
             0.9 needs (docs/design-notes.md). Costs ``log2(chunk_size)`` butterfly
             passes each way; ``chunk_size`` must be a power of two.
+        quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
+            workers apply while quantizing, at most; the gradient is scaled by
+            ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
+            ``"auto"`` (default): 0.5 for ``bits=1``, None (the optimizer's) otherwise;
+            measured in docs/design-notes.md, "1-bit defaults".
         bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
@@ -243,7 +255,8 @@ class DataParallelSGD(Algorithm):
         error_feedback: bool = True,
         local_momentum: bool = True,
         chunk_size: int | None = None,
-        rotate: bool = False,
+        rotate: bool | None = None,
+        quantized_momentum: float | None | str = "auto",
         bucket_size_mb: float = 25.0,
         group: ProcessGroup | None = None,
     ) -> None:
@@ -271,12 +284,23 @@ class DataParallelSGD(Algorithm):
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._held: list[tuple[dict[str, Any], dict[str, Any]]] = []  # param groups whose momentum we hold
+        self._adam: FrozenVarianceAdam | None = None  # quantized steps of an Adam/AdamW optimizer (1-bit Adam)
+        self._adam_warm_steps: int | None = None  # warm_start=0 with Adam: this many exact steps first
         self.bucket_size_mb = float(bucket_size_mb)
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
-        self.rotate = bool(rotate)
-        codec = RotatedQuantizer if rotate else Quantizer
-        self._quantizer = None if bits == 32 else (codec(bits) if chunk_size is None else codec(bits, chunk_size))
+        self.rotate = bits == 1 if rotate is None else bool(rotate)  # docs/design-notes.md, "1-bit defaults"
+        if quantized_momentum == "auto":
+            quantized_momentum = QUANTIZED_MOMENTUM_1BIT if bits == 1 else None
+        if quantized_momentum is not None and (
+            isinstance(quantized_momentum, (bool, str)) or not 0 <= float(quantized_momentum) < 1
+        ):
+            raise ValueError(f"quantized_momentum must be 'auto', None or a number in [0, 1), got {quantized_momentum!r}")
+        self.quantized_momentum = None if quantized_momentum is None else float(quantized_momentum)
+        codec = RotatedQuantizer if self.rotate else Quantizer
+        if chunk_size is None:
+            chunk_size = ROTATED_CHUNK_SIZE if self.rotate else DEFAULT_CHUNK_SIZE
+        self._quantizer = None if bits == 32 else codec(bits, chunk_size)
         self.quantizing = False  # this step's exchange is quantized (decided identically on every rank)
         self._stripes: dict[int, _Stripes] = {}
         self._loaded_residuals: dict[str, dict[str, Tensor]] | None = None
@@ -303,7 +327,40 @@ class DataParallelSGD(Algorithm):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super().attach_optimizer(optimizer)
         self._group_of = {}
-        if self.bits != 1 or self.rotate or not isinstance(optimizer, torch.optim.SGD):
+        self._adam = None
+        if self.bits == 32:
+            return
+        if is_adam(optimizer) and self.local_momentum:
+            # 1-bit Adam (bunsan.algorithms.onebit_adam): exact warm-up, then frozen variance.
+            self._adam = FrozenVarianceAdam(optimizer)
+            if self.warm_start == 0:
+                self._adam_warm_steps = warm_up_steps(optimizer)
+                self.warm_start = 2**62  # set in samples after the first step (after_step)
+                self._update_mode()
+                if get_rank(self.group) == 0:
+                    warnings.warn(
+                        f"DataParallelSGD(bits={self.bits}) with {type(optimizer).__name__} and warm_start=0: Adam's "
+                        f"variance must be estimated from exact gradients before it is frozen (1-bit Adam, Tang et "
+                        f"al. 2021), so the first {self._adam_warm_steps} steps (1 / (1 - beta2)) average exactly. "
+                        "Pass warm_start=<samples> to choose, e.g. the samples of the learning-rate warm-up "
+                        "(0/1 Adam, Lu et al. 2022)",
+                        stacklevel=3,
+                    )
+            return
+        if not isinstance(optimizer, torch.optim.SGD):
+            if get_rank(self.group) == 0:
+                why = ("local_momentum=False: it" if is_adam(optimizer) else
+                       "it is neither torch.optim.SGD (momentum taken per worker before compression) nor Adam/AdamW "
+                       "(frozen variance, 1-bit Adam), so it")
+                warnings.warn(
+                    f"DataParallelSGD(bits={self.bits}) with {type(optimizer).__name__}, {why} gets the decoded "
+                    "average gradient, and an optimizer with per-coordinate statistics (Adam, Adagrad, RMSprop, ...) "
+                    "folds the quantization error into them and loses accuracy (Tang et al. 2021). Use bits=32 (or "
+                    "compression='bf16') for it",
+                    stacklevel=3,
+                )
+            return
+        if self.bits != 1 or self.rotate:
             return
         heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
         if heavy >= HEAVY_MOMENTUM_1BIT and get_rank(self.group) == 0:
@@ -459,23 +516,33 @@ class DataParallelSGD(Algorithm):
 
     def _momentum_group(self, p: Tensor) -> dict[str, Any] | None:
         """The SGD param group whose momentum this worker applies before compression, if any."""
-        if not (self.quantizing and self.local_momentum) or not isinstance(self.optimizer, torch.optim.SGD):
+        if not (self.quantizing and self.local_momentum):
+            return None
+        if self._adam is None and not isinstance(self.optimizer, torch.optim.SGD):
             return None
         if not self._group_of:
             self._group_of = {q: g for g in self.optimizer.param_groups for q in g["params"]}
         group = self._group_of.get(p)
-        if group is None or (group["momentum"] == 0 and group["weight_decay"] == 0):
+        if group is None or (self._adam is None and group["momentum"] == 0 and group["weight_decay"] == 0):
             return None
         return group
 
     def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
-        """torch.optim.SGD's momentum arithmetic, on this worker's own gradient."""
+        """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
+        if self._adam is not None:
+            return self._adam.momentum_step(self._momentum, self._name_of[p], p, grad, group,
+                                            cap=self.quantized_momentum)
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])
         beta = group["momentum"]
         if beta == 0:
             return d
+        # While quantizing, the workers' momentum may be lower than the optimizer's (see
+        # quantized_momentum), with the gradient scaled by keep = (1 - applied) / (1 - beta)
+        # so that the steady step lr / (1 - beta) is the same. keep = 1 when they agree.
+        applied = beta if self.quantized_momentum is None else min(beta, self.quantized_momentum)
+        keep = (1 - applied) / (1 - beta)
         name = self._name_of[p]
         buf = self._momentum.get(name)
         if buf is None:
@@ -485,16 +552,19 @@ class DataParallelSGD(Algorithm):
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             held = state.get("momentum_buffer")
             if held is not None:
-                buf = held.detach().clone().mul_(beta).add_(d, alpha=1 - group["dampening"])
+                buf = held.detach().clone().mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
             else:
-                buf = d.detach().clone()
+                buf = d.detach().clone().mul_(keep)
             self._momentum[name] = buf
         else:
-            buf.mul_(beta).add_(d, alpha=1 - group["dampening"])
-        return d.add(buf, alpha=beta) if group["nesterov"] else buf
+            buf.mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
+        return d.mul(keep).add_(buf, alpha=applied) if group["nesterov"] else buf
 
     def _hold_momentum(self) -> None:
         """For this (quantized) step the optimizer must not apply momentum or weight decay again."""
+        if self._adam is not None:
+            self._adam.hide(self.params)  # the frozen-variance update runs in after_step instead
+            return
         if not self.local_momentum or not isinstance(self.optimizer, torch.optim.SGD):
             return
         for group in self.optimizer.param_groups:
@@ -507,6 +577,13 @@ class DataParallelSGD(Algorithm):
         for group, saved in self._held:
             group.update(saved)
         self._held = []
+        if self._adam is not None:
+            self._adam.apply()
+            if self._adam_warm_steps is not None and self.samples > 0:
+                # The default warm-up was in steps: now that a step's samples are known, in samples.
+                self.warm_start = self._adam_warm_steps * self.samples // (self.step + 1)
+                self._adam_warm_steps = None
+                self._update_mode()
 
     def _launch_in_order(self) -> None:
         # Same order on every rank: bucket k leaves only after buckets 0..k-1.
@@ -568,18 +645,18 @@ class DataParallelSGD(Algorithm):
             return
         if self._merge_owner_residuals:
             self._merge_loaded_owner_residuals()
+        if n == 2:
+            self._finish_two_ranks(n_active)
+            return
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             start = time.perf_counter()
             position = 0
             for lo, length, at in q.segments[me]:
                 summed = q.summed[position : position + length]
-                summed.zero_()
-                for i in range(n):  # rank order: the same sum on whichever rank owns the stripe
-                    base = i * q.payload + at
-                    quantizer.decode(q.received[base : base + quantizer.payload_bytes(length)], length,
-                                     out=q.scratch[:length])
-                    summed.add_(q.scratch[:length])
+                size = quantizer.payload_bytes(length)
+                # rank order: the same sum on whichever rank owns the stripe
+                quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
                 if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
                     summed.mul_(n / n_active)
                 out = q.own_payload[at : at + quantizer.payload_bytes(length)]
@@ -606,6 +683,48 @@ class DataParallelSGD(Algorithm):
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
+
+    def _finish_two_ranks(self, n_active: int) -> None:
+        """Phases 2 and 3 for 2 ranks: no second quantization, at the same bytes.
+
+        Each rank sends its own first-stage payload of the stripe it owns, instead of
+        the owner's re-quantized sum: with 2 ranks that is as many bytes (half a
+        payload each way in each phase), and every rank then holds both ranks'
+        payloads of both stripes and decodes their sum in rank order, so the replicas
+        agree bit for bit. What the owner's second quantization dropped (as much again
+        as the first, and the larger part of 1 bit's loss of accuracy with heavy
+        momentum: docs/design-notes.md) is not dropped at all; the owners' residuals
+        stay zero.
+        """
+        assert self._quantizer is not None
+        quantizer, me = self._quantizer, get_rank(self.group)
+        other = 1 - me
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            q.work = all_gather_into(q.gathered, q.send[me * q.payload : (me + 1) * q.payload], group=self.group,
+                                     traffic=self.traffic, async_op=True)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            wait(q.work, "quantized gradient gather")
+            start = time.perf_counter()
+            for j, stripe in enumerate(q.segments):
+                # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
+                # (j == me, in received) or now (j == other, in gathered, which it owns).
+                theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
+                sources = {me: q.send[j * q.payload :], other: theirs}
+                direct = bucket.buffer.dtype == torch.float32
+                for lo, length, at in stripe:
+                    size = quantizer.payload_bytes(length)
+                    summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
+                    # rank order: the same sum on both ranks
+                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed)
+                    if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
+                        summed.mul_(2 / n_active)
+                    if not direct:
+                        bucket.buffer[lo : lo + length].copy_(summed)
+            self._decode_s += time.perf_counter() - start
+            q.work = None
+            self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
 
     # -- in optimizer.step() ------------------------------------------------------
     def _exchange(self, *, active: bool) -> int:

@@ -21,7 +21,16 @@ What is held fixed across worker counts, so that the rows compare:
 
 * ``--batch`` is the GLOBAL minibatch. Each of N workers takes ``batch / N``
   samples per step (an indivisible batch is refused before anything starts),
-  so every worker count takes the same optimizer steps per epoch.
+  so every worker count takes the same optimizer steps per epoch. This is the
+  framing of exact ``data_parallel``'s defaults: the same global minibatch, the
+  same learning rate, the same arithmetic at every N.
+* ``--batch-per-worker`` takes the other common framing: ``--batch`` is each
+  worker's minibatch, equal to a single-process script's (as when a script's
+  ``batch_size=32`` is left as it is under ``bunsan run``), so N workers train
+  ``N x batch`` samples per step and take N times fewer steps per epoch. This
+  is the framing of ``block_momentum``'s CNTK defaults (block learning rate
+  about N through ``block_momentum = 1 - 1/N``): each worker runs the
+  single-process recipe and the block update adds the workers' progress.
 * The learning rate, momentum, epochs and seed are the same for every row.
   No rescaling with N: the global minibatch does not change.
 * At 1 worker there is nobody to exchange with: exact ``data_parallel``,
@@ -108,6 +117,8 @@ record and PNG plots.
 
 --batch is the GLOBAL minibatch: each of N workers takes batch/N (it must
 divide evenly), and lr, momentum, epochs and seed are the same for every row.
+With --batch-per-worker, --batch is each worker's minibatch instead (a
+single-process script's), and N workers train N x batch samples per step.
 At 1 worker exact data_parallel and model_averaging are plain SGD (only the
 counted bytes differ; block_momentum resets the local momentum after each
 block, quantized data_parallel still quantizes); the 1-worker row is the
@@ -544,6 +555,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run; default %(default)s")
     parser.add_argument("--batch", type=int, default=64, help="GLOBAL minibatch, split evenly over the workers; "
                                                                "default %(default)s")
+    parser.add_argument("--batch-per-worker", action="store_true",
+                        help="--batch is each worker's minibatch (a single-process script's), not the global one: "
+                             "N workers train N x batch samples per step")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate, the same for all; default %(default)s")
     parser.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum; default %(default)s")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay; default %(default)s")
@@ -575,7 +589,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise _Refused(str(err)) from None
     if args.batch < 1:
         raise _Refused(f"--batch must be >= 1, got {args.batch}")
-    uneven = [n for n in workers if args.batch % n]
+    uneven = [] if getattr(args, "batch_per_worker", False) else [n for n in workers if args.batch % n]
     if uneven:
         raise _Refused(f"the global minibatch --batch {args.batch} does not split evenly over {uneven[0]} workers; "
                        f"choose a multiple of {math.lcm(*workers)} for -np {args.workers}")
@@ -595,10 +609,16 @@ def _plan(args: argparse.Namespace) -> _Plan:
     return _Plan(checked, workers)
 
 
-def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path) -> dict[str, Any]:
+def global_batch(batch: int, workers: int, batch_per_worker: bool) -> int:
+    """The minibatch of all ``workers`` together: ``batch``, or ``workers x batch`` when it is per worker."""
+    return batch * workers if batch_per_worker else batch
+
+
+def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path, workers: int) -> dict[str, Any]:
+    batch = global_batch(args.batch, workers, getattr(args, "batch_per_worker", False))
     return {
         "model": args.model, "dataset": args.dataset, "algorithm": setting.name, "options": dict(setting.options),
-        "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "momentum": args.momentum,
+        "epochs": args.epochs, "batch": batch, "lr": args.lr, "momentum": args.momentum,
         "weight_decay": args.weight_decay, "seed": args.seed, "out": str(out), "curves": not args.no_curves,
     }
 
@@ -615,8 +635,9 @@ def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> 
 
 def _record(setting: AlgorithmSetting, described: dict[str, Any], workers: int, args: argparse.Namespace,
             directory: Path) -> dict[str, Any]:
-    return {"label": setting.label, "workers": workers, "epochs": args.epochs, "batch": args.batch,
-            "per_worker_batch": args.batch // workers, "dir": str(directory), **described}
+    batch = global_batch(args.batch, workers, getattr(args, "batch_per_worker", False))
+    return {"label": setting.label, "workers": workers, "epochs": args.epochs, "batch": batch,
+            "per_worker_batch": batch // workers, "dir": str(directory), **described}
 
 
 def _progress(index: int, total: int, record: dict[str, Any]) -> str:
@@ -654,7 +675,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     env = _job_environment(args.threads)
     if args.dry_run:
         for n, setting, _ in configs:
-            spec = _job_spec(args, setting, out / f"np{n}-{_slug(setting.label)}" / "result.json")
+            spec = _job_spec(args, setting, out / f"np{n}-{_slug(setting.label)}" / "result.json", n)
             say(shlex.join(_command(n, spec, getattr(args, "network", None))))
         return 0
 
@@ -666,7 +687,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         result_path = directory / "result.json"
         result_path.unlink(missing_ok=True)  # never report a previous run's result
         record = _record(setting, described, n, args, directory)
-        command = _command(n, _job_spec(args, setting, result_path.resolve()), getattr(args, "network", None))
+        command = _command(n, _job_spec(args, setting, result_path.resolve(), n), getattr(args, "network", None))
         try:
             result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
         except KeyboardInterrupt:  # run_job has stopped the job; report what finished
@@ -693,7 +714,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
     rows = table_rows(records)
     say("")
-    say(f"{args.model} on {args.dataset}, {args.epochs} epochs, global batch {args.batch}, lr {args.lr}, "
+    framing = (f"batch {args.batch} per worker (N x {args.batch} per step)" if getattr(args, "batch_per_worker", False)
+               else f"global batch {args.batch}")
+    say(f"{args.model} on {args.dataset}, {args.epochs} epochs, {framing}, lr {args.lr}, "
         f"momentum {args.momentum}, seed {args.seed}, {args.threads} thread(s) per worker; "
         f"speed = time({reference} worker{'s' if reference > 1 else ''}) / time(N) of the same setting; "
         f"vs first = time({plan.settings[0][0].label}) / time(setting) at the same N")

@@ -11,6 +11,11 @@ Every bit width trains its own copy of the model from the same weights on the sa
 batches; rounds alternate between the bit widths so that the machine's noise hits
 all alike, and each reports the median of its rounds as a ratio to bits=32.
 Bytes are counted by the algorithm (`stats()`), not estimated.
+
+A second table sets the codec itself beside a plain memory copy of the same bytes
+(``torch.Tensor.copy_`` of the model's parameter count in float32, one thread):
+encode with error feedback and decode, per bit width, as ratios to that copy.
+``--codec-only`` prints just that table, in one process (no job needed).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch import nn
 import bunsan
 from bunsan.bench import write_json
 from bunsan.algorithms.data_parallel import DataParallelSGD
+from bunsan.compression import Quantizer, RotatedQuantizer
+from bunsan.compression.rotation import ROTATED_CHUNK_SIZE
 
 __all__ = ["main"]
 
@@ -55,7 +62,8 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tup
 
 
 def parse_setting(label: str) -> tuple[int, bool]:
-    """``"8"`` -> 8 bits; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``)."""
+    """``"8"`` -> 8 bits, unrotated; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``,
+    the default at 1 bit)."""
     rotate = label.endswith("r")
     digits = label[:-1] if rotate else label
     bits = int(digits) if digits.isdigit() else 0
@@ -101,6 +109,47 @@ def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int
     return rows
 
 
+def _best_ms(fn, repeats: int) -> float:
+    fn()  # the first call pays page faults and lazy set-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[dict[str, float]]:
+    """Local, one process: the codec's time on ``numel`` float32 beside a memory copy of them (min of runs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=g)
+    target = torch.empty_like(x)
+    copy_ms = _best_ms(lambda: target.copy_(x), repeats)
+    rows = []
+    for label in bits_list:
+        bits, rotate = parse_setting(label)
+        if bits == 32:
+            continue
+        codec = RotatedQuantizer(bits, ROTATED_CHUNK_SIZE) if rotate else Quantizer(bits)  # DataParallelSGD's
+        residual = torch.zeros(numel)
+        payload = torch.empty(codec.payload_bytes(numel), dtype=torch.uint8)
+        encode_ms = _best_ms(lambda: codec.encode_with_feedback(x, residual, out=payload), repeats)
+        decode_ms = _best_ms(lambda: codec.decode(payload, numel, out=target), repeats)
+        rows.append({"bits": label, "numel": numel, "encode_feedback_ms": encode_ms, "decode_ms": decode_ms,
+                     "copy_ms": copy_ms, "encode_vs_copy": encode_ms / copy_ms, "decode_vs_copy": decode_ms / copy_ms})
+    return rows
+
+
+def print_codec_table(rows: list[dict[str, float]]) -> None:
+    if not rows:
+        return
+    print(f"codec beside a memory copy of the same float32 ({rows[0]['numel']:,} elements, one thread, min of runs)")
+    print(f"{'bits':>4} {'encode+fb ms':>12} {'decode ms':>9} {'copy ms':>8} {'encode/copy':>11} {'decode/copy':>11}")
+    for r in rows:
+        print(f"{r['bits']:>4} {r['encode_feedback_ms']:>12.1f} {r['decode_ms']:>9.1f} {r['copy_ms']:>8.1f} "
+              f"{r['encode_vs_copy']:>11.2f} {r['decode_vs_copy']:>11.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.quantized", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp-10m,cnn")
@@ -110,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file (rank 0)")
+    parser.add_argument("--codec-only", action="store_true",
+                        help="only the codec-versus-copy table, in this process (no job)")
     args = parser.parse_args(argv)
     bits_list = [b.strip() for b in args.bits.split(",")]
     for label in bits_list:  # refuse bad input before joining the job
@@ -117,7 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             parse_setting(label)
         except ValueError as e:
             parser.error(str(e))
+    torch.set_num_threads(1)
+    numel = sum(p.numel() for p in MODELS[args.models.split(",")[0]]()[0].parameters())
+    if args.codec_only:
+        codec_rows = codec_vs_copy(numel, bits_list)
+        print_codec_table(codec_rows)
+        if args.json:
+            write_json(args.json, {"codec": codec_rows})
+        return 0
     bunsan.init()
+    codec_rows = codec_vs_copy(numel, bits_list)  # every rank at once: each sees the same load
     rows = [row for m in args.models.split(",") for row in measure(m, bits_list, args.batch, args.steps, args.rounds)]
     if bunsan.is_main():
         print(f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
@@ -126,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
                   f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}")
+        print()
+        print_codec_table(codec_rows)
         if args.json:
-            write_json(args.json, {"workers": bunsan.size(), "rows": rows})
+            write_json(args.json, {"workers": bunsan.size(), "rows": rows, "codec": codec_rows})
     bunsan.finalize()
     return 0
 

@@ -9,6 +9,9 @@
   transform (same bytes, less error on heavy-tailed chunks).
 * :mod:`~bunsan.compression.casts`: fp16 / bf16 casts with an optional
   pre-scale and fp16 saturation.
+* :mod:`~bunsan.compression.native`: the 1-bit codec (plain and rotated) on CPU
+  as C kernels compiled on first use (``onebit.c``), about the speed of a
+  memory copy; the torch operations run where no compiler is found.
 """
 
 from __future__ import annotations

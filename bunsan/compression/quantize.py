@@ -70,7 +70,11 @@ faults); min of 7 runs, in ms::
     relative MSE            0.362   0.118   3.7e-2  1.1e-2  4.8e-5  1.9e-7  7.2e-10
     payload vs float32      28.4x   15.1x   10.2x   7.8x    3.9x    2.6x    2.0x
 
-2 to 4 bits try two ranges per chunk, hence their cost. On CPU the work runs
+2 to 4 bits try two ranges per chunk, hence their cost. At 1 bit on CPU (chunk
+sizes that are multiples of 8) the C kernels of :mod:`bunsan.compression.native`
+replace these torch passes: encode with feedback and decode at about the speed
+of a memory copy of the same float32 (``python -m bunsan.bench.quantized
+--codec-only``), the same payload, decoding bit for bit the same. On CPU the work runs
 in blocks of 128 K elements, so that each pass reads the cache, not memory
 (1.5-2x faster than whole-tensor passes here); on a GPU it is one block.
 
@@ -93,6 +97,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bunsan.compression import native
 from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
 
 __all__ = ["CLIP_ALPHA", "DEFAULT_CHUNK_SIZE", "Quantizer"]
@@ -228,6 +233,9 @@ class Quantizer:
             out = _check_buffer(out, numel, torch.float32, payload.device, "out")
         if numel == 0:
             return out
+        if self._native(out):
+            self.decode_native(payload, numel, out)
+            return out
         params = self._read_params(payload, numel)
         packed = payload[self._params_bytes(numel) :]
         if (self.chunk_size * self.bits) % 8:  # chunks do not start on byte boundaries
@@ -299,6 +307,44 @@ class Quantizer:
             blocks.append((full, 1, numel - full * self.chunk_size))
         return blocks
 
+    def _native(self, values: Tensor) -> bool:
+        """Whether the C kernels (:mod:`bunsan.compression.native`) serve this call."""
+        return (
+            self.bits == 1
+            and self.chunk_size % 8 == 0
+            and values.device.type == "cpu"
+            and native.available()
+        )
+
+    def decode_native(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool = False) -> None:
+        """1 bit on CPU: decode into ``out`` (or add to it), in place; the caller checked the sizes."""
+        params = self._read_params(payload, numel)
+        native.onebit_decode(params[0], params[1], payload[self._params_bytes(numel) :], numel, self.chunk_size,
+                             out, accumulate)
+
+    def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
+        """``out += decode(payload)`` in place, rounded as that sum would be, without a temporary."""
+        payload = self._check_payload(payload, numel)
+        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        if numel and self._native(out):
+            self.decode_native(payload, numel, out, accumulate=True)
+        elif numel:
+            out.add_(self.decode(payload, numel))
+        return out
+
+    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+        """``out = decode(payloads[0]) + decode(payloads[1]) + ...`` in place, added in that order.
+
+        The first payload is decoded into ``out`` and the others added to it, so
+        ``out`` is written once per payload and no temporary is needed.
+        """
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        self.decode(payloads[0], numel, out=out)
+        for payload in payloads[1:]:
+            self.decode_add(payload, numel, out)
+        return out
+
     def _encode_into(self, values: Tensor, payload: Tensor, addend: Tensor | None = None) -> None:
         """Encode ``values`` into ``payload``, in place.
 
@@ -306,6 +352,21 @@ class Quantizer:
         ``v = values + addend``, ``v`` is encoded, and ``values = v - decoded``.
         """
         numel = values.numel()
+        if self._native(values):
+            if addend is not None:  # values is the residual, contiguous
+                addend = addend.contiguous() if addend.dtype == torch.float32 else addend.float().contiguous()
+            else:  # read only
+                values = values.contiguous()
+            params_bytes = self._params_bytes(numel)
+            raw = payload[:params_bytes]
+            aligned = raw.storage_offset() % 4 == 0
+            params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
+            chunks = params.numel() // 2
+            native.onebit_encode(values, addend, self.chunk_size, params[:chunks], params[chunks:],
+                                 payload[params_bytes:])
+            if not aligned:
+                raw.copy_(params.view(torch.uint8))
+            return
         device = values.device
         params = torch.empty(_PARAMS_PER_CHUNK, self.num_chunks(numel), dtype=torch.float32, device=device)
         params_bytes = 4 * params.numel()

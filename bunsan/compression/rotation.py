@@ -24,13 +24,15 @@ per step that the delayed remainder destabilizes training (MNIST-1D, 4 workers,
 warm start: 19.4-42.5% test error against 9.0-11.2% exact); rotated, the same
 bytes gave 9.5-12.3% (docs/design-notes.md, "1 bit and heavy momentum").
 
-Cost: ``log2(chunk_size)`` butterfly passes in each direction (9 for the
-default 512), and a chunk at the end of a tensor is padded with zeros to the
-next power of two (at most doubling that one chunk's codes). One CPU thread
-here, 10 M elements, 1 bit: encode with feedback 49 ms plain, about 220 ms
-rotated (a rotation each way, 72 ms each); decode 22 ms plain, about 130 ms
-rotated. On a GPU they should cost little next to the exchange (not measured
-here: no GPU).
+Cost: ``log2(chunk_size)`` butterfly passes in each direction (10 for
+DataParallelSGD's 1024), and a chunk at the end of a tensor is padded with
+zeros to the next power of two (at most doubling that one chunk's codes). With
+torch operations, one CPU thread, 10 M elements, 1 bit: encode with feedback
+about 220 ms, decode about 130 ms. At 1 bit on CPU the C kernels of
+:mod:`bunsan.compression.native` do the same arithmetic chunk by chunk in L1
+(the same bits): about 4x and 2.4x a memory copy of the same float32
+(``python -m bunsan.bench.quantized --codec-only``). On a GPU the torch path
+runs (not measured here: no GPU).
 
 The chunk size must be a power of two. Pure tensor code like
 :class:`~bunsan.compression.quantize.Quantizer`, whose interface this class
@@ -42,10 +44,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bunsan.compression import native
 from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_float32, _check_buffer, check_residual
 
-__all__ = ["RotatedQuantizer", "hadamard"]
+__all__ = ["ROTATED_CHUNK_SIZE", "RotatedQuantizer", "hadamard"]
 
+# The chunk DataParallelSGD rotates by default: on MNIST-1D with SGD momentum 0.9, rotated chunks
+# of 1024 lost less accuracy than chunks of 512 at every seed (docs/design-notes.md), and send
+# 1.0625 bits per element instead of 1.125.
+ROTATED_CHUNK_SIZE = 1024
 _SIGN_SEED = 0x5EED  # the same signs in every process: a rotation is part of the format
 _BLOCK_ELEMENTS = 1 << 16  # 256 KiB of float32 per buffer: two buffers stay in a 2 MiB L2
 
@@ -173,8 +180,31 @@ class RotatedQuantizer:
             values = torch.cat((values, values.new_zeros(padded - n)))
         return self._rotate(values, inverse=False)
 
+    def _native(self, device: torch.device) -> bool:
+        """Whether the C kernels (:mod:`bunsan.compression.native`) serve this call: 1 bit on CPU."""
+        return self.bits == 1 and self.chunk_size % 8 == 0 and device.type == "cpu" and native.available()
+
+    def _native_encode(self, values: Tensor, addend: Tensor | None, out: Tensor | None) -> Tensor:
+        n = values.numel()
+        payload = self.inner._payload_buffer(self.padded_numel(n), values.device, out)
+        if n == 0:
+            return payload
+        params_bytes = self.inner._params_bytes(self.padded_numel(n))
+        raw = payload[:params_bytes]
+        aligned = raw.storage_offset() % 4 == 0
+        params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
+        chunks = params.numel() // 2
+        native.onebit_encode_rotated(values, addend, self.chunk_size, self._signs_on(values.device),
+                                     params[:chunks], params[chunks:], payload[params_bytes:])
+        if not aligned:
+            raw.copy_(params.view(torch.uint8))
+        return payload
+
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        return self.inner.encode(self._forward(_as_flat_float32(x, "x")), out=out)
+        values = _as_flat_float32(x, "x")
+        if self._native(values.device):
+            return self._native_encode(values.contiguous(), None, out)
+        return self.inner.encode(self._forward(values), out=out)
 
     def encode_with_feedback(self, x: Tensor, residual: Tensor, out: Tensor | None = None) -> Tensor:
         """Quantize ``x + residual`` in rotated coordinates; the residual stays in the original ones.
@@ -185,12 +215,64 @@ class RotatedQuantizer:
         """
         check_residual(x, residual)
         values = residual.view(-1)
+        if self._native(values.device):
+            addend = x.reshape(-1)
+            addend = addend.contiguous() if addend.dtype == torch.float32 else addend.float().contiguous()
+            return self._native_encode(values, addend, out)
         values.add_(x.reshape(-1))
         payload = self.encode(values, out=out)
         values.sub_(self.decode(payload, values.numel()))
         return payload
 
+    def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
+        """``out += decode(payload)`` in place (as :meth:`Quantizer.decode_add`)."""
+        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        if numel and self._native(out.device):
+            self._native_decode(payload, numel, out, accumulate=True)
+            return out
+        return out.add_(self.decode(payload, numel))
+
+    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+        """``out`` = the sum of the payloads' values, in place: the payloads are decoded and summed
+        in rotated coordinates, in the given order, and rotated back once (the rotation is linear),
+        so k payloads cost one inverse transform. Bit for bit the same on the C and torch paths."""
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload")
+        out = _check_buffer(out, numel, torch.float32, payloads[0].device, "out")
+        if numel == 0:
+            return out
+        padded = self.padded_numel(numel)
+        if self._native(out.device):
+            params = []
+            for payload in payloads:
+                payload = self.inner._check_payload(payload, padded)
+                chunk_params = self.inner._read_params(payload, padded)
+                params.append((chunk_params[0], chunk_params[1], payload[self.inner._params_bytes(padded) :]))
+            native.onebit_decode_rotated_sum(params, numel, self.chunk_size, self._signs_on(out.device), out)
+            return out
+        rotated = self.inner.decode(payloads[0], padded)
+        for payload in payloads[1:]:
+            self.inner.decode_add(payload, padded, rotated)
+        return out.copy_(self._rotate(rotated, inverse=True)[:numel])
+
+    def _native_decode(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool) -> None:
+        padded = self.padded_numel(numel)
+        payload = self.inner._check_payload(payload, padded)
+        params = self.inner._read_params(payload, padded)
+        native.onebit_decode_rotated(params[0], params[1], payload[self.inner._params_bytes(padded) :], numel,
+                                     self.chunk_size, self._signs_on(out.device), out, accumulate)
+
     def decode(self, payload: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
+        if self._native(payload.device):
+            if out is None:
+                out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+            else:
+                out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+            if numel:
+                self._native_decode(payload, numel, out, accumulate=False)
+            else:
+                self.inner._check_payload(payload, 0)
+            return out
         padded = self.padded_numel(numel)
         rotated = self.inner.decode(payload, padded)
         values = self._rotate(rotated, inverse=True)[:numel]

@@ -7,9 +7,12 @@ again with a second residual (stage 2, the stripe owner's re-quantization), and 
 result goes to torch.optim.SGD. This is the arithmetic of the real striped exchange
 without the processes, so variants the package does not ship can be tried in a minute:
 
-  --mode exact | after | local   exact averaging; momentum applied by the optimizer
+  --mode exact | after | local | owner
+                                 exact averaging; momentum applied by the optimizer
                                  after decompression; momentum taken per worker before
-                                 compression (the package's default, Zheng et al. 2019)
+                                 compression (Zheng et al. 2019); momentum taken by the
+                                 stripe owner on the decoded mean gradient, then the
+                                 momentum compressed (stage 2) and applied as it is
   --codec twomeans | rotated | scaledsign | dither | none
                                  Seide et al. 2014's two means per chunk (the package's
                                  codec); the same after a random rotation of each chunk
@@ -19,7 +22,7 @@ without the processes, so variants the package does not ship can be tried in a m
                                  means; no quantization (must reproduce --mode exact)
   --stages 1 | 2                 without / with the owner's second quantization
   --vary-signs                   with --codec rotated: new random signs every step
-  --bits, --chunk, --warm (epochs of exact averaging first)
+  --bits, --owner-bits (stage 2), --chunk, --warm (epochs of exact averaging first)
 
 Run from the repository root, e.g. (about a minute each on one core):
 
@@ -66,10 +69,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--mode", choices=["exact", "after", "local"], default="local")
+    ap.add_argument("--mode", choices=["exact", "after", "local", "owner"], default="local")
     ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "rotated", "none"], default="twomeans")
     ap.add_argument("--stages", type=int, choices=[1, 2], default=2)
     ap.add_argument("--bits", type=int, default=1)
+    ap.add_argument("--local-beta", type=float, default=None,
+                    help="with --mode local: the workers' momentum while quantizing, the gradient scaled by "
+                         "(1 - local_beta) / (1 - momentum) so that the steady step lr / (1 - momentum) is kept")
+    ap.add_argument("--owner-bits", type=int, default=None, help="bits of stage 2 (default: --bits)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--warm", type=int, default=0, help="epochs of exact averaging first")
@@ -83,6 +90,8 @@ def main() -> None:
     n = a.workers
     quantizer = Quantizer(a.bits, a.chunk)
     rotated_quantizer = RotatedQuantizer(a.bits, a.chunk) if a.codec == "rotated" else None
+    owner_bits = a.owner_bits or a.bits
+    owner_quantizer = (RotatedQuantizer if a.codec == "rotated" else Quantizer)(owner_bits, a.chunk)
 
     drop = [0.0, 0]  # sum of ||v - C(v)||^2 / ||v||^2 over stage-1 encodes, and their count
 
@@ -90,6 +99,8 @@ def main() -> None:
         v = x + residual
         if a.codec in ("twomeans", "rotated"):
             codec = quantizer if rotated_quantizer is None else rotated_quantizer
+            if not stage1:
+                codec = owner_quantizer
             out = codec.decode(codec.encode_with_feedback(x, residual), x.numel())
             if stage1 and v.norm() > 0:
                 drop[0] += float((v - out).norm() ** 2 / v.norm() ** 2)
@@ -115,9 +126,14 @@ def main() -> None:
     worker_res = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
     owner_res = [torch.zeros(p.numel()) for p in params]
     worker_mom = [[torch.zeros(p.numel()) for p in params] for _ in range(n)]
+    owner_mom = [torch.zeros(p.numel()) for p in params]
     for epoch in range(a.epochs):
         quantized = a.mode != "exact" and epoch >= a.warm
         local = quantized and a.mode == "local"
+        owner = quantized and a.mode == "owner"
+        if owner and epoch == a.warm and a.warm > 0:  # continue from the global momentum
+            for k, p in enumerate(params):
+                owner_mom[k] = opt.state[p]["momentum_buffer"].reshape(-1).clone()
         if local and epoch == a.warm and a.warm > 0:  # continue from the global momentum
             for w in range(n):
                 for k, p in enumerate(params):
@@ -139,14 +155,19 @@ def main() -> None:
                     sent = []
                     for w in range(n):
                         u = grads[w][k]
-                        if local:
+                        if local and a.local_beta is not None:
+                            scale = (1 - a.local_beta) / (1 - a.momentum)
+                            u = worker_mom[w][k].mul_(a.local_beta).add_(u, alpha=scale)
+                        elif local:
                             u = worker_mom[w][k].mul_(a.momentum).add_(u)
                         sent.append(compress(u / n, worker_res[w][k], stage1=True))
                     g = sum(sent)
+                    if owner:
+                        g = owner_mom[k].mul_(a.momentum).add_(g)
                     if a.stages == 2:
                         g = compress(g, owner_res[k])
                 p.grad = g.view_as(p).clone()
-            if local:
+            if local or owner:
                 for group in opt.param_groups:
                     group["momentum"] = 0.0
             opt.step()

@@ -1,0 +1,60 @@
+"""DataParallelSGD(bits=1) defaults: rotated chunks of 1024, capped workers' momentum with the step kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bunsan
+from bunsan.algorithms.data_parallel import QUANTIZED_MOMENTUM_1BIT, DataParallelSGD
+
+
+def test_one_bit_defaults_and_bad_values():
+    one = DataParallelSGD(bits=1)
+    assert one.rotate and one._quantizer.chunk_size == 1024 and one.quantized_momentum == QUANTIZED_MOMENTUM_1BIT
+    two = DataParallelSGD(bits=2)
+    assert not two.rotate and two._quantizer.chunk_size == 512 and two.quantized_momentum is None
+    assert not DataParallelSGD(bits=1, rotate=False).rotate
+    with pytest.raises(ValueError, match="quantized_momentum"):
+        DataParallelSGD(bits=1, quantized_momentum=1.0)
+
+
+def _body_constant_gradient(rank, world_size, bits, quantized_momentum, nesterov, steps=60):
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    direction = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    algorithm = DataParallelSGD(bits=bits, quantized_momentum=quantized_momentum) if bits < 32 else DataParallelSGD()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=nesterov)
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    previous = model.weight.detach().clone()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        (model.weight * direction).sum().backward()  # the same gradient every step
+        optimizer.step()
+        change = model.weight.detach() - previous
+        previous = model.weight.detach().clone()
+    return change.reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_capped_momentum_keeps_the_steady_step(workers, nesterov):
+    exact = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=32, quantized_momentum=None,
+                                     nesterov=nesterov)[0])
+    capped = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5,
+                                      nesterov=nesterov)[0])
+    # Steady state of momentum 0.9: every step moves by lr * g / (1 - 0.9), for the capped run too.
+    steady = -0.01 * torch.tensor([1.0, -2.0, 0.5, 3.0]) / 0.1
+    torch.testing.assert_close(exact, steady, rtol=1e-2, atol=0)
+    torch.testing.assert_close(capped, steady, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_capped_momentum_is_applied_early(workers, nesterov):
+    capped = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5,
+                                      nesterov=nesterov, steps=3)[0])
+    # Momentum 0.5 with the gradient scaled by 0.5 / 0.1: step k moves lr * g / 0.1 * (1 - 0.5^k)
+    # (Nesterov: 1 - 0.5^(k+1)); momentum 0.9 would give 1 - 0.9^k, a third of it at k = 3.
+    k = 4 if nesterov else 3
+    expected = -0.01 * torch.tensor([1.0, -2.0, 0.5, 3.0]) / 0.1 * (1 - 0.5**k)
+    torch.testing.assert_close(capped, expected, rtol=1e-3, atol=0)
