@@ -22,7 +22,8 @@ class _Algorithm:
 
 def main(calls: int = 200_000) -> None:
     tensor = torch.zeros(1000)
-    inspector.count_steps_of(_Algorithm())
+    algorithm = _Algorithm()  # held: the registry is weak
+    inspector.count_steps_of(algorithm)
     for label in ("started + begin_wait/end_wait", "empty loop"):
         start = time.perf_counter()
         for _ in range(calls):
