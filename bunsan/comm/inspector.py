@@ -49,7 +49,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -65,6 +65,7 @@ __all__ = [
     "configure",
     "count_steps_of",
     "describe_mismatch",
+    "skipped_step",
     "diagnose",
     "end_wait",
     "in_finalize_join_hint",
@@ -83,6 +84,8 @@ IN_FINALIZE = "in finalize()"
 
 _STATE_KEY = "inspect/state/{rank}"
 _RING_KEY = "inspect/ring/{rank}"
+_STEPS_KEY = "inspect/steps/{rank}"
+STEPS_KEPT = 512  # (steps completed, first world collective after them) of the recent steps
 
 
 class _Local:
@@ -95,6 +98,8 @@ class _Local:
     ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
     last: tuple[Any, ...] | None = None
     step_sources: list[weakref.ref[Any]] = []  # algorithms whose .step tags the collectives
+    # Where each recent step count began: (tag, number of the first world collective with it).
+    transitions: deque[tuple[int, int]] = deque(maxlen=STEPS_KEPT)
     published_ring: tuple[str, int, str, int] | None = None
     activity = TRAINING
     wait_since: float | None = None
@@ -117,6 +122,7 @@ def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> No
     _local.ring = deque(maxlen=RING)
     _local.last, _local.activity, _local.wait_since = None, TRAINING, None
     _local.step_sources, _local.published_ring = [], None
+    _local.transitions = deque(maxlen=STEPS_KEPT)
     _local.published_state = ""
     _local.published_ring_for = _local.reported_stall_for = None
 
@@ -151,6 +157,8 @@ def started(what: str, group: Any, tensor: Any = None) -> int:
     # The step tag: collectives made while training carry the number of optimizer
     # steps completed before them; inside join() a rank answers other ranks' steps (-1: not compared).
     tag = _steps() if _local.activity == TRAINING else -1
+    if key == "world" and tag >= 0 and (not _local.transitions or _local.transitions[-1][0] != tag):
+        _local.transitions.append((tag, seq))
     entry = (key, seq, what, -1 if tensor is None else tensor.numel(), None if tensor is None else tensor.dtype, tag)
     _local.ring.append(entry)
     _local.last = entry
@@ -270,7 +278,11 @@ def _describe_state(state: dict[str, Any] | None) -> str:
     return f"{doing} ({where})"
 
 
-def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[str, Any] | None]) -> str | None:
+def describe_mismatch(
+    rings: dict[int, list[list[Any]]],
+    states: dict[int, dict[str, Any] | None],
+    steps_of: Callable[[int], list[list[int]] | None] | None = None,
+) -> str | None:
     """The sentence for ranks whose recent collectives differ under one number, or None.
 
     Pure: ``rings`` maps a rank to its recent ``[group, number, op, steps]``
@@ -278,7 +290,9 @@ def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[
     operation (a collective skipped or added), else the step tag (the same
     collective made after different numbers of optimizer steps: a rank skipped
     ``optimizer.step()``). Finished ranks answering the others' exchanges from
-    ``finalize()`` get the fix for a forgotten ``join()``.
+    ``finalize()`` get the fix for a forgotten ``join()``. ``steps_of(rank)``, read
+    only for a step difference, gives a rank's ``[steps, first collective]``
+    pairs, which name the skipped step when the rings no longer reach back to it.
     """
     ranks = sorted(rings)
     found: tuple[int, str] | None = None
@@ -297,7 +311,8 @@ def describe_mismatch(rings: dict[int, list[list[Any]]], states: dict[int, dict[
                     earlier_b = {(e[0], e[1]): e for e in rings[b]}
                     exact = any(e[0] == g and e[1] < n and len(e) > 3 and (g, e[1]) in earlier_b
                                 and e[3] == earlier_b[(g, e[1])][3] >= 0 for e in rings[a])
-                    text = _step_mismatch(g, n, a, entry_a, b, entry_b, exact)
+                    skipped = None if exact or steps_of is None else skipped_step(steps_of(a), steps_of(b))
+                    text = _step_mismatch(g, n, a, entry_a, b, entry_b, exact, skipped)
                 else:
                     continue
                 if found is None or n < found[0]:
@@ -319,11 +334,39 @@ def _op_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: li
     )
 
 
-def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool) -> str:
+def skipped_step(steps_a: list[list[int]] | None, steps_b: list[list[int]] | None) -> int | None:
+    """The step count after which two ranks' collectives diverge, from their ``[steps, first collective]`` pairs.
+
+    In step, every step count begins at the same collective on both ranks. A
+    rank that skipped step ``s`` begins count ``s + 1`` later than the others;
+    returns ``s``, or None when the pairs do not reach back to an agreement.
+    """
+    if not steps_a or not steps_b:
+        return None
+    first_b = {int(t): int(n) for t, n in steps_b}
+    agreed = False
+    for t, n in steps_a:
+        if int(t) not in first_b:
+            continue
+        if first_b[int(t)] == int(n):
+            agreed = True
+        elif agreed:
+            return int(t) - 1
+        else:
+            return None
+    return None
+
+
+def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool,
+                   skipped: int | None = None) -> str:
     (lo, lo_steps), (hi, hi_steps) = sorted([(a, entry_a[3]), (b, entry_b[3])], key=lambda t: t[1])
     # Exact when the rings also hold an earlier collective both ranks made after
-    # the same number of steps; otherwise the skip happened before the recent window.
-    when = f"at its step {lo_steps}" if exact else f"at or before its step {lo_steps}"
+    # the same number of steps, or when the step counts' first collectives say where
+    # they parted; otherwise the skip happened before the recent window.
+    if skipped is not None:
+        when = f"at its step {skipped}"
+    else:
+        when = f"at its step {lo_steps}" if exact else f"at or before its step {lo_steps}"
     return (
         f"optimizer steps out of step at {g} collective #{n} ({entry_a[2]}): rank {hi} made it after "
         f"{hi_steps} optimizer steps, rank {lo} after {lo_steps}, so rank {lo} skipped optimizer.step() {when} "
@@ -345,6 +388,12 @@ def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
         f"{who} finished its data and called finalize() while {still} {was} still training: "
         "call optimizer.join() on every rank after the loop"
     )
+
+
+def _steps_record(store: Any, rank: int) -> list[list[int]] | None:
+    if rank == _local.rank:
+        return [list(t) for t in list(_local.transitions)]
+    return _read(store, _STEPS_KEY.format(rank=rank))  # type: ignore[return-value]
 
 
 def _end_job(message: str, store: Any) -> None:
@@ -382,12 +431,14 @@ def _poll(store: Any) -> None:
         # each comparing with its neighbour sees any pair that differs, at a cost
         # of one write and two reads per rank and poll.
         store.set(_RING_KEY.format(rank=_local.rank), json.dumps(ring))
+        store.set(_STEPS_KEY.format(rank=_local.rank), json.dumps(list(_local.transitions)))
         _local.published_ring = tuple(ring[-1])
         neighbour = (_local.rank + 1) % _local.world_size
         theirs = _read(store, _RING_KEY.format(rank=neighbour))
         if theirs is not None:
             states = {_local.rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
-            message = describe_mismatch({_local.rank: ring, neighbour: theirs}, states)  # type: ignore[dict-item]
+            message = describe_mismatch({_local.rank: ring, neighbour: theirs}, states,  # type: ignore[dict-item]
+                                        lambda r: _steps_record(store, r))
             if message is not None:
                 _end_job(message, store)
                 return

@@ -104,3 +104,28 @@ def test_stall_report_names_the_ranks_that_have_not_arrived_and_what_they_do():
 def test_stall_threshold_must_be_positive():
     with pytest.raises(ValueError, match="stall_s"):
         inspector.configure(rank=0, world_size=2, stall_s=0)
+
+
+def test_the_first_collectives_of_each_step_name_a_skip_older_than_the_rings():
+    # Two collectives per step; rank 1 skipped step 50, so from count 51 on it begins later.
+    rank0 = [[t, 1 + 2 * t] for t in range(40, 120)]
+    rank1 = [[t, 1 + 2 * t] for t in range(40, 51)] + [[t, 3 + 2 * t] for t in range(51, 120)]
+    assert inspector.skipped_step(rank0, rank1) == 50
+    assert inspector.skipped_step(rank0[20:], rank1[20:]) is None  # nothing agreed in the window: unknown
+    a = [["world", n, "all_reduce [20 x float32]", (n - 1) // 2] for n in range(200, 210)]
+    b = [["world", n, "all_reduce [20 x float32]", (n - 3) // 2] for n in range(200, 210)]
+    text = inspector.describe_mismatch({0: a, 1: b}, {0: _state(), 1: _state()}, {0: rank0, 1: rank1}.get)
+    assert text is not None and "rank 1 skipped optimizer.step() at its step 50 " in text
+
+
+def test_step_counts_begin_where_the_tag_changes():
+    class Algorithm:
+        step = 0
+
+    algorithm = Algorithm()
+    inspector.count_steps_of(algorithm)
+    for _ in range(3):
+        inspector.started("all_reduce", None, torch.zeros(2))
+        inspector.started("all_reduce", None, torch.zeros(2))
+        algorithm.step += 1
+    assert list(inspector._local.transitions) == [(0, 1), (1, 3), (2, 5)]
