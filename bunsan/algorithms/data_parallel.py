@@ -53,7 +53,7 @@ from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
-from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
+from bunsan.comm import all_gather_into, all_reduce, all_to_all, broadcast_tensors, get_rank, global_rank, wait
 from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
 
@@ -805,9 +805,35 @@ class DataParallelSGD(Algorithm):
             self._hold_momentum()  # the workers applied momentum before compression
 
     def join(self) -> None:
-        """Collective. Answer the other ranks' gradient exchanges with zeros until all have joined."""
+        """Collective. Answer the other ranks' gradient exchanges with zeros until all have joined.
+
+        A rank that joined early missed the steps the others took after it: when
+        every rank has joined, the model (parameters and buffers) of the rank that
+        trained longest is broadcast to all, so every replica ends equal (DDP's join
+        does the same). With even data nothing is sent.
+        """
         while self._exchange(active=False) > 0:
             self._exchanged = False
+        self._exchanged = False
+        self._equalize_after_join()
+
+    @torch.no_grad()
+    def _equalize_after_join(self) -> None:
+        n, me = self._n, get_rank(self.group)
+        if n == 1 or not self.named_params:
+            return
+        device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+        # Highest step count wins, the lowest rank among equals; and the lowest step count.
+        votes = torch.tensor([float(self.step * n + (n - 1 - me)), float(-self.step)], dtype=torch.float64, device=device)
+        all_reduce(votes, op="max", group=self.group, traffic=self.traffic)
+        most, fewest = int(votes[0].item()), -int(votes[1].item())
+        if most // n == fewest:
+            return  # every rank took the same steps: the replicas are equal already
+        src = n - 1 - most % n
+        tensors = [p.detach() for p in self.params]
+        if self.buffer_sync is not None:
+            tensors += [b for i in range(len(self.buffer_sync)) for b in self.buffer_sync._buffers(i)]
+        broadcast_tensors(tensors, src=global_rank(self.group, src), group=self.group, traffic=self.traffic)
 
     # -- measurement and state ------------------------------------------------------
     def stats(self) -> dict[str, float]:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from bunsan import comm
+from bunsan.comm import inspector
 from bunsan.errors import CheckpointError
 
 __all__ = [
@@ -383,6 +384,7 @@ def _broadcast(obj: Any, group: Any) -> Any:
     return obj if comm.get_world_size(group) == 1 else comm.broadcast_object(obj, src=0, group=group)
 
 
+@inspector.activity("in checkpoint save")  # a stall report names it
 def save(
     checkpoint: Checkpoint,
     samples: int,

@@ -150,13 +150,14 @@ def _body_uneven_join(rank, world_size):
         else:
             F.cross_entropy(reference(x[:4]), y[:4]).backward()  # rank 0 alone
         ref_opt.step()
-    return (_flat(model) - _flat(reference)).abs().max().item() if rank == 0 else optimizer.algorithm.stats()["steps"]
+    return (_flat(model) - _flat(reference)).abs().max().item(), optimizer.algorithm.stats()["steps"], _flat(model).tolist()
 
 
 def test_uneven_data_join_does_not_hang_and_averages_active_ranks(workers):
-    diff, rank1_steps = workers.run(f"{__name__}:_body_uneven_join")
-    assert diff <= 1e-5
-    assert rank1_steps == 3
+    (diff0, steps0, params0), (diff1, steps1, params1) = workers.run(f"{__name__}:_body_uneven_join")
+    assert diff0 <= 1e-5 and diff1 <= 1e-5  # rank 1 ends with rank 0's model, which trained longest
+    assert (steps0, steps1) == (5, 3)
+    assert params0 == params1
 
 
 def _body_lr_scheduler(rank, world_size):

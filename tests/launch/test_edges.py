@@ -49,7 +49,7 @@ def test_uneven_data_without_join_trains_as_with_join(algorithm):
 def test_uneven_data_parallel_without_join_matches_an_explicit_join():
     args = ["--algorithm", "data_parallel", "--extra", "0:3", "--collective-timeout", "30"]
     without = run_job(args, timeout_s=LIMIT_S)
-    assert without.codes == [0, 0], without.summary()
+    _ok(without)  # exit 0 and equal replicas: the rank that trained longest gives its model at the end
     with_join = run_job([*args, "--join"], timeout_s=LIMIT_S)
     assert with_join.replicas == without.replicas
 
