@@ -28,12 +28,13 @@ batch norm layers are equal by construction and are skipped.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from bunsan.comm import Traffic, all_reduce
+from bunsan.comm import Traffic, all_reduce, wait
 
 __all__ = ["BufferSync", "synced_buffer_modules"]
 
@@ -59,6 +60,15 @@ def synced_buffer_modules(model: nn.Module) -> list[tuple[str, nn.Module, list[s
 class BufferSync:
     """Per-module change flags and the averaging of changed buffers. See the module docstring.
 
+    Two ways to average, both collective and decided identically on every rank:
+
+    * :meth:`average` (blocking): the modules whose flag was set on some rank, after
+      the exchange that carried the flags;
+    * *riding* modules, for exchanges that run every step (``DataParallelSGD``): a
+      module once averaged that way (``ride=True``) is averaged at every later
+      exchange by an all-reduce launched beside the gradients' (:meth:`launch_riding`,
+      :meth:`finish_riding`), so a BatchNorm model pays no extra wait per step.
+
     Args:
         modules: ``synced_buffer_modules(model)``.
         group: process group.
@@ -72,6 +82,9 @@ class BufferSync:
         self.traffic = traffic
         self._seen: list[list[tuple[int, int]]] = [self._stamp(i) for i in range(len(self.modules))]
         self.syncs = 0  # buffer all-reduces run
+        self.riding: list[int] = []  # modules averaged at every exchange, beside the gradients
+        self._flat: Tensor | None = None  # float64 staging of the riding buffers
+        self._work: Any = None
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -87,31 +100,70 @@ class BufferSync:
         """One flag per module: 1.0 where any of its buffers changed since the last sync on this rank."""
         return [1.0 if self._stamp(i) != seen else 0.0 for i, seen in enumerate(self._seen)]
 
-    @torch.no_grad()
-    def average(self, changed_anywhere: Sequence[float], *, contribute: bool, contributors: int) -> None:
-        """Collective: replace the flagged modules' buffers by their mean over the contributing ranks.
-
-        ``changed_anywhere`` is the all-reduced sum of :meth:`changed`, the same on
-        every rank, so every rank runs the same collective (or none). A rank with
-        ``contribute=False`` (it has joined) sends zeros and takes the mean.
-        """
-        chosen = [i for i, flag in enumerate(changed_anywhere) if flag > 0]
-        if not chosen or contributors <= 0:
-            for i in range(len(self.modules)):
-                self._seen[i] = self._stamp(i)
-            return
-        tensors = [b for i in chosen for b in self._buffers(i)]
-        device = tensors[0].device
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if contribute else \
-            torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float64, device=device)
-        if contribute:
-            flat.div_(contributors)
-        all_reduce(flat, group=self.group, traffic=self.traffic)
+    def _copy_back(self, tensors: Sequence[Tensor], flat: Tensor) -> None:
         offset = 0
         for t in tensors:
             part = flat[offset : offset + t.numel()].view_as(t)
             t.copy_(part.round() if not t.dtype.is_floating_point and not t.dtype.is_complex else part)
             offset += t.numel()
-        self.syncs += 1
+
+    @torch.no_grad()
+    def average(self, changed_anywhere: Sequence[float], *, contribute: bool, contributors: int,
+                ride: bool = False) -> None:
+        """Collective: replace the flagged modules' buffers by their mean over the contributing ranks.
+
+        ``changed_anywhere`` is the all-reduced sum of :meth:`changed`, the same on
+        every rank, so every rank runs the same collective (or none). A rank with
+        ``contribute=False`` (it has joined) sends zeros and takes the mean. Riding
+        modules are skipped (their exchange already ran); with ``ride=True`` the
+        modules averaged here ride from now on.
+        """
+        riding = set(self.riding)
+        chosen = [i for i, flag in enumerate(changed_anywhere) if flag > 0 and i not in riding]
+        if chosen and contributors > 0:
+            tensors = [b for i in chosen for b in self._buffers(i)]
+            device = tensors[0].device
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if contribute else \
+                torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float64, device=device)
+            if contribute:
+                flat.div_(contributors)
+            all_reduce(flat, group=self.group, traffic=self.traffic)
+            self._copy_back(tensors, flat)
+            self.syncs += 1
+            if ride:
+                self.riding = sorted(riding | set(chosen))
+                self._flat = None
         for i in range(len(self.modules)):
+            self._seen[i] = self._stamp(i)
+
+    @torch.no_grad()
+    def launch_riding(self, *, contribute: bool) -> None:
+        """Collective: start the all-reduce of the riding modules' buffers (this rank's values, or zeros)."""
+        if not self.riding:
+            return
+        tensors = [b for i in self.riding for b in self._buffers(i)]
+        total = sum(t.numel() for t in tensors)
+        if self._flat is None or self._flat.numel() != total:
+            self._flat = torch.zeros(total, dtype=torch.float64, device=tensors[0].device)
+        if contribute:
+            offset = 0
+            for t in tensors:
+                self._flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+                offset += t.numel()
+        else:
+            self._flat.zero_()
+        self._work = all_reduce(self._flat, group=self.group, traffic=self.traffic, async_op=True)
+
+    @torch.no_grad()
+    def finish_riding(self, contributors: int) -> None:
+        """Collective: wait for :meth:`launch_riding`'s all-reduce; the riding buffers become the mean."""
+        if not self.riding or self._flat is None:
+            return
+        wait(self._work, "buffer all-reduce")
+        self._work = None
+        if contributors > 0:
+            self._flat.div_(contributors)
+            self._copy_back([b for i in self.riding for b in self._buffers(i)], self._flat)
+            self.syncs += 1
+        for i in self.riding:
             self._seen[i] = self._stamp(i)

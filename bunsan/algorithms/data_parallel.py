@@ -750,6 +750,8 @@ class DataParallelSGD(Algorithm):
         if self._separate_meta is not None:
             self._fill_meta(self._separate_meta)
             meta_work = all_reduce(self._separate_meta, group=self.group, async_op=True, traffic=self.traffic)
+        if self.buffer_sync is not None:
+            self.buffer_sync.launch_riding(contribute=active)  # beside the gradients: no extra wait
         quantized = self.quantizing
         sent_before = self.traffic.sent
         if not quantized:
@@ -781,7 +783,8 @@ class DataParallelSGD(Algorithm):
                             p.grad = view  # no copy back: the gradient is the reduced buffer
                     # else: no rank had a gradient for p; it keeps grad None, as in one process
         if self.buffer_sync is not None:
-            self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active)
+            self.buffer_sync.finish_riding(n_active)
+            self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active, ride=True)
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.wire = set(), None, None
         self._next_launch = 0
