@@ -78,7 +78,8 @@ class _Bucket:
     params: list[Tensor]
     offsets: list[int]
     buffer: Tensor  # flat gradients of ``params``, in this order
-    ready: set[int] = field(default_factory=set)  # positions whose gradient is in ``buffer``
+    ready: set[int] = field(default_factory=set)  # positions whose gradient hook fired in this round
+    filled: bool = False  # every position's gradient (divided by the world size) is in ``buffer``
     work: Any = None
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
     with_meta: Tensor | None = None  # ``buffer`` plus the metadata slots, one allocation
@@ -477,10 +478,31 @@ class DataParallelSGD(Algorithm):
             self._callback_queued = True
             self._round = (self._take_local_samples(), 1.0)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        self._copy_in(bucket, i)
+        if self.quantizing:  # per-worker momentum and residuals: one parameter at a time
+            self._copy_in(bucket, i)
+            bucket.ready.add(i)
+            if len(bucket.ready) == len(bucket.params):
+                bucket.filled = True
+                self._launch_in_order()
+            return
         bucket.ready.add(i)
         if len(bucket.ready) == len(bucket.params):
+            self._fill(bucket)
             self._launch_in_order()
+
+    def _fill(self, bucket: _Bucket) -> None:
+        """Copy a complete bucket's gradients in with two fused calls, then divide it once.
+
+        Every parameter of the bucket has a gradient (its hook fired), so the
+        per-parameter work of the hook is one set insertion: the copies are one
+        ``_foreach_copy_`` over the bucket and the division one ``div_`` (a gradient
+        that already lives in the bucket is copied onto itself).
+        """
+        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        bucket.buffer.div_(self._n)
+        for index in bucket.indices:
+            self._has_grad[index] = 1.0
+        bucket.filled = True
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -737,13 +759,15 @@ class DataParallelSGD(Algorithm):
         if self._round is None:
             self._round = (self._take_local_samples() if active else 0, 1.0 if active else 0.0)
         for bucket in self._buckets[self._next_launch :]:
-            for i in range(len(bucket.params)):
-                if i not in bucket.ready:
+            if not bucket.filled:
+                for i in range(len(bucket.params)):
                     if active:
-                        self._copy_in(bucket, i)  # an unreached parameter: its gradient, or zeros
+                        if i not in bucket.ready or not self.quantizing:
+                            self._copy_in(bucket, i)  # its gradient, or zeros for an unreached parameter
                     else:
                         bucket.views[i].zero_()
                         self._has_grad[bucket.indices[i]] = 0.0
+                bucket.filled = True
             bucket.ready = set(range(len(bucket.params)))
         self._launch_in_order()
         meta_work = None
@@ -786,7 +810,7 @@ class DataParallelSGD(Algorithm):
             self.buffer_sync.finish_riding(n_active)
             self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active, ride=True)
         for bucket in self._buckets:
-            bucket.ready, bucket.work, bucket.wire = set(), None, None
+            bucket.ready, bucket.work, bucket.wire, bucket.filled = set(), None, None, False
         self._next_launch = 0
         self._exchanged = True
         self._last_quantized = quantized and active
