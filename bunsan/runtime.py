@@ -338,7 +338,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
         else:
             # Only a rank dead already: the launcher sends SIGTERM to every rank at
             # once, and a peer that got it first is not a silent death (it says so).
-            dead = _group.dead_ranks(wait_s=0, local_wait_s=0)
+            dead = _group.dead_ranks(wait_s=0, local_wait_s=0.5)
             why = f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)" \
                 if dead else ""
         _group.mark_finished()
