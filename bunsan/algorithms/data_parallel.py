@@ -40,7 +40,6 @@ Distributed invariants kept here:
 from __future__ import annotations
 
 import functools
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -507,13 +506,6 @@ class DataParallelSGD(Algorithm):
     def _on_backward_end(self) -> None:
         self._callback_queued = False
         self._exchange(active=True)
-
-    @staticmethod
-    def _view(bucket: _Bucket, i: int) -> Tensor:
-        return bucket.views[i]
-
-    def _is_view(self, bucket: _Bucket, i: int, grad: Tensor | None) -> bool:
-        return grad is not None and grad.data_ptr() == bucket.views[i].data_ptr()
 
     def _copy_in(self, bucket: _Bucket, i: int) -> None:
         """Put this rank's gradient, divided by the world size, into the bucket.
