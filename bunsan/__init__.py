@@ -73,7 +73,9 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'bunsan' has no attribute {name!r}")
-    value = importlib.import_module(f"bunsan.{name}") if module == "" else getattr(importlib.import_module(module), name)
+    value = (
+        importlib.import_module(f"bunsan.{name}") if module == "" else getattr(importlib.import_module(module), name)
+    )
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -85,11 +87,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, AsyncSGD, Auto, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
-    from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.console import RankFilter, print, rank_zero_only
     from bunsan.evaluation import all_reduce_metrics, evaluate
-    from bunsan.sync import broadcast_optimizer_state, broadcast_parameters
-    from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule
+    from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.runtime import (
         device,
         finalize,
@@ -102,3 +102,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         session,
         size,
     )
+    from bunsan.sync import broadcast_optimizer_state, broadcast_parameters
+    from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, schedule

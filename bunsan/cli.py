@@ -76,8 +76,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         help="benchmarks: compare algorithms, synthetic throughput, collective bandwidth",
         description="Benchmarks that print a table and write JSON and PNG plots. Run 'bunsan bench BENCHMARK --help'.",
     )
-    benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", parser_class=ArgumentParser,
-                                       required=True)
+    benchmarks = parser.add_subparsers(
+        dest="benchmark", metavar="BENCHMARK", parser_class=ArgumentParser, required=True
+    )
     compare_parser = benchmarks.add_parser(
         "compare",
         help="train every algorithm setting at every worker count; time, speed ratio, error, bytes",
@@ -94,8 +95,13 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         ("predict", predict, "the cost model's predicted step time of every algorithm against the measured one"),
         ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
     ):
-        sub = benchmarks.add_parser(name, help=summary, description=module.DESCRIPTION, epilog=module.EPILOG,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = benchmarks.add_parser(
+            name,
+            help=summary,
+            description=module.DESCRIPTION,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(sub)
         sub.set_defaults(handler=module.run)
 
@@ -130,8 +136,7 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 # Subcommands in the order `bunsan --help` lists them.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor,
-                                                                            _add_plan)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_run, _add_bench, _add_doctor, _add_plan)
 
 
 def build_parser() -> ArgumentParser:
@@ -210,9 +215,8 @@ def _read_hosts(config: LaunchConfig) -> list[Any] | None:
 
 def _run(args: argparse.Namespace) -> int:
     """``bunsan run``: plan the job, then print it (``--dry-run``), clean up (``--cleanup``) or run it."""
-    from bunsan.launch import cleanup
+    from bunsan.launch import cleanup, local, ssh
     from bunsan.launch import hosts as hostlib
-    from bunsan.launch import local, ssh
     from bunsan.launch.config import parse_env_file, resolve_exports
 
     def fail(message: str) -> int:
@@ -229,9 +233,13 @@ def _run(args: argparse.Namespace) -> int:
         hosts = _read_hosts(config)
         if config.cleanup:
             return cleanup.run_cleanup(
-                config.job_id, [h.name for h in hosts] if hosts is not None else None, is_local=is_local,
+                config.job_id,
+                [h.name for h in hosts] if hosts is not None else None,
+                is_local=is_local,
                 ssh=_ssh_options(config) if _any_ssh_option(config) else None,
-                remote_python=config.remote_python, stdout=sys.stdout, stderr=sys.stderr,
+                remote_python=config.remote_python,
+                stdout=sys.stdout,
+                stderr=sys.stderr,
             )
         if hosts is None:
             hosts = [hostlib.Host("localhost", config.nproc or 1)]
@@ -258,8 +266,13 @@ def _run(args: argparse.Namespace) -> int:
         else:
             argv = local.worker_command(config.command)
         here = sum(1 for slot in slots if slot.host in local_names)  # remote hosts: their agent checks
-        warning = hostlib.check_oversubscription(here, hostlib.usable_cores(), local_names[0] if here else "",
-                                                 config.oversubscribe) if here else None
+        warning = (
+            hostlib.check_oversubscription(
+                here, hostlib.usable_cores(), local_names[0] if here else "", config.oversubscribe
+            )
+            if here
+            else None
+        )
     except ValueError as err:
         return fail(str(err))
     if warning is not None and not config.dry_run:
@@ -272,10 +285,7 @@ def _run(args: argparse.Namespace) -> int:
         master_addr = _master_addr(config, not remote, slots[0].host)
         if remote:
             by_host = {plan.host: plan.argv for plan in plans}
-            specs = [
-                local.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {})
-                for slot in slots
-            ]
+            specs = [local.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {}) for slot in slots]
         else:
             specs = local.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
         how = "" if not remote else " (over ssh; the address and the port are checked when the job starts)"
@@ -290,8 +300,9 @@ def _run(args: argparse.Namespace) -> int:
     if remote:
         # A record for `bunsan run --cleanup`, should a host become unreachable. A job on this machine
         # alone needs none: PR_SET_PDEATHSIG and the janitor end it whatever happens to the launcher.
-        record = cleanup.launcher_record(job_id, used, local_names, ssh_options,
-                                         config.remote_python or sys.executable, config.command)
+        record = cleanup.launcher_record(
+            job_id, used, local_names, ssh_options, config.remote_python or sys.executable, config.command
+        )
         cleanup.write_job_record(record)
 
     def say(message: str) -> None:
@@ -299,24 +310,36 @@ def _run(args: argparse.Namespace) -> int:
 
     def attempt(restart: int) -> local.JobOutcome:
         if remote:
-            return ssh.run_hosts(plans, job_id, env=exports, ssh=ssh_options, restart=restart,
-                                 master_addr=config.master_addr, master_port=config.master_port,
-                                 tag_output=config.tag_output, oversubscribe=config.oversubscribe)
+            return ssh.run_hosts(
+                plans,
+                job_id,
+                env=exports,
+                ssh=ssh_options,
+                restart=restart,
+                master_addr=config.master_addr,
+                master_port=config.master_port,
+                tag_output=config.tag_output,
+                oversubscribe=config.oversubscribe,
+            )
         # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
         port = config.master_port or local.find_free_port()
-        specs = local.plan_workers(slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id,
-                                   restart)
+        specs = local.plan_workers(
+            slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id, restart
+        )
         return local.run_job(specs, job_id, tag_output=config.tag_output)
 
     outcome = local.run_attempts(attempt, config.max_restarts, say)
     if outcome.unconfirmed:
-        say(f"could not confirm that every worker of job {job_id} ended on {', '.join(outcome.unconfirmed)}; "
-            f"run: bunsan run --cleanup --job-id {job_id}")
+        say(
+            f"could not confirm that every worker of job {job_id} ended on {', '.join(outcome.unconfirmed)}; "
+            f"run: bunsan run --cleanup --job-id {job_id}"
+        )
     else:
         cleanup.remove_job_record(job_id)
     return outcome.code
 
 
 def _any_ssh_option(config: LaunchConfig) -> bool:
-    return any(value is not None for value in (config.ssh_port, config.ssh_identity, config.ssh_host_key_checking)) \
-        or bool(config.ssh_options)
+    return any(
+        value is not None for value in (config.ssh_port, config.ssh_identity, config.ssh_host_key_checking)
+    ) or bool(config.ssh_options)

@@ -53,7 +53,7 @@ def this_rank() -> int:
         return 0
 
 
-def print(*args: Any, rank: int | None = 0, **kwargs: Any) -> None:  # noqa: A001 - the point is to shadow print
+def print(*args: Any, rank: int | None = 0, **kwargs: Any) -> None:
     """``builtins.print`` on rank ``rank`` only (default 0); ``rank=None`` prints on every rank.
 
     Takes ``print``'s arguments (``sep``, ``end``, ``file``, ``flush``). Not a

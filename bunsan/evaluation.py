@@ -117,7 +117,9 @@ def evaluate(
             raise ValueError(f"unknown metric names {unknown}; choose among {sorted(_NAMED)} or pass {{name: fn}}")
         chosen = {m: _NAMED[m] for m in metrics}
     else:
-        raise TypeError(f"metrics must be a mapping of names to functions or a list of names, got {type(metrics).__name__}")
+        raise TypeError(
+            f"metrics must be a mapping of names to functions or a list of names, got {type(metrics).__name__}"
+        )
     world_size = comm.get_world_size(group)
     collate_fn = None
     dataset = data

@@ -285,6 +285,7 @@ class _SampleCounter:
         for t in outputs:
             t.register_hook(confirm)
 
+
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     entries = [(f"parameter {n}", tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     entries += [(f"buffer {n}", tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
@@ -308,7 +309,9 @@ def check_same_model(model: nn.Module, group: Any = None) -> None:
         their_by_name = {name: (shape, dtype) for name, shape, dtype in theirs}
         for name, shape, dtype in theirs:
             if name not in ref_by_name:
-                raise ModelMismatchError(f"model differs between ranks: rank {r} has {name} {list(shape)}, which rank 0 does not have")
+                raise ModelMismatchError(
+                    f"model differs between ranks: rank {r} has {name} {list(shape)}, which rank 0 does not have"
+                )
             if ref_by_name[name] != (shape, dtype):
                 ref_shape, ref_dtype = ref_by_name[name]
                 raise ModelMismatchError(
@@ -317,8 +320,12 @@ def check_same_model(model: nn.Module, group: Any = None) -> None:
                 )
         for name, shape, _ in reference:
             if name not in their_by_name:
-                raise ModelMismatchError(f"model differs between ranks: rank {r} lacks {name} {list(shape)}, which rank 0 has")
-        raise ModelMismatchError(f"model differs between ranks: rank {r} registers its parameters in another order than rank 0")
+                raise ModelMismatchError(
+                    f"model differs between ranks: rank {r} lacks {name} {list(shape)}, which rank 0 has"
+                )
+        raise ModelMismatchError(
+            f"model differs between ranks: rank {r} registers its parameters in another order than rank 0"
+        )
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
@@ -374,7 +381,9 @@ def distribute(
         options = {"group": group, **algorithm_options}
         algorithm = _algorithms.create(algorithm or "data_parallel", **options)
     elif algorithm_options:
-        raise TypeError(f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)")
+        raise TypeError(
+            f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)"
+        )
     if not isinstance(algorithm, Algorithm):
         raise TypeError(f"algorithm must be a bunsan Algorithm or a registered name, got {type(algorithm).__name__}")
     attached = getattr(model, "_bunsan_algorithm", None)
@@ -414,8 +423,9 @@ def _check_same_values(model: nn.Module, group: Any) -> None:
     tensors = list(model.named_parameters())
     if not tensors:
         return
-    sums = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                        for _, p in tensors]).reshape(-1)
+    sums = torch.stack(
+        [torch.stack([p.detach().double().sum(), p.detach().double().square().sum()]) for _, p in tensors]
+    ).reshape(-1)
     low, high = sums.clone(), sums.clone()
     all_reduce(low, op="min", group=group)
     all_reduce(high, op="max", group=group)

@@ -155,31 +155,53 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> WorldInfo:
         local_rank_ = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank_
         local_size_ = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size_
         if size_ > 1 and "MASTER_ADDR" not in env:
-            raise ConfigurationError("RANK and WORLD_SIZE are set but MASTER_ADDR is not; set MASTER_ADDR and MASTER_PORT")
+            raise ConfigurationError(
+                "RANK and WORLD_SIZE are set but MASTER_ADDR is not; set MASTER_ADDR and MASTER_PORT"
+            )
         # A restarted attempt gets its own namespace of store keys (an abort key of the
         # failed attempt must not end the new one).
         if env.get("BUNSAN_JOB_ID"):
             job = f"{env['BUNSAN_JOB_ID']}.{env.get('BUNSAN_RESTART', '0')}"
         else:
             job = f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        info = WorldInfo(launcher, rank_, size_, local_rank_, local_size_, env.get("MASTER_ADDR", "127.0.0.1"),
-                         _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT, job)
+        info = WorldInfo(
+            launcher,
+            rank_,
+            size_,
+            local_rank_,
+            local_size_,
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
+            job,
+        )
     elif "OMPI_COMM_WORLD_RANK" in env:
         size_ = _int(env, "OMPI_COMM_WORLD_SIZE")
         local_size_ = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else size_
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMIX_NAMESPACE")
-        info = WorldInfo("openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), size_,
-                         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
-                         local_size_, env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
-                         _port_from_job(job, env), job or "mpi")
+        info = WorldInfo(
+            "openmpi",
+            _int(env, "OMPI_COMM_WORLD_RANK"),
+            size_,
+            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
+            local_size_,
+            env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
+            _port_from_job(job, env),
+            job or "mpi",
+        )
     elif "PMI_RANK" in env and "PMI_SIZE" in env:
         size_ = _int(env, "PMI_SIZE")
         local_size_ = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size_
         job = env.get("PMI_JOBID") or env.get("PMIX_NAMESPACE")
-        info = WorldInfo("pmi", _int(env, "PMI_RANK"), size_,
-                         _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0, local_size_,
-                         env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
-                         _port_from_job(job, env), job or "pmi")
+        info = WorldInfo(
+            "pmi",
+            _int(env, "PMI_RANK"),
+            size_,
+            _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0,
+            local_size_,
+            env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
+            _port_from_job(job, env),
+            job or "pmi",
+        )
     elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
         size_ = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -188,9 +210,16 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> WorldInfo:
         local_size_ = parse_slurm_tasks_per_node(per_node)[node] if per_node else size_
         master = env.get("MASTER_ADDR") or (parse_slurm_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
         job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
-        info = WorldInfo("slurm", _int(env, "SLURM_PROCID"), size_,
-                         _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0, local_size_, master,
-                         _port_from_job(env.get("SLURM_JOB_ID"), env), job)
+        info = WorldInfo(
+            "slurm",
+            _int(env, "SLURM_PROCID"),
+            size_,
+            _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_size_,
+            master,
+            _port_from_job(env.get("SLURM_JOB_ID"), env),
+            job,
+        )
     else:
         info = WorldInfo("none", 0, 1, 0, 1, None, DEFAULT_PORT, "solo")
     if not 0 <= info.rank < info.world_size:
@@ -275,7 +304,9 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
         try:
             stall_s = float(os.environ["BUNSAN_STALL_S"])
         except ValueError:
-            raise ConfigurationError(f"BUNSAN_STALL_S={os.environ['BUNSAN_STALL_S']!r} is not a number of seconds") from None
+            raise ConfigurationError(
+                f"BUNSAN_STALL_S={os.environ['BUNSAN_STALL_S']!r} is not a number of seconds"
+            ) from None
     _inspector.configure(rank=info.rank, world_size=info.world_size, stall_s=stall_s)
 
     if backend == "nccl":
@@ -339,8 +370,11 @@ def _on_sigterm(signum: int, frame: object) -> None:
             # Only a rank dead already: the launcher sends SIGTERM to every rank at
             # once, and a peer that got it first is not a silent death (it says so).
             dead = _group.dead_ranks(wait_s=0, local_wait_s=0.5)
-            why = f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)" \
-                if dead else ""
+            why = (
+                f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)"
+                if dead
+                else ""
+            )
         _group.mark_finished()
         if why:
             sys.stderr.write(f"[bunsan] {where}: stopped by the launcher (SIGTERM) because {why}\n")
@@ -355,8 +389,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def _stop_for_peer(where: str, peer: int, why: str, exc: BaseException) -> None:
     """This rank failed because rank ``peer`` did: say so in one line, tell the launcher, end."""
-    sys.stderr.write(f"[bunsan] {where}: stopping because rank {peer} {why}; here: {type(exc).__name__}: "
-                     f"{str(exc).splitlines()[0][:200] if str(exc) else ''}\n")
+    sys.stderr.write(
+        f"[bunsan] {where}: stopping because rank {peer} {why}; here: {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0][:200] if str(exc) else ''}\n"
+    )
     _group.report("stopped", peer=peer, what=f"rank {peer} {why}"[:300])
     _group.end_process(1)
 
@@ -529,7 +565,7 @@ def _finalize_at_exit() -> None:
     where = f"rank {_state.info.rank}" if _state.info else "a rank"
     try:
         finalize()
-    except BaseException as e:  # noqa: BLE001 - an exception in an atexit handler would not change the exit code
+    except BaseException as e:
         sys.stderr.write(f"[bunsan] {where} failed at exit in finalize(): {type(e).__name__}: {e}\n")
         sys.stderr.flush()
         sys.stdout.flush()

@@ -42,13 +42,21 @@ from bunsan.train import Checkpoint, CrossValidation, Test, TrainingSession, cla
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mnist", metavar="DIR", help="directory of MNIST IDX files (default: the bundled digits)")
 parser.add_argument("--max-epochs", type=int, default=50, help="CNTK epochs of --sweeps-per-epoch sweeps (default 50)")
-parser.add_argument("--sweeps-per-epoch", type=int, default=None,
-                    help="data sweeps in one CNTK epoch, the unit of every schedule (default 1 on MNIST, 10 on digits)")
+parser.add_argument(
+    "--sweeps-per-epoch",
+    type=int,
+    default=None,
+    help="data sweeps in one CNTK epoch, the unit of every schedule (default 1 on MNIST, 10 on digits)",
+)
 parser.add_argument("--algorithm", default="data_parallel", help=f"one of {bunsan.algorithms.names()}")
-parser.add_argument("--block-size", type=int, default=None,
-                    help="samples per worker in a block, for block_momentum and model_averaging")
-parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "bunsan-cntk-mnist", "mnist.pt"),
-                    help="checkpoint file pattern (shared by every worker)")
+parser.add_argument(
+    "--block-size", type=int, default=None, help="samples per worker in a block, for block_momentum and model_averaging"
+)
+parser.add_argument(
+    "--checkpoint",
+    default=os.path.join(tempfile.gettempdir(), "bunsan-cntk-mnist", "mnist.pt"),
+    help="checkpoint file pattern (shared by every worker)",
+)
 parser.add_argument("--restore", action="store_true", help="continue from the newest checkpoint (CNTK: restore=False)")
 parser.add_argument("--log-csv", default=None, help="write one CSV row per epoch here")
 args = parser.parse_args()
@@ -91,15 +99,21 @@ def adjust_learning_rate(index, average_error, samples, minibatches):
         if session.learning_rate_per_sample < lr_per_sample / (2**7 - 0.1):  # done after the 6th cut
             log(f"Learning rate {session.learning_rate_per_sample:.3g} too small. Training complete.")
             return False
-        log(f"Improvement of metric from {prev_metric:.3f} to {average_error:.3f} insufficient. "
-            f"Halving learning rate to {session.learning_rate_per_sample:.3g}.")
+        log(
+            f"Improvement of metric from {prev_metric:.3f} to {average_error:.3f} insufficient. "
+            f"Halving learning rate to {session.learning_rate_per_sample:.3g}."
+        )
     session.extra_state["prev_metric"] = average_error
     return True
 
 
 algorithm = bunsan.algorithms.create(args.algorithm, **({"block_size": args.block_size} if args.block_size else {}))
 session = TrainingSession(
-    model, F.cross_entropy, optimizer, algorithm, train_set,
+    model,
+    F.cross_entropy,
+    optimizer,
+    algorithm,
+    train_set,
     minibatch_size=schedule([256] * 6 + [512] * 9 + [1024] * 7 + [2048] * 8 + [4096], epoch_size=epoch_size),
     max_samples=args.max_epochs * epoch_size,
     metrics={"error": classification_error},
@@ -114,9 +128,11 @@ summary = session.train()
 
 final = summary.epochs[-1]
 log(f"final training loss {final.loss:.4f}, error {final.metrics['error']:.4f} over {final.samples} samples")
-log(f"test error {summary.test.metrics['error']:.4f} -> accuracy {1 - summary.test.metrics['error']:.4f} "
+log(
+    f"test error {summary.test.metrics['error']:.4f} -> accuracy {1 - summary.test.metrics['error']:.4f} "
     f"on {summary.test.samples} samples; {summary.samples_per_s:.0f} samples/s; "
-    f"{summary.bytes_per_sample:.0f} bytes sent per sample per worker")
+    f"{summary.bytes_per_sample:.0f} bytes sent per sample per worker"
+)
 
 # Predictions for a small subsample of the test set, as the CNTK sample prints them.
 model.eval()

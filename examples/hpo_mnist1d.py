@@ -40,8 +40,9 @@ parser.add_argument("--epochs", type=int, default=12, help="training epochs per 
 parser.add_argument("--out", default="runs/hpo_mnist1d", help="directory of the plots (default runs/hpo_mnist1d)")
 parser.add_argument("--storage", default=None, help="Optuna storage URL, e.g. sqlite:///hpo.db (default: memory)")
 parser.add_argument("--study-name", default=None, help="the study's name; with --storage, the study to go on with")
-parser.add_argument("--seed", type=int, default=0,
-                    help="seed of every trial's model, and of the sampler without --storage (default 0)")
+parser.add_argument(
+    "--seed", type=int, default=0, help="seed of every trial's model, and of the sampler without --storage (default 0)"
+)
 args = parser.parse_args()
 
 bunsan.init()
@@ -63,7 +64,11 @@ def objective(trial):
     lr = hpo.suggest_learning_rate_per_sample(trial, 3e-4, 1e-2)
     # Blocks of whole minibatches (up to 1024 samples per worker); warm start up to 2 epochs.
     algorithm = hpo.suggest_algorithm(
-        trial, bits=(1, 4, 8, 32), warm_start=(0, 6400), block_size=(64, 1024), block_momentum=(0.0, 0.9),
+        trial,
+        bits=(1, 4, 8, 32),
+        warm_start=(0, 6400),
+        block_size=(64, 1024),
+        block_momentum=(0.0, 0.9),
         minibatch_size=minibatch,
     )
     torch.manual_seed(args.seed)  # the same initial model on every worker, in every trial
@@ -79,18 +84,29 @@ def objective(trial):
         return not pruned  # False stops the session at once
 
     session = TrainingSession(
-        model, F.cross_entropy, optimizer, algorithm.create(), train_set,
-        minibatch_size=minibatch, max_epochs=args.epochs, metrics={"error": classification_error},
-        learning_rate_per_sample=lr, cross_validation=CrossValidation(validation_set, callback=after_epoch),
-        test=Test(test_set), progress=False, seed=args.seed,
+        model,
+        F.cross_entropy,
+        optimizer,
+        algorithm.create(),
+        train_set,
+        minibatch_size=minibatch,
+        max_epochs=args.epochs,
+        metrics={"error": classification_error},
+        learning_rate_per_sample=lr,
+        cross_validation=CrossValidation(validation_set, callback=after_epoch),
+        test=Test(test_set),
+        progress=False,
+        seed=args.seed,
     )
     summary = session.train()
     trial.set_user_attr("test_error", summary.test.error)
     trial.set_user_attr("seconds", round(summary.seconds, 2))
     trial.set_user_attr("algorithm", str(algorithm))
-    log(f"trial {trial.number}: {algorithm}, lr/sample {lr:.2e}, minibatch {minibatch}: "
+    log(
+        f"trial {trial.number}: {algorithm}, lr/sample {lr:.2e}, minibatch {minibatch}: "
         f"validation error {summary.cross_validations[-1].error:.4f} after {len(summary.cross_validations)} "
-        f"epoch(s){' (pruned)' if pruned else ''}, {summary.seconds:.1f} s")
+        f"epoch(s){' (pruned)' if pruned else ''}, {summary.seconds:.1f} s"
+    )
     if pruned:
         raise optuna.TrialPruned()
     return summary.cross_validations[-1].error
@@ -98,7 +114,10 @@ def objective(trial):
 
 start = time.perf_counter()
 study = hpo.optimize(
-    objective, args.trials, storage=args.storage, study_name=args.study_name,
+    objective,
+    args.trials,
+    storage=args.storage,
+    study_name=args.study_name,
     # A study kept in --storage samples from a fresh seed: a fixed one would repeat the first parameters.
     sampler=optuna.samplers.TPESampler(seed=None if args.storage else args.seed, n_startup_trials=6),
     pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=3),
@@ -111,16 +130,22 @@ if bunsan.is_main():
         value = f"{t.value:.4f}" if t.value is not None else "-"
         test = f"{t.user_attrs['test_error']:.4f}" if "test_error" in t.user_attrs else "-"
         lr = t.params.get("learning_rate_per_sample", float("nan"))
-        log(f"{t.number:>5}  {t.state.name:<8}  {value:>7}  {test:>8}  {t.user_attrs.get('seconds', 0):>5}  "
-            f"{t.user_attrs.get('algorithm', '?')}, lr/sample {lr:.2e}, minibatch {t.params.get('minibatch_size')}")
+        log(
+            f"{t.number:>5}  {t.state.name:<8}  {value:>7}  {test:>8}  {t.user_attrs.get('seconds', 0):>5}  "
+            f"{t.user_attrs.get('algorithm', '?')}, lr/sample {lr:.2e}, minibatch {t.params.get('minibatch_size')}"
+        )
     if any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials):
         best = study.best_trial
-        log(f"\nbest trial {best.number}: validation error {best.value:.4f}, test error "
-            f"{best.user_attrs['test_error']:.4f}, {best.user_attrs['algorithm']}, params {best.params}")
+        log(
+            f"\nbest trial {best.number}: validation error {best.value:.4f}, test error "
+            f"{best.user_attrs['test_error']:.4f}, {best.user_attrs['algorithm']}, params {best.params}"
+        )
     else:
         log("\nno trial completed")
-    log(f"this run: {args.trials} trials on {bunsan.size()} workers in {elapsed:.1f} s "
-        f"({len(study.trials)} in the study)")
+    log(
+        f"this run: {args.trials} trials on {bunsan.size()} workers in {elapsed:.1f} s "
+        f"({len(study.trials)} in the study)"
+    )
     written = hpo.save_plots(study, args.out)
     log("plots: " + ", ".join(str(path) for path in written.values()))
 bunsan.finalize()

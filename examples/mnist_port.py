@@ -68,8 +68,10 @@ class Net(nn.Module):
 
 def offline_mnist_files(directory):
     """Write digits, upscaled to MNIST's 28x28 bytes, as the four MNIST IDX files in ``directory``."""
-    names = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-             "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+    names = {
+        "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+    }
     for split, (images_name, labels_name) in names.items():
         x, y = digits(split).tensors
         big = F.interpolate(x, size=(28, 28), mode="bilinear", align_corners=False)
@@ -91,8 +93,10 @@ def train(args, model, device, train_loader, optimizer, epoch):
         loss.backward()
         optimizer.step()
         if batch_idx % args.log_interval == 0:
-            bunsan.print(f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)} "  # [bunsan]
-                         f"({100.0 * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}")
+            bunsan.print(
+                f"Train Epoch: {epoch} [{batch_idx * len(data)}/{len(train_loader.dataset)} "  # [bunsan]
+                f"({100.0 * batch_idx / len(train_loader):.0f}%)]\tLoss: {loss.item():.6f}"
+            )
             if args.dry_run:
                 break
 
@@ -108,8 +112,10 @@ def test(model, device, test_loader):
             correct += (output.argmax(dim=1) == target).sum().item()
     test_loss /= len(test_loader.dataset)
     n = len(test_loader.dataset)
-    bunsan.print(f"\nTest set: Average loss: {test_loss:.4f}, "  # [bunsan]
-                 f"Accuracy: {correct}/{n} ({100.0 * correct / n:.0f}%)\n")
+    bunsan.print(
+        f"\nTest set: Average loss: {test_loss:.4f}, "  # [bunsan]
+        f"Accuracy: {correct}/{n} ({100.0 * correct / n:.0f}%)\n"
+    )
 
 
 def main():

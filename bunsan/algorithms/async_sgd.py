@@ -104,13 +104,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
-from bunsan.comm import Traffic, barrier, broadcast_tensors, get_rank, get_world_size, global_rank
-from bunsan.comm import p2p
+from bunsan.comm import Traffic, barrier, broadcast_tensors, get_rank, get_world_size, global_rank, p2p
 from bunsan.errors import CheckpointError, CommunicationError, ConfigurationError
 
 __all__ = [
-    "AsyncSGD",
     "ARRIVALS_KEPT",
+    "AsyncSGD",
     "ParameterServer",
     "lr_warmup_factor",
     "may_proceed",
@@ -204,8 +203,9 @@ class _Layout:
                 offsets.append(total)
                 total += p.numel()
             nbytes = total * torch.empty((), dtype=dtype).element_size()
-            self.segments.append(_Segment(dtype, [n for n, _ in members], [p for _, p in members], offsets, total,
-                                          position, nbytes))
+            self.segments.append(
+                _Segment(dtype, [n for n, _ in members], [p for _, p in members], offsets, total, position, nbytes)
+            )
             position += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = position
 
@@ -412,8 +412,9 @@ class ParameterServer:
         for worker in sorted(self.channels):
             traffic = Traffic()
             self._traffics.append(traffic)
-            thread = threading.Thread(target=self._serve, args=(worker, traffic),
-                                      name=f"bunsan-server-{worker}", daemon=True)
+            thread = threading.Thread(
+                target=self._serve, args=(worker, traffic), name=f"bunsan-server-{worker}", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
 
@@ -434,7 +435,7 @@ class ParameterServer:
                 final = kind == DONE
                 if not self._reply(worker, outbox, group, traffic, final=final) or final:
                     return
-        except BaseException as e:  # noqa: BLE001 - any failure of a thread is the job's failure
+        except BaseException as e:
             self._fail(worker, e)
 
     def _reply(self, worker: int, outbox: Tensor, group: ProcessGroup, traffic: Traffic, *, final: bool) -> bool:
@@ -611,23 +612,33 @@ class AsyncSGD(Algorithm):
         group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(group=group)
-        self.sync_period = _check_count("sync_period", sync_period, 1,
-                                        "it is the samples per worker between two pushes; 1 pushes after every step")
+        self.sync_period = _check_count(
+            "sync_period", sync_period, 1, "it is the samples per worker between two pushes; 1 pushes after every step"
+        )
         if staleness_bound is not None:
-            staleness_bound = _check_count("staleness_bound", staleness_bound, 0,
-                                           "None means no bound, 0 keeps the workers in lock step", unit="pushes")
+            staleness_bound = _check_count(
+                "staleness_bound",
+                staleness_bound,
+                0,
+                "None means no bound, 0 keeps the workers in lock step",
+                unit="pushes",
+            )
         self.staleness_bound = staleness_bound
         if not isinstance(staleness_aware, bool):
             raise TypeError(f"staleness_aware must be True or False, got {staleness_aware!r}")
         self.staleness_aware = staleness_aware
         self.lr_warmup = _check_count("lr_warmup", lr_warmup, 0, "0 turns the learning-rate ramp off")
         if not isinstance(lr_warmup_start, numbers.Real) or not 0.0 < lr_warmup_start <= 1.0:
-            raise ValueError(f"lr_warmup_start must be in (0, 1], the fraction of the learning rate the ramp "
-                             f"starts from, got {lr_warmup_start!r}")
+            raise ValueError(
+                f"lr_warmup_start must be in (0, 1], the fraction of the learning rate the ramp "
+                f"starts from, got {lr_warmup_start!r}"
+            )
         self.lr_warmup_start = float(lr_warmup_start)
         if server != "rank0":
-            raise ValueError(f"server must be 'rank0' (the server runs on rank 0 beside its worker), got {server!r}; "
-                             "dedicated server ranks are not implemented")
+            raise ValueError(
+                f"server must be 'rank0' (the server runs on rank 0 beside its worker), got {server!r}; "
+                "dedicated server ranks are not implemented"
+            )
         self.server_placement = server
         if not isinstance(timeout_s, numbers.Real) or not timeout_s > 0 or not math.isfinite(timeout_s):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
@@ -682,8 +693,12 @@ class AsyncSGD(Algorithm):
             self._channels = p2p.new_pair_groups(self._server_rank, workers, timeout_s=self.timeout_s)
         if self._rank == self._server_rank:
             self.server = ParameterServer(
-                self._layout, workers, {w: g for w, g in self._channels.items() if w != self._rank},
-                staleness_bound=self.staleness_bound, staleness_aware=self.staleness_aware, timeout_s=self.timeout_s,
+                self._layout,
+                workers,
+                {w: g for w, g in self._channels.items() if w != self._rank},
+                staleness_bound=self.staleness_bound,
+                staleness_aware=self.staleness_aware,
+                timeout_s=self.timeout_s,
             )
 
     def _begin(self) -> None:
@@ -928,4 +943,3 @@ class AsyncSGD(Algorithm):
         if self.server is not None and "server" in state:
             self.server.load_state_dict(state["server"])
             self._server_loaded = True
-

@@ -90,19 +90,24 @@ def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: st
     return BLOCK_STEPS[-1] * profile.batch
 
 
-def candidates_for(risk: str, profile: cm.Profile, network: cm.Network, workers: int, *,
-                   momentum: float = 0.0, warm_start: int = 0) -> list[cm.Candidate]:
+def candidates_for(
+    risk: str, profile: cm.Profile, network: cm.Network, workers: int, *, momentum: float = 0.0, warm_start: int = 0
+) -> list[cm.Candidate]:
     """The candidates ``risk`` accepts, with their settings chosen by the documented rules."""
     if risk not in RISKS:
         raise ValueError(f"risk must be one of {RISKS}, got {risk!r}")
-    found = [cm.Candidate("data_parallel", {}, "exact"),
-             cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16")]
+    found = [cm.Candidate("data_parallel", {}, "exact"), cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16")]
     if risk in ("medium", "high"):
         found += [cm.Candidate("data_parallel", {"bits": b, "warm_start": warm_start}, f"{b}-bit") for b in (8, 2)]
     if risk == "high":
         rotate = momentum >= HEAVY_MOMENTUM_1BIT
-        found.append(cm.Candidate("data_parallel", {"bits": 1, "warm_start": warm_start, "rotate": rotate},
-                                  "1-bit rotated" if rotate else "1-bit"))
+        found.append(
+            cm.Candidate(
+                "data_parallel",
+                {"bits": 1, "warm_start": warm_start, "rotate": rotate},
+                "1-bit rotated" if rotate else "1-bit",
+            )
+        )
         for name in ("block_momentum", "model_averaging"):
             size = _block_size(profile, network, workers, name)
             found.append(cm.Candidate(name, {"block_size": size, "warm_start": warm_start}, f"{name}:{size}"))
@@ -117,8 +122,10 @@ def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, 
     if best == 0:
         return 0, "exact is predicted fastest"
     if gain < min_gain:
-        return 0, (f"{predictions[best].label} is predicted only {100 * gain:.1f}% faster than exact "
-                   f"(< min_gain {100 * min_gain:.0f}%): exact has no accuracy cost")
+        return 0, (
+            f"{predictions[best].label} is predicted only {100 * gain:.1f}% faster than exact "
+            f"(< min_gain {100 * min_gain:.0f}%): exact has no accuracy cost"
+        )
     return best, f"predicted {100 * gain:.1f}% faster than exact (>= min_gain {100 * min_gain:.0f}%)"
 
 
@@ -138,9 +145,17 @@ class Auto(Algorithm):
 
     name = "auto"
 
-    def __init__(self, *, measure_steps: int = 10, risk: str = "medium", min_gain: float = 0.1,
-                 warm_start: int = 0, network: cm.Network | None = None, verbose: bool = True,
-                 group: ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        measure_steps: int = 10,
+        risk: str = "medium",
+        min_gain: float = 0.1,
+        warm_start: int = 0,
+        network: cm.Network | None = None,
+        verbose: bool = True,
+        group: ProcessGroup | None = None,
+    ) -> None:
         self.inner: Algorithm = DataParallelSGD(group=group)
         super().__init__(group=group)
         if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 2:
@@ -163,7 +178,7 @@ class Auto(Algorithm):
         self._last_end: float | None = None  # perf_counter at the end of the last step, this process
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
-    def _get(name: str) -> Any:  # noqa: N805 - a property factory
+    def _get(name: str) -> Any:
         def fget(self: Auto) -> Any:
             return getattr(self.inner, name)
 
@@ -246,8 +261,13 @@ class Auto(Algorithm):
     def _profile(self, compute_s: float) -> cm.Profile:
         params = [p for _, p in self.named_params]
         batch = max(1, round(self.inner.local_samples / max(self.inner.step + 1, 1)))
-        return cm.Profile(compute_s=compute_s, params=sum(p.numel() for p in params), batch=batch,
-                          tensors=len(params), chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params))
+        return cm.Profile(
+            compute_s=compute_s,
+            params=sum(p.numel() for p in params),
+            batch=batch,
+            tensors=len(params),
+            chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params),
+        )
 
     def _momentum(self) -> float:
         groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.SGD) else []
@@ -271,9 +291,16 @@ class Auto(Algorithm):
                 network = None
         decision = None
         if comm.get_rank(self.group) == 0 and network is None:
-            decision = {"algorithm": "data_parallel", "options": {}, "label": "exact", "step": self._measured,
-                        "workers": n, "why": "the network measurement was inconclusive (times did not grow with "
-                        "size): exact kept", "measured": {"exact_step_s": step_s}, "predictions": []}
+            decision = {
+                "algorithm": "data_parallel",
+                "options": {},
+                "label": "exact",
+                "step": self._measured,
+                "workers": n,
+                "why": "the network measurement was inconclusive (times did not grow with size): exact kept",
+                "measured": {"exact_step_s": step_s},
+                "predictions": [],
+            }
             if self.verbose:
                 print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
         elif comm.get_rank(self.group) == 0:
@@ -281,19 +308,32 @@ class Auto(Algorithm):
             draft = self._profile(step_s)
             compute = infer_compute(step_s, draft, network, n)
             profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec})
-            candidates = candidates_for(self.risk, profile, network, n, momentum=self._momentum(),
-                                        warm_start=self.warm_start)
+            candidates = candidates_for(
+                self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start
+            )
             predictions = [cm.predict(profile, network, c, n) for c in candidates]
             index, why = choose(predictions, self.min_gain)
             decision = {
-                "algorithm": candidates[index].algorithm, "options": dict(candidates[index].options),
-                "label": candidates[index].label, "why": why, "step": self._measured, "workers": n,
-                "measured": {"exact_step_s": step_s, "compute_s": compute, "latency_s": network.latency_s,
-                             "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
-                             "half_bandwidth": network.half_bandwidth,
-                             **codec, "params": profile.params, "batch": profile.batch},
-                "predictions": [{"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step}
-                                for p in predictions],
+                "algorithm": candidates[index].algorithm,
+                "options": dict(candidates[index].options),
+                "label": candidates[index].label,
+                "why": why,
+                "step": self._measured,
+                "workers": n,
+                "measured": {
+                    "exact_step_s": step_s,
+                    "compute_s": compute,
+                    "latency_s": network.latency_s,
+                    "bandwidth": network.bandwidth,
+                    "gather_bandwidth": network.gather_bandwidth,
+                    "half_bandwidth": network.half_bandwidth,
+                    **codec,
+                    "params": profile.params,
+                    "batch": profile.batch,
+                },
+                "predictions": [
+                    {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions
+                ],
             }
             decision["measured"]["decide_s"] = time.perf_counter() - started
             if self.verbose:
@@ -321,14 +361,21 @@ class Auto(Algorithm):
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"algorithm": self.name, "world_size": self.world_size, "decision": self.decision,
-                "measured_steps": self._measured, "durations": list(self._durations),
-                "inner": self.inner.state_dict()}
+        return {
+            "algorithm": self.name,
+            "world_size": self.world_size,
+            "decision": self.decision,
+            "measured_steps": self._measured,
+            "durations": list(self._durations),
+            "inner": self.inner.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("algorithm") != self.name:
-            raise CheckpointError(f"the state is of algorithm {state.get('algorithm')!r}, not 'auto': "
-                                  "load it into the algorithm that saved it")
+            raise CheckpointError(
+                f"the state is of algorithm {state.get('algorithm')!r}, not 'auto': "
+                "load it into the algorithm that saved it"
+            )
         if state["decision"] is not None:
             self._apply(state["decision"])  # the same choice as before, without measuring again
         self.inner.load_state_dict(state["inner"])
@@ -345,10 +392,12 @@ class Auto(Algorithm):
 def format_decision(decision: dict[str, Any]) -> str:
     """Rank 0's short table: candidates, predicted ms per step, the choice and why."""
     m = decision["measured"]
-    lines = [f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: exact step "
-             f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
-             f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
-             f"decided in {m['decide_s']:.2f} s"]
+    lines = [
+        f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: exact step "
+        f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
+        f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
+        f"decided in {m['decide_s']:.2f} s"
+    ]
     for p in decision["predictions"]:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")

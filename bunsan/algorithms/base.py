@@ -194,4 +194,3 @@ class Algorithm:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-

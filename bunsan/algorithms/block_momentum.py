@@ -228,8 +228,7 @@ def _check_warm_start(warm_start: Any) -> int:
         raise TypeError(f"warm_start must be an int number of samples (all workers together), got {warm_start!r}")
     if warm_start < 0:
         raise ValueError(
-            f"warm_start must be >= 0 samples (all workers together), got {warm_start}; "
-            "0 starts block training at once"
+            f"warm_start must be >= 0 samples (all workers together), got {warm_start}; 0 starts block training at once"
         )
     return int(warm_start)
 
@@ -477,8 +476,9 @@ class BlockwiseSGD(Algorithm):
             else:
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
-        total, contributors, active, changed = self._exchange(self._meta(samples, contribute, still_active),
-                                                              "block all-reduce")
+        total, contributors, active, changed = self._exchange(
+            self._meta(samples, contribute, still_active), "block all-reduce"
+        )
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
         if contributors > 0:
             per_worker = total / contributors if total > 0 else float(self.block_size)
@@ -609,12 +609,18 @@ class BlockwiseSGD(Algorithm):
         if not self._flats:
             raise CheckpointError("load the algorithm's state after bunsan.distribute() has set it up")
         for f in self._flats:
-            for attr, key in (("global_model", "global_model"), ("momentum", "block_momentum_buffer"), ("start", "block_start")):
+            for attr, key in (
+                ("global_model", "global_model"),
+                ("momentum", "block_momentum_buffer"),
+                ("start", "block_start"),
+            ):
                 flat = torch.zeros_like(f.buffer)
                 saved = state[key]
                 for name, view in zip(f.names, f.views(flat)):
                     if name not in saved:
-                        raise CheckpointError(f"the checkpoint's {key} has no parameter {name!r}: it is from another model")
+                        raise CheckpointError(
+                            f"the checkpoint's {key} has no parameter {name!r}: it is from another model"
+                        )
                     if tuple(saved[name].shape) != tuple(view.shape):
                         raise CheckpointError(
                             f"the checkpoint's {key}[{name!r}] has shape {list(saved[name].shape)}, "

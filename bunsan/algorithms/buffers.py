@@ -75,8 +75,9 @@ class BufferSync:
         traffic: counts the bytes of the buffer all-reduce.
     """
 
-    def __init__(self, modules: Sequence[tuple[str, nn.Module, list[str]]], group: ProcessGroup | None,
-                 traffic: Traffic) -> None:
+    def __init__(
+        self, modules: Sequence[tuple[str, nn.Module, list[str]]], group: ProcessGroup | None, traffic: Traffic
+    ) -> None:
         self.modules = list(modules)
         self.group = group
         self.traffic = traffic
@@ -108,8 +109,9 @@ class BufferSync:
             offset += t.numel()
 
     @torch.no_grad()
-    def average(self, changed_anywhere: Sequence[float], *, contribute: bool, contributors: int,
-                ride: bool = False) -> None:
+    def average(
+        self, changed_anywhere: Sequence[float], *, contribute: bool, contributors: int, ride: bool = False
+    ) -> None:
         """Collective: replace the flagged modules' buffers by their mean over the contributing ranks.
 
         ``changed_anywhere`` is the all-reduced sum of :meth:`changed`, the same on
@@ -123,8 +125,11 @@ class BufferSync:
         if chosen and contributors > 0:
             tensors = [b for i in chosen for b in self._buffers(i)]
             device = tensors[0].device
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]) if contribute else \
-                torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float64, device=device)
+            flat = (
+                torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+                if contribute
+                else torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float64, device=device)
+            )
             if contribute:
                 flat.div_(contributors)
             all_reduce(flat, group=self.group, traffic=self.traffic)

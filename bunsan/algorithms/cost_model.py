@@ -178,8 +178,14 @@ class Profile:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.backward_fraction <= 1:
             raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
-        for name in ("encode_s_per_element", "decode_s_per_element", "update_s_per_element", "codec_call_s",
-                     "straggler_s", "cast_s_per_element"):
+        for name in (
+            "encode_s_per_element",
+            "decode_s_per_element",
+            "update_s_per_element",
+            "codec_call_s",
+            "straggler_s",
+            "cast_s_per_element",
+        ):
             _check_positive(name, getattr(self, name), zero=True)
 
     @property
@@ -207,7 +213,9 @@ class Candidate:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"the cost model knows algorithms {', '.join(ALGORITHMS)}, not {self.algorithm!r}")
         if not self.label:
-            text = self.algorithm + (":" + ",".join(f"{k}={v}" for k, v in self.options.items()) if self.options else "")
+            text = self.algorithm + (
+                ":" + ",".join(f"{k}={v}" for k, v in self.options.items()) if self.options else ""
+            )
             object.__setattr__(self, "label", text)
 
     def __hash__(self) -> int:
@@ -233,9 +241,17 @@ class Prediction:
         return self.compute_s / self.step_s
 
     def as_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "workers": self.workers, "compute_s": self.compute_s, "step_s": self.step_s,
-                "communication_s": self.communication_s, "exposed_s": self.exposed_s, "codec_s": self.codec_s,
-                "bytes_per_step": self.bytes_per_step, "efficiency": self.efficiency}
+        return {
+            "label": self.label,
+            "workers": self.workers,
+            "compute_s": self.compute_s,
+            "step_s": self.step_s,
+            "communication_s": self.communication_s,
+            "exposed_s": self.exposed_s,
+            "codec_s": self.codec_s,
+            "bytes_per_step": self.bytes_per_step,
+            "efficiency": self.efficiency,
+        }
 
 
 # -- collectives -------------------------------------------------------------------------------
@@ -271,8 +287,9 @@ def quantized_payload_bytes(numel: int, bits: int, chunk_size: int = DEFAULT_CHU
     return 8 * -(-numel // chunk_size) + -(-numel * bits // 8)
 
 
-def stripe_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 chunks: int | None = None) -> int:
+def stripe_bytes(
+    numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None
+) -> int:
     """Bytes of one quantized stripe: ``1 / N`` of the ``chunks`` (two float32 each) and of the codes.
 
     ``chunks`` defaults to ``ceil(numel / chunk_size)``; a model of many small tensors
@@ -285,16 +302,23 @@ def stripe_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_
     return 8 * -(-chunks // workers) + -(-share * bits // 8)
 
 
-def striped_exchange_bytes(numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                           chunks: int | None = None) -> float:
+def striped_exchange_bytes(
+    numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None
+) -> float:
     """Bytes each rank sends in the striped quantized exchange: ``2 (N - 1)`` stripes of ``numel / N`` elements."""
     if workers <= 1:
         return 0.0
     return 2 * (workers - 1) * stripe_bytes(numel, bits, workers, chunk_size, chunks)
 
 
-def striped_exchange_time(numel: int, bits: int, workers: int, network: Network,
-                          chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None) -> float:
+def striped_exchange_time(
+    numel: int,
+    bits: int,
+    workers: int,
+    network: Network,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunks: int | None = None,
+) -> float:
     """Seconds on the wire of the striped quantized exchange of ``numel`` elements (all-to-all + all-gather)."""
     if workers <= 1:
         return 0.0
@@ -303,8 +327,9 @@ def striped_exchange_time(numel: int, bits: int, workers: int, network: Network,
 
 
 # -- overlap with backward ----------------------------------------------------------------------
-def bucket_sizes(total_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
-                 first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
+def bucket_sizes(
+    total_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES, first_bytes: int = FIRST_BUCKET_BYTES
+) -> list[int]:
     """Bytes of each bucket in launch order: a small first bucket, then buckets of ``cap_bytes``, the rest last.
 
     (DataParallelSGD closes a bucket at a parameter boundary once it reaches the cap; parameter sizes
@@ -321,8 +346,9 @@ def bucket_sizes(total_bytes: int, cap_bytes: int = DEFAULT_BUCKET_BYTES,
     return sizes
 
 
-def exposed_communication(forward_s: float, backward_s: float, buckets: Sequence[float],
-                          exchange_s: Callable[[float], float]) -> float:
+def exposed_communication(
+    forward_s: float, backward_s: float, buckets: Sequence[float], exchange_s: Callable[[float], float]
+) -> float:
     """Seconds the bucketed exchange runs past the end of backward.
 
     Bucket ``i`` (``buckets[i]`` bytes, launch order) is ready once backward has
@@ -377,8 +403,9 @@ def block_steps(block_size: int, batch: int) -> int:
     return max(1, math.ceil(block_size / batch))
 
 
-def async_step(compute_s: float, model_bytes: float, workers: int, network: Network, sync_steps: int,
-               apply_s: float = 0.0) -> tuple[float, float]:
+def async_step(
+    compute_s: float, model_bytes: float, workers: int, network: Network, sync_steps: int, apply_s: float = 0.0
+) -> tuple[float, float]:
     """``(step seconds, exposed seconds)`` of a remote worker of the rank-0 parameter server.
 
     A worker pays its own push and pull (``2 (alpha + M / beta)``) every
@@ -400,8 +427,9 @@ def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def predict(profile: Profile, network: Network, candidate: Candidate, workers: int, *,
-            overlap: bool = True) -> Prediction:
+def predict(
+    profile: Profile, network: Network, candidate: Candidate, workers: int, *, overlap: bool = True
+) -> Prediction:
     """The predicted step of ``candidate`` at ``workers`` workers (the profile is per worker at that count).
 
     Options read from ``candidate.options``: ``bits``, ``compression`` (``"fp16"``/``"bf16"``),
@@ -445,14 +473,23 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
                 return max(1, round(profile.chunks * size / total))
 
             def exchange(size: float) -> float:
-                return striped_exchange_time(int(size // profile.bytes_per_element), bits, n, network, chunk,
-                                             bucket_chunks(size))
+                return striped_exchange_time(
+                    int(size // profile.bytes_per_element), bits, n, network, chunk, bucket_chunks(size)
+                )
 
-            sent = sum(striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk, bucket_chunks(b))
-                       for b in buckets)
-            codec = 0.0 if n == 1 else (profile.encode_s_per_element * profile.params * (1 + 1 / n)
-                                        + profile.decode_s_per_element * profile.params * 2
-                                        + profile.codec_call_s * codec_calls(profile.tensors, len(buckets), n))
+            sent = sum(
+                striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk, bucket_chunks(b))
+                for b in buckets
+            )
+            codec = (
+                0.0
+                if n == 1
+                else (
+                    profile.encode_s_per_element * profile.params * (1 + 1 / n)
+                    + profile.decode_s_per_element * profile.params * 2
+                    + profile.codec_call_s * codec_calls(profile.tensors, len(buckets), n)
+                )
+            )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own
             codec += ring_allreduce_time(16, n, network)
         communication = sum(exchange(b) for b in buckets) if n > 1 else 0.0
@@ -463,8 +500,9 @@ def predict(profile: Profile, network: Network, candidate: Candidate, workers: i
         else:
             exposed = communication
         wait = profile.straggler_s if n > 1 else 0.0
-        return Prediction(candidate.label, n, compute, compute + wait + exposed + codec, communication,
-                          wait + exposed, codec, sent)
+        return Prediction(
+            candidate.label, n, compute, compute + wait + exposed + codec, communication, wait + exposed, codec, sent
+        )
     if candidate.algorithm in ("block_momentum", "model_averaging"):
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
         nbytes = profile.params * 4  # parameters are averaged in float32
@@ -497,11 +535,21 @@ def default_candidates(block_size: int = 1024) -> list[Candidate]:
     ]
 
 
-def predict_all(profile: Profile, network: Network, candidates: Sequence[Candidate], workers: Sequence[int], *,
-                global_batch: bool = False, overlap: bool = True) -> list[Prediction]:
+def predict_all(
+    profile: Profile,
+    network: Network,
+    candidates: Sequence[Candidate],
+    workers: Sequence[int],
+    *,
+    global_batch: bool = False,
+    overlap: bool = True,
+) -> list[Prediction]:
     """:func:`predict` for every candidate at every worker count (worker counts outer)."""
-    return [predict(profile.at_workers(n, global_batch=global_batch), network, c, n, overlap=overlap)
-            for n in workers for c in candidates]
+    return [
+        predict(profile.at_workers(n, global_batch=global_batch), network, c, n, overlap=overlap)
+        for n in workers
+        for c in candidates
+    ]
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -526,13 +574,16 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         intercept = 0.0
         slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
     if not slope > 0:
-        raise ValueError(f"the timed sizes give a slope of {slope:.3g} s/byte: time did not grow with size; "
-                         "time larger messages or more repeats")
+        raise ValueError(
+            f"the timed sizes give a slope of {slope:.3g} s/byte: time did not grow with size; "
+            "time larger messages or more repeats"
+        )
     return intercept, slope
 
 
-def network_from_timings(allreduce: Sequence[tuple[float, float]], workers: int,
-                         allgather: Sequence[tuple[float, float]] = ()) -> Network:
+def network_from_timings(
+    allreduce: Sequence[tuple[float, float]], workers: int, allgather: Sequence[tuple[float, float]] = ()
+) -> Network:
     """The :class:`Network` whose alpha and beta best explain timed collectives at ``workers`` ranks.
 
     ``allreduce``: ``(bytes, seconds)`` of ring all-reduces, modelled as

@@ -168,8 +168,17 @@ def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int, m
             offsets.append(total)
             total += p.numel()
         storage = torch.zeros(total + meta_slots, dtype=key[0], device=key[1])
-        buckets.append(_Bucket(len(buckets), [n for n, _ in members], [p for _, p in members], offsets,
-                               storage[:total], with_meta=storage, meta=storage[total:]))
+        buckets.append(
+            _Bucket(
+                len(buckets),
+                [n for n, _ in members],
+                [p for _, p in members],
+                offsets,
+                storage[:total],
+                with_meta=storage,
+                meta=storage[total:],
+            )
+        )
 
     for name, p in reversed(list(named_params)):
         key = (p.dtype, p.device)
@@ -256,7 +265,7 @@ class DataParallelSGD(Algorithm):
         local_momentum: bool = True,
         chunk_size: int | None = None,
         rotate: bool | None = None,
-        quantized_momentum: float | None | str = "auto",
+        quantized_momentum: float | str | None = "auto",
         bucket_size_mb: float = 25.0,
         group: ProcessGroup | None = None,
     ) -> None:
@@ -295,7 +304,9 @@ class DataParallelSGD(Algorithm):
         if quantized_momentum is not None and (
             isinstance(quantized_momentum, (bool, str)) or not 0 <= float(quantized_momentum) < 1
         ):
-            raise ValueError(f"quantized_momentum must be 'auto', None or a number in [0, 1), got {quantized_momentum!r}")
+            raise ValueError(
+                f"quantized_momentum must be 'auto', None or a number in [0, 1), got {quantized_momentum!r}"
+            )
         self.quantized_momentum = None if quantized_momentum is None else float(quantized_momentum)
         codec = RotatedQuantizer if self.rotate else Quantizer
         if chunk_size is None:
@@ -322,7 +333,9 @@ class DataParallelSGD(Algorithm):
 
     def __repr__(self) -> str:
         rotate = ", rotate=True" if self.rotate else ""
-        return f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start}{rotate})"
+        return (
+            f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start}{rotate})"
+        )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super().attach_optimizer(optimizer)
@@ -349,9 +362,12 @@ class DataParallelSGD(Algorithm):
             return
         if not isinstance(optimizer, torch.optim.SGD):
             if get_rank(self.group) == 0:
-                why = ("local_momentum=False: it" if is_adam(optimizer) else
-                       "it is neither torch.optim.SGD (momentum taken per worker before compression) nor Adam/AdamW "
-                       "(frozen variance, 1-bit Adam), so it")
+                why = (
+                    "local_momentum=False: it"
+                    if is_adam(optimizer)
+                    else "it is neither torch.optim.SGD (momentum taken per worker before compression) nor Adam/AdamW "
+                    "(frozen variance, 1-bit Adam), so it"
+                )
                 warnings.warn(
                     f"DataParallelSGD(bits={self.bits}) with {type(optimizer).__name__}, {why} gets the decoded "
                     "average gradient, and an optimizer with per-coordinate statistics (Adam, Adagrad, RMSprop, ...) "
@@ -378,8 +394,11 @@ class DataParallelSGD(Algorithm):
         was = self.quantizing
         self.quantizing = self._quantizer is not None and self.samples >= self.warm_start
         if self.quantizing and not was and self.warm_start and get_rank(self.group) == 0:
-            print(f"[bunsan] DataParallelSGD: {self.samples} samples trained (warm start {self.warm_start}); "
-                  f"switching to {self.bits}-bit gradients", flush=True)
+            print(
+                f"[bunsan] DataParallelSGD: {self.samples} samples trained (warm start {self.warm_start}); "
+                f"switching to {self.bits}-bit gradients",
+                flush=True,
+            )
 
     # -- set-up -----------------------------------------------------------------
     def setup(self, named_params: Sequence[tuple[str, Tensor]]) -> None:
@@ -412,7 +431,8 @@ class DataParallelSGD(Algorithm):
         # Each hook knows its bucket and slot: no dictionary lookup per gradient.
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, i))
-            for b in self._buckets for i, p in enumerate(b.params)
+            for b in self._buckets
+            for i, p in enumerate(b.params)
         ]
         if self._quantizer is not None:
             self._stripes = {b.index: self._build_stripes(b) for b in self._buckets}
@@ -437,7 +457,9 @@ class DataParallelSGD(Algorithm):
     def _build_stripes(self, bucket: _Bucket) -> _Stripes:
         assert self._quantizer is not None
         if bucket.buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"bits={self.bits} quantizes floating-point gradients only; {bucket.names[0]} is {bucket.buffer.dtype}")
+            raise TypeError(
+                f"bits={self.bits} quantizes floating-point gradients only; {bucket.names[0]} is {bucket.buffer.dtype}"
+            )
         n, device = self.world_size, bucket.buffer.device
         plan = plan_stripes([p.numel() for p in bucket.params], self._quantizer.chunk_size, n)
         segments: list[list[Segment]] = []
@@ -447,8 +469,10 @@ class DataParallelSGD(Algorithm):
                 placed.append((lo, length, position))
                 position += self._quantizer.payload_bytes(length)
             segments.append(placed)
-        payload = max(max((pos + self._quantizer.payload_bytes(length) for _, length, pos in stripe), default=0)
-                      for stripe in segments)
+        payload = max(
+            max((pos + self._quantizer.payload_bytes(length) for _, length, pos in stripe), default=0)
+            for stripe in segments
+        )
         longest = max((sum(length for _, length, _ in stripe) for stripe in segments), default=0)
         numel = bucket.buffer.numel()
 
@@ -458,8 +482,18 @@ class DataParallelSGD(Algorithm):
         def octets(k: int) -> Tensor:
             return torch.zeros(k, dtype=torch.uint8, device=device)
 
-        return _Stripes(segments, payload, floats(numel), floats(numel), octets(n * payload), octets(n * payload),
-                        floats(longest), floats(longest), octets(payload), octets(n * payload))
+        return _Stripes(
+            segments,
+            payload,
+            floats(numel),
+            floats(numel),
+            octets(n * payload),
+            octets(n * payload),
+            floats(longest),
+            floats(longest),
+            octets(payload),
+            octets(n * payload),
+        )
 
     def begin_accumulation(self) -> None:
         self._accumulating = True
@@ -544,8 +578,9 @@ class DataParallelSGD(Algorithm):
     def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
         """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
         if self._adam is not None:
-            return self._adam.momentum_step(self._momentum, self._name_of[p], p, grad, group,
-                                            cap=self.quantized_momentum)
+            return self._adam.momentum_step(
+                self._momentum, self._name_of[p], p, grad, group, cap=self.quantized_momentum
+            )
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])
@@ -715,8 +750,13 @@ class DataParallelSGD(Algorithm):
         other = 1 - me
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
-            q.work = all_gather_into(q.gathered, q.send[me * q.payload : (me + 1) * q.payload], group=self.group,
-                                     traffic=self.traffic, async_op=True)
+            q.work = all_gather_into(
+                q.gathered,
+                q.send[me * q.payload : (me + 1) * q.payload],
+                group=self.group,
+                traffic=self.traffic,
+                async_op=True,
+            )
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             wait(q.work, "quantized gradient gather")
@@ -843,7 +883,9 @@ class DataParallelSGD(Algorithm):
             return
         device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
         # Highest step count wins, the lowest rank among equals; and the lowest step count.
-        votes = torch.tensor([float(self.step * n + (n - 1 - me)), float(-self.step)], dtype=torch.float64, device=device)
+        votes = torch.tensor(
+            [float(self.step * n + (n - 1 - me)), float(-self.step)], dtype=torch.float64, device=device
+        )
         all_reduce(votes, op="max", group=self.group, traffic=self.traffic)
         most, fewest = int(votes[0].item()), -int(votes[1].item())
         if most // n == fewest:
@@ -881,7 +923,9 @@ class DataParallelSGD(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(bits=self.bits, compression=self.compression, warm_start=self.warm_start)
-        state["residuals"] = {which: {k: v.clone() for k, v in views.items()} for which, views in self.residuals().items()}
+        state["residuals"] = {
+            which: {k: v.clone() for k, v in views.items()} for which, views in self.residuals().items()
+        }
         state["local_momentum"] = {k: v.clone() for k, v in self._momentum.items()}
         return state
 

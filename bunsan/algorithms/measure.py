@@ -51,14 +51,24 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     # the fixed cost of one call: encode + decode of one small chunk, halved
     small = x[: quantizer.chunk_size]
     small_payload = payload[: quantizer.payload_bytes(small.numel())]
-    call = median_time(lambda: (quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
-                                 quantizer.decode(small_payload, small.numel(), out=out[: small.numel()])),
-                        max(repeats, 9)) / 2
+    call = (
+        median_time(
+            lambda: (
+                quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
+                quantizer.decode(small_payload, small.numel(), out=out[: small.numel()]),
+            ),
+            max(repeats, 9),
+        )
+        / 2
+    )
     half = torch.empty(numel, dtype=torch.float16)
     cast = median_time(lambda: (half.copy_(x), out.copy_(half)), repeats)
-    return {"encode_s_per_element": max(0.0, encode - call) / numel,
-            "decode_s_per_element": max(0.0, decode - call) / numel, "codec_call_s": call,
-            "cast_s_per_element": cast / numel}
+    return {
+        "encode_s_per_element": max(0.0, encode - call) / numel,
+        "decode_s_per_element": max(0.0, decode - call) / numel,
+        "codec_call_s": call,
+        "cast_s_per_element": cast / numel,
+    }
 
 
 def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:

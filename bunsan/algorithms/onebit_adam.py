@@ -109,8 +109,15 @@ class FrozenVarianceAdam:
             self._denominators[p] = (variance, value)
         return value
 
-    def momentum_step(self, momentum: dict[str, Tensor], name: str, p: Tensor, grad: Tensor,
-                      group: dict[str, Any], cap: float | None = None) -> Tensor:
+    def momentum_step(
+        self,
+        momentum: dict[str, Tensor],
+        name: str,
+        p: Tensor,
+        grad: Tensor,
+        group: dict[str, Any],
+        cap: float | None = None,
+    ) -> Tensor:
         """This worker's Adam momentum, preconditioned: returns ``m_i / (sqrt(v_hat) + eps)``.
 
         ``m_i = beta1 * m_i + (1 - beta1) * d``, with ``d`` the gradient (negated

@@ -72,18 +72,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slow", type=float, default=3.0, help="the straggler's slow-down factor")
-    parser.add_argument("--sync-period", type=int, default=None,
-                        help="AsyncSGD samples per worker between pushes (default: one local batch, a push every step)")
-    parser.add_argument("--async-lr-scale", type=float, default=None,
-                        help="AsyncSGD's lr = lr x this (default 1/N)")
-    parser.add_argument("--async-momentum", type=float, default=None,
-                        help="AsyncSGD's local momentum (default: --momentum)")
+    parser.add_argument(
+        "--sync-period",
+        type=int,
+        default=None,
+        help="AsyncSGD samples per worker between pushes (default: one local batch, a push every step)",
+    )
+    parser.add_argument("--async-lr-scale", type=float, default=None, help="AsyncSGD's lr = lr x this (default 1/N)")
+    parser.add_argument(
+        "--async-momentum", type=float, default=None, help="AsyncSGD's local momentum (default: --momentum)"
+    )
     parser.add_argument("--lr-warmup", type=int, default=0, help="AsyncSGD's ramp, global samples")
     parser.add_argument("--staleness-aware", action="store_true")
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="BlockMomentumSGD samples per worker per block (default: 4 local batches)")
-    parser.add_argument("--algorithms", default="data_parallel,block_momentum,async",
-                        help="comma-separated subset of data_parallel, block_momentum, async")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="BlockMomentumSGD samples per worker per block (default: 4 local batches)",
+    )
+    parser.add_argument(
+        "--algorithms",
+        default="data_parallel,block_momentum,async",
+        help="comma-separated subset of data_parallel, block_momentum, async",
+    )
     parser.add_argument("--situations", default="even,straggler", help="comma-separated subset of even, straggler")
     parser.add_argument("--json", default=None, help="write the rows as JSON here (rank 0)")
     return parser.parse_args(argv)
@@ -97,8 +108,9 @@ def _make(name: str, args: argparse.Namespace, local_batch: int, world_size: int
         return BlockMomentumSGD(block_size=args.block_size or 4 * local_batch), args.lr, args.momentum
     if name == "async":
         scale = args.async_lr_scale if args.async_lr_scale is not None else 1.0 / world_size
-        algorithm = AsyncSGD(sync_period=args.sync_period or local_batch, lr_warmup=args.lr_warmup,
-                             staleness_aware=args.staleness_aware)
+        algorithm = AsyncSGD(
+            sync_period=args.sync_period or local_batch, lr_warmup=args.lr_warmup, staleness_aware=args.staleness_aware
+        )
         momentum = args.momentum if args.async_momentum is None else args.async_momentum
         return algorithm, args.lr * scale, momentum
     raise ValueError(f"unknown algorithm {name!r}; choose data_parallel, block_momentum or async")
@@ -131,8 +143,9 @@ def train_one(name: str, situation: str, args: argparse.Namespace) -> dict[str, 
     if is_async:
         # Workers run at different speeds: each draws from the whole training set in its own
         # order, so that a fast worker does not overfit a partition of its own.
-        loader = bunsan.data.loader(train_set, batch_size=local_batch, shuffle=True, seed=args.seed + 7919 * rank,
-                                    rank=0, world_size=1)
+        loader = bunsan.data.loader(
+            train_set, batch_size=local_batch, shuffle=True, seed=args.seed + 7919 * rank, rank=0, world_size=1
+        )
     else:
         loader = bunsan.data.loader(train_set, batch_size=local_batch, shuffle=True, seed=args.seed)
 
@@ -178,16 +191,21 @@ def train_one(name: str, situation: str, args: argparse.Namespace) -> dict[str, 
         "bytes_per_sample": sum(float(s["bytes_sent"]) for s in stats) / max(samples, 1),
     }
     if is_async:
-        row.update(mean_staleness=stats[0]["mean_staleness"], pushes=stats[0]["server_updates"],
-                   ms_per_push=[1000 * s["sync_s"] / max(s["pushes"], 1) for s in stats])
+        row.update(
+            mean_staleness=stats[0]["mean_staleness"],
+            pushes=stats[0]["server_updates"],
+            ms_per_push=[1000 * s["sync_s"] / max(s["pushes"], 1) for s in stats],
+        )
     return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a text table, with each time's speed relative to DataParallelSGD in its situation."""
     reference = {r["situation"]: r["time_s"] for r in rows if r["algorithm"] == "data_parallel"}
-    header = f"{'situation':<10} {'algorithm':<15} {'lr':>8} {'time s':>8} {'speed':>6} {'acc %':>6} " \
-             f"{'bytes/sample':>12} {'samples':>8}  samples per worker"
+    header = (
+        f"{'situation':<10} {'algorithm':<15} {'lr':>8} {'time s':>8} {'speed':>6} {'acc %':>6} "
+        f"{'bytes/sample':>12} {'samples':>8}  samples per worker"
+    )
     lines = [header, "-" * len(header)]
     for r in rows:
         speed = reference.get(r["situation"])
@@ -219,13 +237,20 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 extra = ""
                 if "mean_staleness" in row:
-                    extra = (f", mean staleness {row['mean_staleness']:.1f}, ms per push/pull by rank "
-                             f"{[round(t, 2) for t in row['ms_per_push']]}")
-                print(f"[async_bench] {situation} {name}: {row['time_s']:.1f} s, "
-                      f"accuracy {100 * row['accuracy']:.1f} %{extra}", flush=True)
+                    extra = (
+                        f", mean staleness {row['mean_staleness']:.1f}, ms per push/pull by rank "
+                        f"{[round(t, 2) for t in row['ms_per_push']]}"
+                    )
+                print(
+                    f"[async_bench] {situation} {name}: {row['time_s']:.1f} s, "
+                    f"accuracy {100 * row['accuracy']:.1f} %{extra}",
+                    flush=True,
+                )
     if bunsan.rank() == 0:
-        print(f"\nMNIST-1D CNN, {bunsan.size()} workers, global batch {args.batch}, {args.epochs} epochs, "
-              f"momentum {args.momentum}, straggler = rank {bunsan.size() - 1} x{args.slow}")
+        print(
+            f"\nMNIST-1D CNN, {bunsan.size()} workers, global batch {args.batch}, {args.epochs} epochs, "
+            f"momentum {args.momentum}, straggler = rank {bunsan.size() - 1} x{args.slow}"
+        )
         print(format_table(rows))
         if args.json:
             with open(args.json, "w") as f:

@@ -199,11 +199,15 @@ def _worker(spec: dict[str, Any]) -> int:
             tensor = torch.full((count,), float(rank + 1))
             output = torch.empty(count * n if op == "all_gather" else 0)
             if op == "all_reduce":
-                paths = {"bunsan": lambda t=tensor: comm.all_reduce(t),
-                         "torch": lambda t=tensor: bench_raw.raw_all_reduce(t)}
+                paths = {
+                    "bunsan": lambda t=tensor: comm.all_reduce(t),
+                    "torch": lambda t=tensor: bench_raw.raw_all_reduce(t),
+                }
             else:
-                paths = {"bunsan": lambda o=output, t=tensor: comm.all_gather_into(o, t),
-                         "torch": lambda o=output, t=tensor: bench_raw.raw_all_gather_into(o, t)}
+                paths = {
+                    "bunsan": lambda o=output, t=tensor: comm.all_gather_into(o, t),
+                    "torch": lambda o=output, t=tensor: bench_raw.raw_all_gather_into(o, t),
+                }
             barriers = {"bunsan": comm.barrier, "torch": bench_raw.raw_barrier}
             for path, call in paths.items():
                 for _ in range(spec["warmup"]):
@@ -217,9 +221,16 @@ def _worker(spec: dict[str, Any]) -> int:
                 if not torch.equal(output, expected):
                     raise RuntimeError(f"all_gather of {size} bytes gathered wrong values")
             actual = count * FLOAT_BYTES * (1 if op == "all_reduce" else n)
-            rows.append({"size_bytes": actual, "requested_bytes": size, "op": op, "iters": iters,
-                         **{f"{path}_s": statistics.median(rounds[path]) for path in paths},
-                         **{f"{path}_rounds_s": rounds[path] for path in paths}})
+            rows.append(
+                {
+                    "size_bytes": actual,
+                    "requested_bytes": size,
+                    "op": op,
+                    "iters": iters,
+                    **{f"{path}_s": statistics.median(rounds[path]) for path in paths},
+                    **{f"{path}_rounds_s": rounds[path] for path in paths},
+                }
+            )
             del tensor, output
 
     copies = []
@@ -240,16 +251,34 @@ def _worker(spec: dict[str, Any]) -> int:
             copies.append({"size_bytes": count * FLOAT_BYTES, "copy_s": statistics.median(timings)})
     comm.barrier()
     if rank == 0:
-        Path(spec["out"]).write_text(json.dumps({"workers": n, "rows": rows, "copies": copies,
-                                                 "threads": torch.get_num_threads(),
-                                                 "torch": torch.__version__}, indent=1))
+        Path(spec["out"]).write_text(
+            json.dumps(
+                {
+                    "workers": n,
+                    "rows": rows,
+                    "copies": copies,
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                },
+                indent=1,
+            )
+        )
     bunsan.finalize()
     return 0
 
 
 # -- the table -----------------------------------------------------------------------------
-COLUMNS = ("size", "op", "iters", "bunsan (ms)", "bunsan busbw (GB/s)", "torch (ms)", "torch busbw (GB/s)",
-           "bunsan/torch", "copy (GB/s)")
+COLUMNS = (
+    "size",
+    "op",
+    "iters",
+    "bunsan (ms)",
+    "bunsan busbw (GB/s)",
+    "torch (ms)",
+    "torch busbw (GB/s)",
+    "bunsan/torch",
+    "copy (GB/s)",
+)
 _RIGHT = set(COLUMNS) - {"op"}
 
 
@@ -260,8 +289,9 @@ def _rows_with_bandwidth(result: dict[str, Any]) -> list[dict[str, Any]]:
     for row in result["rows"]:
         row = dict(row)
         for path in ("bunsan", "torch"):
-            row[f"{path}_algbw"], row[f"{path}_busbw"] = bus_bandwidth(row["op"], row["size_bytes"],
-                                                                       row[f"{path}_s"], n)
+            row[f"{path}_algbw"], row[f"{path}_busbw"] = bus_bandwidth(
+                row["op"], row["size_bytes"], row[f"{path}_s"], n
+            )
         row["time_ratio"] = row["bunsan_s"] / row["torch_s"]
         row["copy_bandwidth"] = copies.get(row["requested_bytes"]) or copies.get(row["size_bytes"])
         rows.append(row)
@@ -273,12 +303,19 @@ def table_rows(rows: Iterable[dict[str, Any]]) -> list[list[str]]:
     cells = []
     for r in rows:
         copy = r.get("copy_bandwidth")
-        cells.append([
-            format_size(r["requested_bytes"]), r["op"], str(r["iters"]),
-            f"{1000 * r['bunsan_s']:.3f}", f"{r['bunsan_busbw'] / 1e9:.3f}",
-            f"{1000 * r['torch_s']:.3f}", f"{r['torch_busbw'] / 1e9:.3f}",
-            f"{r['time_ratio']:.2f}", "-" if copy is None else f"{copy / 1e9:.2f}",
-        ])
+        cells.append(
+            [
+                format_size(r["requested_bytes"]),
+                r["op"],
+                str(r["iters"]),
+                f"{1000 * r['bunsan_s']:.3f}",
+                f"{r['bunsan_busbw'] / 1e9:.3f}",
+                f"{1000 * r['torch_s']:.3f}",
+                f"{r['torch_busbw'] / 1e9:.3f}",
+                f"{r['time_ratio']:.2f}",
+                "-" if copy is None else f"{copy / 1e9:.2f}",
+            ]
+        )
     return cells
 
 
@@ -294,12 +331,23 @@ def plot_comm(rows: Sequence[dict[str, Any]], path: Path, workers: int, network:
         if not mine:
             continue
         for way, style in (("bunsan", "-"), ("torch", "--")):
-            axes.plot([r["requested_bytes"] for r in mine], [r[f"{way}_busbw"] / 1e9 for r in mine],
-                      linestyle=style, marker="o", markersize=3, label=f"{op}, {way}")
+            axes.plot(
+                [r["requested_bytes"] for r in mine],
+                [r[f"{way}_busbw"] / 1e9 for r in mine],
+                linestyle=style,
+                marker="o",
+                markersize=3,
+                label=f"{op}, {way}",
+            )
     copies = sorted({(r["requested_bytes"], r["copy_bandwidth"]) for r in rows if r.get("copy_bandwidth")})
     if copies:
-        axes.plot([c[0] for c in copies], [c[1] / 1e9 for c in copies], color="black", linestyle=":",
-                  label="tensor.copy_ (1 thread)")
+        axes.plot(
+            [c[0] for c in copies],
+            [c[1] / 1e9 for c in copies],
+            color="black",
+            linestyle=":",
+            label="tensor.copy_ (1 thread)",
+        )
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     sizes = sorted({r["requested_bytes"] for r in rows})
@@ -316,15 +364,23 @@ def plot_comm(rows: Sequence[dict[str, Any]], path: Path, workers: int, network:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench comm`` to ``parser``."""
     parser.add_argument("-np", "--np", dest="workers", type=int, default=2, help="workers; default %(default)s")
-    parser.add_argument("--sizes", default="1KB..64MB",
-                        help="LOW..HIGH (each --factor times the last) or a comma list; default %(default)s")
+    parser.add_argument(
+        "--sizes",
+        default="1KB..64MB",
+        help="LOW..HIGH (each --factor times the last) or a comma list; default %(default)s",
+    )
     parser.add_argument("--factor", type=int, default=4, help="step of a LOW..HIGH range; default %(default)s")
     parser.add_argument("--ops", default="all_reduce,all_gather", help="comma list; default %(default)s")
-    parser.add_argument("--iters", type=int, default=50,
-                        help="timed calls per measurement (fewer above 256MB/iters); default %(default)s")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=50,
+        help="timed calls per measurement (fewer above 256MB/iters); default %(default)s",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first; default %(default)s")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per path, median reported; "
-                                                                "default %(default)s")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds per path, median reported; default %(default)s"
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="for the job; default %(default)s")
     parser.add_argument("--out", default="runs/comm", help="directory of the job's output; default %(default)s")
@@ -340,18 +396,30 @@ def _spec(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise ValueError(f"--ops {args.ops!r}: choose from {', '.join(OPS)}")
-    for name, value, low in (("-np", args.workers, 2), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
-                             ("--rounds", args.rounds, 1), ("--threads", args.threads, 1)):
+    for name, value, low in (
+        ("-np", args.workers, 2),
+        ("--iters", args.iters, 1),
+        ("--warmup", args.warmup, 0),
+        ("--rounds", args.rounds, 1),
+        ("--threads", args.threads, 1),
+    ):
         if value < low:
-            raise ValueError(f"{name} must be >= {low}, got {value}" +
-                             ("; a collective needs two workers" if name == "-np" else ""))
+            raise ValueError(
+                f"{name} must be >= {low}, got {value}" + ("; a collective needs two workers" if name == "-np" else "")
+            )
     if not args.timeout_s > 0:
         raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
     refusal = netns.check_network_argument(args)
     if refusal is not None:
         raise ValueError(refusal)
-    return {"sizes": parse_sizes(args.sizes, args.factor), "ops": list(dict.fromkeys(ops)), "iters": args.iters,
-            "warmup": args.warmup, "rounds": args.rounds, "out": str(out)}
+    return {
+        "sizes": parse_sizes(args.sizes, args.factor),
+        "ops": list(dict.fromkeys(ops)),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "out": str(out),
+    }
 
 
 def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
@@ -397,9 +465,11 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
     rows = _rows_with_bandwidth(result)
     network = f"links shaped to {netns.parse_network(args.network).label}" if args.network else "Gloo over loopback"
-    say(f"{args.workers} workers, float32, {network}, {args.threads} thread(s) per worker; median of {args.rounds} "
+    say(
+        f"{args.workers} workers, float32, {network}, {args.threads} thread(s) per worker; median of {args.rounds} "
         f"alternating rounds; busbw as nccl-tests (all-reduce x 2(n-1)/n, all-gather x (n-1)/n of the output size); "
-        f"copy = local tensor.copy_ on rank 0; job {total_s:.1f} s")
+        f"copy = local tensor.copy_ on rank 0; job {total_s:.1f} s"
+    )
     cells = table_rows(rows)
     say(compare.format_table(COLUMNS, cells, right=_RIGHT))
     json_path = Path(args.json) if args.json else out / "comm.json"
@@ -407,8 +477,11 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         "benchmark": "comm",
         "command": shlex.join(sys.argv),
         "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
-        "machine": {**compare._machine(args.threads), "load_average_before": load_before,
-                    "load_average_after": compare._load_average()},
+        "machine": {
+            **compare._machine(args.threads),
+            "load_average_before": load_before,
+            "load_average_after": compare._load_average(),
+        },
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "duration_s": time.time() - started,
         "workers": result["workers"],
@@ -421,8 +494,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     write_json(str(json_path), document)
     say(f"JSON: {json_path}")
     if not args.no_plots:
-        path = plot_comm(rows, (Path(args.plots) if args.plots else out / "plots") / "comm.png", args.workers,
-                         network)
+        path = plot_comm(rows, (Path(args.plots) if args.plots else out / "plots") / "comm.png", args.workers, network)
         if path is not None:
             say(f"plot: {path}")
     return 0
@@ -433,8 +505,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
         return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -77,9 +77,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "record_document",
-    "report_failures",
-    "run_recorded_job",
     "DESCRIPTION",
     "EPILOG",
     "AlgorithmSetting",
@@ -96,9 +93,12 @@ __all__ = [
     "parse_value",
     "parse_workers",
     "per_worker_batch",
+    "record_document",
     "reference_workers",
+    "report_failures",
     "run",
     "run_job",
+    "run_recorded_job",
     "speed_ratios",
     "speedups_vs_first",
     "table_rows",
@@ -204,8 +204,10 @@ def parse_algorithm_spec(text: str) -> AlgorithmSetting:
     name, colon, rest = text.strip().partition(":")
     name = name.strip()
     if not _NAME.fullmatch(name):
-        raise ValueError(f"algorithm spec {text!r} does not start with an algorithm name; "
-                         "write NAME or NAME:KEY=VALUE,..., e.g. block_momentum:block_size=1024")
+        raise ValueError(
+            f"algorithm spec {text!r} does not start with an algorithm name; "
+            "write NAME or NAME:KEY=VALUE,..., e.g. block_momentum:block_size=1024"
+        )
     options: dict[str, Any] = {}
     if colon and not rest.strip():
         raise ValueError(f"algorithm spec {text!r} has nothing after ':'; drop the ':' or add KEY=VALUE")
@@ -213,8 +215,10 @@ def parse_algorithm_spec(text: str) -> AlgorithmSetting:
         key, equals, value = item.partition("=")
         key = key.strip()
         if not equals or not _NAME.fullmatch(key) or not value.strip():
-            raise ValueError(f"option {item.strip()!r} of algorithm spec {text!r} is not KEY=VALUE; "
-                             "separate options with commas, e.g. data_parallel:bits=1,warm_start=8000")
+            raise ValueError(
+                f"option {item.strip()!r} of algorithm spec {text!r} is not KEY=VALUE; "
+                "separate options with commas, e.g. data_parallel:bits=1,warm_start=8000"
+            )
         if key in options:
             raise ValueError(f"algorithm spec {text!r} sets {key!r} twice")
         options[key] = parse_value(value)
@@ -262,15 +266,19 @@ def apply_sweeps(settings: Sequence[AlgorithmSetting], sweeps: Sequence[Sweep]) 
     """
     for sweep in sweeps:
         if sweep.target is not None and not any(s.name == sweep.target for s in settings):
-            raise ValueError(f"--sweep {sweep.target}:{sweep.key}=... names algorithm {sweep.target!r}, "
-                             f"which is not in --algorithms ({', '.join(s.label for s in settings)})")
+            raise ValueError(
+                f"--sweep {sweep.target}:{sweep.key}=... names algorithm {sweep.target!r}, "
+                f"which is not in --algorithms ({', '.join(s.label for s in settings)})"
+            )
     expanded: list[AlgorithmSetting] = []
     for setting in settings:
         mine = [s for s in sweeps if s.target in (None, setting.name)]
         for sweep in mine:
             if sweep.key in setting.options:
-                raise ValueError(f"--sweep {sweep.key}=... and algorithm spec {setting.label!r} both set "
-                                 f"{sweep.key!r}; drop it from one of them")
+                raise ValueError(
+                    f"--sweep {sweep.key}=... and algorithm spec {setting.label!r} both set "
+                    f"{sweep.key!r}; drop it from one of them"
+                )
         if len({s.key for s in mine}) != len(mine):
             raise ValueError(f"two --sweep options vary {setting.name}'s same option; merge their values into one")
         for values in itertools.product(*(s.values for s in mine)):
@@ -307,8 +315,10 @@ def per_worker_batch(batch: int, workers: int) -> int:
     if batch < 1 or workers < 1:
         raise ValueError(f"need batch >= 1 and workers >= 1, got batch={batch}, workers={workers}")
     if batch % workers:
-        raise ValueError(f"the global minibatch --batch {batch} does not split evenly over {workers} workers; "
-                         f"choose a multiple of {workers}")
+        raise ValueError(
+            f"the global minibatch --batch {batch} does not split evenly over {workers} workers; "
+            f"choose a multiple of {workers}"
+        )
     return batch // workers
 
 
@@ -338,8 +348,20 @@ def speedups_vs_first(rows: Sequence[tuple[str, int, float | None]], first: str)
 # -- the table -------------------------------------------------------------------------
 # "speed": time(reference worker count) / time(N), same setting (CNTK's 速度比);
 # "vs first": time(first setting) / time(this setting), same worker count (the algorithm's speed-up).
-COLUMNS = ("workers", "algorithm", "bits", "warm start", "block size", "epochs", "time (s)", "speed",
-           "vs first", "error (%)", "bytes/sample", "samples/s")
+COLUMNS = (
+    "workers",
+    "algorithm",
+    "bits",
+    "warm start",
+    "block size",
+    "epochs",
+    "time (s)",
+    "speed",
+    "vs first",
+    "error (%)",
+    "bytes/sample",
+    "samples/s",
+)
 _RIGHT = set(COLUMNS) - {"algorithm"}
 
 
@@ -364,20 +386,22 @@ def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
         ok = r.get("status") == "ok"
         time_cell = _number(r.get("wall_s"), 1) if ok else str(r.get("status", "failed"))
         error = r.get("test_error")
-        rows.append([
-            str(r["workers"]),
-            r["label"],
-            _bits_cell(r),
-            _count_cell(r.get("warm_start")),
-            _count_cell(r.get("block_size")),
-            str(r["epochs"]),
-            time_cell,
-            _number(r.get("speed_ratio"), 2) if ok else "-",
-            _number(r.get("speedup_vs_first"), 2) if ok else "-",
-            _number(None if error is None else 100 * error, 2) if ok else "-",
-            _number(r.get("bytes_sent_per_sample"), 1) if ok else "-",
-            _number(r.get("samples_per_s"), 0) if ok else "-",
-        ])
+        rows.append(
+            [
+                str(r["workers"]),
+                r["label"],
+                _bits_cell(r),
+                _count_cell(r.get("warm_start")),
+                _count_cell(r.get("block_size")),
+                str(r["epochs"]),
+                time_cell,
+                _number(r.get("speed_ratio"), 2) if ok else "-",
+                _number(r.get("speedup_vs_first"), 2) if ok else "-",
+                _number(None if error is None else 100 * error, 2) if ok else "-",
+                _number(r.get("bytes_sent_per_sample"), 1) if ok else "-",
+                _number(r.get("samples_per_s"), 0) if ok else "-",
+            ]
+        )
     return rows
 
 
@@ -412,8 +436,10 @@ def check_setting(setting: AlgorithmSetting) -> dict[str, Any]:
     from bunsan import algorithms
 
     if setting.name not in algorithms.names():
-        raise ValueError(f"algorithm spec {setting.label!r}: unknown algorithm {setting.name!r}; "
-                         f"choose one of {', '.join(algorithms.names())}")
+        raise ValueError(
+            f"algorithm spec {setting.label!r}: unknown algorithm {setting.name!r}; "
+            f"choose one of {', '.join(algorithms.names())}"
+        )
     classes = [getattr(algorithms, n) for n in algorithms.__all__]
     cls = next((c for c in classes if inspect.isclass(c) and getattr(c, "name", None) == setting.name), None)
     if cls is not None:
@@ -422,15 +448,19 @@ def check_setting(setting: AlgorithmSetting) -> dict[str, Any]:
         accepted = [n for n in parameters if n not in ("self", "group")]
         unknown = [k for k in setting.options if k not in accepted or k == "group"]
         if unknown and not takes_any:
-            raise ValueError(f"algorithm spec {setting.label!r}: {setting.name} has no option {unknown[0]!r}; "
-                             f"its options are {', '.join(accepted)}")
+            raise ValueError(
+                f"algorithm spec {setting.label!r}: {setting.name} has no option {unknown[0]!r}; "
+                f"its options are {', '.join(accepted)}"
+            )
     try:
         algorithm = algorithms.create(setting.name, **setting.options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"algorithm spec {setting.label!r}: {err}") from None
     except RuntimeError as err:  # a constructor that wants a process group: a bug to report
-        raise ValueError(f"algorithm spec {setting.label!r} cannot be checked before the jobs start, because "
-                         f"building {setting.name} outside a job failed: {err}") from None
+        raise ValueError(
+            f"algorithm spec {setting.label!r} cannot be checked before the jobs start, because "
+            f"building {setting.name} outside a job failed: {err}"
+        ) from None
     return {
         "algorithm": setting.name,
         "options": dict(setting.options),
@@ -541,23 +571,45 @@ def _load_average() -> list[float] | None:
 # -- the command -------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench compare`` to ``parser``."""
-    parser.add_argument("--model", default="mnist1d_cnn",
-                        help="model name (bunsan.models.names()); default %(default)s")
-    parser.add_argument("--dataset", default="mnist1d",
-                        help="data set name (bunsan.datasets.names()); default %(default)s")
-    parser.add_argument("--algorithms", nargs="+", default=["data_parallel"], metavar="SPEC",
-                        help="algorithm settings NAME[:KEY=VALUE,...]; default data_parallel")
-    parser.add_argument("-np", "--np", dest="workers", default="1,2,4", metavar="N,N,...",
-                        help="worker counts, comma-separated; default %(default)s")
-    parser.add_argument("--sweep", action="append", default=[], metavar="[ALGO:]KEY=V1,V2,...",
-                        help="one setting per value (e.g. warm_start=0,2000,8000); ALGO limits it to one "
-                             "algorithm; repeat to cross several")
+    parser.add_argument(
+        "--model", default="mnist1d_cnn", help="model name (bunsan.models.names()); default %(default)s"
+    )
+    parser.add_argument(
+        "--dataset", default="mnist1d", help="data set name (bunsan.datasets.names()); default %(default)s"
+    )
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["data_parallel"],
+        metavar="SPEC",
+        help="algorithm settings NAME[:KEY=VALUE,...]; default data_parallel",
+    )
+    parser.add_argument(
+        "-np",
+        "--np",
+        dest="workers",
+        default="1,2,4",
+        metavar="N,N,...",
+        help="worker counts, comma-separated; default %(default)s",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="[ALGO:]KEY=V1,V2,...",
+        help="one setting per value (e.g. warm_start=0,2000,8000); ALGO limits it to one "
+        "algorithm; repeat to cross several",
+    )
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run; default %(default)s")
-    parser.add_argument("--batch", type=int, default=64, help="GLOBAL minibatch, split evenly over the workers; "
-                                                               "default %(default)s")
-    parser.add_argument("--batch-per-worker", action="store_true",
-                        help="--batch is each worker's minibatch (a single-process script's), not the global one: "
-                             "N workers train N x batch samples per step")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="GLOBAL minibatch, split evenly over the workers; default %(default)s"
+    )
+    parser.add_argument(
+        "--batch-per-worker",
+        action="store_true",
+        help="--batch is each worker's minibatch (a single-process script's), not the global one: "
+        "N workers train N x batch samples per step",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate, the same for all; default %(default)s")
     parser.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum; default %(default)s")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay; default %(default)s")
@@ -569,8 +621,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", metavar="DIR", help="PNG plots; default OUT/plots")
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
     parser.add_argument("--no-curves", action="store_true", help="skip per-epoch test errors (no model copies)")
-    parser.add_argument("--layout", choices=("rows", "columns", "both"), default="rows",
-                        help="rows: one row per run; columns: one column per run, as in the CNTK article")
+    parser.add_argument(
+        "--layout",
+        choices=("rows", "columns", "both"),
+        default="rows",
+        help="rows: one row per run; columns: one column per run, as in the CNTK article",
+    )
     parser.add_argument("--dry-run", action="store_true", help="check the input and print the jobs, start nothing")
 
 
@@ -583,16 +639,19 @@ class _Plan:
 def _plan(args: argparse.Namespace) -> _Plan:
     try:
         workers = parse_workers(args.workers)
-        settings = apply_sweeps([parse_algorithm_spec(s) for s in args.algorithms],
-                                [parse_sweep(s) for s in args.sweep])
+        settings = apply_sweeps(
+            [parse_algorithm_spec(s) for s in args.algorithms], [parse_sweep(s) for s in args.sweep]
+        )
     except ValueError as err:
         raise _Refused(str(err)) from None
     if args.batch < 1:
         raise _Refused(f"--batch must be >= 1, got {args.batch}")
     uneven = [] if getattr(args, "batch_per_worker", False) else [n for n in workers if args.batch % n]
     if uneven:
-        raise _Refused(f"the global minibatch --batch {args.batch} does not split evenly over {uneven[0]} workers; "
-                       f"choose a multiple of {math.lcm(*workers)} for -np {args.workers}")
+        raise _Refused(
+            f"the global minibatch --batch {args.batch} does not split evenly over {uneven[0]} workers; "
+            f"choose a multiple of {math.lcm(*workers)} for -np {args.workers}"
+        )
     for name, value, low in (("--epochs", args.epochs, 1), ("--threads", args.threads, 1)):
         if value < low:
             raise _Refused(f"{name} must be >= {low}, got {value}")
@@ -617,9 +676,18 @@ def global_batch(batch: int, workers: int, batch_per_worker: bool) -> int:
 def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path, workers: int) -> dict[str, Any]:
     batch = global_batch(args.batch, workers, getattr(args, "batch_per_worker", False))
     return {
-        "model": args.model, "dataset": args.dataset, "algorithm": setting.name, "options": dict(setting.options),
-        "epochs": args.epochs, "batch": batch, "lr": args.lr, "momentum": args.momentum,
-        "weight_decay": args.weight_decay, "seed": args.seed, "out": str(out), "curves": not args.no_curves,
+        "model": args.model,
+        "dataset": args.dataset,
+        "algorithm": setting.name,
+        "options": dict(setting.options),
+        "epochs": args.epochs,
+        "batch": batch,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "weight_decay": args.weight_decay,
+        "seed": args.seed,
+        "out": str(out),
+        "curves": not args.no_curves,
     }
 
 
@@ -633,21 +701,33 @@ def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> 
     return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
 
 
-def _record(setting: AlgorithmSetting, described: dict[str, Any], workers: int, args: argparse.Namespace,
-            directory: Path) -> dict[str, Any]:
+def _record(
+    setting: AlgorithmSetting, described: dict[str, Any], workers: int, args: argparse.Namespace, directory: Path
+) -> dict[str, Any]:
     batch = global_batch(args.batch, workers, getattr(args, "batch_per_worker", False))
-    return {"label": setting.label, "workers": workers, "epochs": args.epochs, "batch": batch,
-            "per_worker_batch": batch // workers, "dir": str(directory), **described}
+    return {
+        "label": setting.label,
+        "workers": workers,
+        "epochs": args.epochs,
+        "batch": batch,
+        "per_worker_batch": batch // workers,
+        "dir": str(directory),
+        **described,
+    }
 
 
 def _progress(index: int, total: int, record: dict[str, Any]) -> str:
     head = f"[{index}/{total}] {record['label']} -np {record['workers']}:"
     if record["status"] != "ok":
-        return f"{head} {record['status'].upper()} after {record['total_s']:.1f} s (exit {record.get('exit_code')}); " \
-               f"see {record['dir']}/stderr.txt"
+        return (
+            f"{head} {record['status'].upper()} after {record['total_s']:.1f} s (exit {record.get('exit_code')}); "
+            f"see {record['dir']}/stderr.txt"
+        )
     equal = "" if record.get("replicas_equal", True) else "  WARNING: replicas differ after join()"
-    return (f"{head} {record['wall_s']:.1f} s training ({record['total_s']:.1f} s in all), "
-            f"test error {100 * record['test_error']:.2f}%{equal}")
+    return (
+        f"{head} {record['wall_s']:.1f} s training ({record['total_s']:.1f} s in all), "
+        f"test error {100 * record['test_error']:.2f}%{equal}"
+    )
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
@@ -695,17 +775,32 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             interrupted = True
             break
         if result is not None:
-            for key in ("wall_s", "startup_s", "test_error", "test_loss", "train_loss", "test_error_curve",
-                        "epoch_end_s", "samples", "samples_per_s", "steps", "bytes_sent_per_sample",
-                        "bytes_sent_per_step", "replicas_equal", "threads", "stats"):
+            for key in (
+                "wall_s",
+                "startup_s",
+                "test_error",
+                "test_loss",
+                "train_loss",
+                "test_error_curve",
+                "epoch_end_s",
+                "samples",
+                "samples_per_s",
+                "steps",
+                "bytes_sent_per_sample",
+                "bytes_sent_per_step",
+                "replicas_equal",
+                "threads",
+                "stats",
+            ):
                 record[key] = result.get(key)
         records.append(record)
         say(_progress(index, len(configs), record))
 
     reference = reference_workers(plan.workers)
     ratios = speed_ratios([(r["label"], r["workers"], r.get("wall_s")) for r in records], reference)
-    speedups = speedups_vs_first([(r["label"], r["workers"], r.get("wall_s")) for r in records],
-                                 plan.settings[0][0].label)
+    speedups = speedups_vs_first(
+        [(r["label"], r["workers"], r.get("wall_s")) for r in records], plan.settings[0][0].label
+    )
     for record, ratio, speedup in zip(records, ratios, speedups):
         record["speed_ratio"] = ratio
         record["speedup_vs_first"] = speedup
@@ -714,12 +809,17 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
     rows = table_rows(records)
     say("")
-    framing = (f"batch {args.batch} per worker (N x {args.batch} per step)" if getattr(args, "batch_per_worker", False)
-               else f"global batch {args.batch}")
-    say(f"{args.model} on {args.dataset}, {args.epochs} epochs, {framing}, lr {args.lr}, "
+    framing = (
+        f"batch {args.batch} per worker (N x {args.batch} per step)"
+        if getattr(args, "batch_per_worker", False)
+        else f"global batch {args.batch}"
+    )
+    say(
+        f"{args.model} on {args.dataset}, {args.epochs} epochs, {framing}, lr {args.lr}, "
         f"momentum {args.momentum}, seed {args.seed}, {args.threads} thread(s) per worker; "
         f"speed = time({reference} worker{'s' if reference > 1 else ''}) / time(N) of the same setting; "
-        f"vs first = time({plan.settings[0][0].label}) / time(setting) at the same N")
+        f"vs first = time({plan.settings[0][0].label}) / time(setting) at the same N"
+    )
     if args.layout in ("rows", "both"):
         say(format_table(COLUMNS, rows, right=_RIGHT))
     if args.layout in ("columns", "both"):
@@ -742,8 +842,14 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     return 1 if failed else 0
 
 
-def run_recorded_job(command: Sequence[str], directory: Path, result_path: Path, record: dict[str, Any],
-                     timeout_s: float, env: dict[str, str]) -> dict[str, Any] | None:
+def run_recorded_job(
+    command: Sequence[str],
+    directory: Path,
+    result_path: Path,
+    record: dict[str, Any],
+    timeout_s: float,
+    env: dict[str, str],
+) -> dict[str, Any] | None:
     """Run one benchmark job and note in ``record`` how it went.
 
     Returns the job's result file (written by rank 0) when the job succeeded and
@@ -772,16 +878,27 @@ def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None
     return failed
 
 
-def record_document(benchmark: str, args: argparse.Namespace, reference: int, load_before: Any, started: float,
-                    columns: Sequence[str], rows: Any, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def record_document(
+    benchmark: str,
+    args: argparse.Namespace,
+    reference: int,
+    load_before: Any,
+    started: float,
+    columns: Sequence[str],
+    rows: Any,
+    records: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
     """The JSON record every job-running benchmark writes: what ran, where, when, and its table."""
     return {
         "benchmark": benchmark,
         "command": shlex.join(sys.argv),
         "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
         "reference_workers": reference,
-        "machine": {**_machine(args.threads), "load_average_before": load_before,
-                    "load_average_after": _load_average()},
+        "machine": {
+            **_machine(args.threads),
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+        },
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "duration_s": time.time() - started,
         "columns": list(columns),
@@ -792,8 +909,13 @@ def record_document(benchmark: str, args: argparse.Namespace, reference: int, lo
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.compare``: the same as ``bunsan bench compare``."""
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

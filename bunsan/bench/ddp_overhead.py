@@ -68,8 +68,9 @@ def cases() -> dict[str, ModelCase]:
     from bunsan.models import DigitsCNN, ResNet20
 
     def mlp() -> nn.Module:
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(),
-                             nn.Linear(256, 10))
+        return nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
 
     return {
         "digits-cnn": ModelCase(DigitsCNN, (1, 8, 8), 10, 64, 20),
@@ -91,8 +92,9 @@ def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ba
     return (time.perf_counter() - start) / len(batches)
 
 
-def _pair(name: str, batch: int | None, steps: int | None) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module,
-                                                                   torch.optim.Optimizer, Batches, ModelCase]:
+def _pair(
+    name: str, batch: int | None, steps: int | None
+) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer, Batches, ModelCase]:
     case = cases()[name]
     batch = batch or case.batch
     steps = steps or case.steps
@@ -104,8 +106,10 @@ def _pair(name: str, batch: int | None, steps: int | None) -> tuple[nn.Module, t
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     ours, our_opt = bunsan.distribute(ours, torch.optim.SGD(ours.parameters(), lr=0.01, momentum=0.9))
     g = torch.Generator().manual_seed(bunsan.rank())
-    batches = [(torch.randn(batch, *case.input_shape, generator=g), torch.randint(0, case.classes, (batch,), generator=g))
-               for _ in range(steps)]
+    batches = [
+        (torch.randn(batch, *case.input_shape, generator=g), torch.randint(0, case.classes, (batch,), generator=g))
+        for _ in range(steps)
+    ]
     return ddp, ddp_opt, ours, our_opt, batches, case
 
 
@@ -153,21 +157,28 @@ def profile(name: str, batch: int | None, steps: int, top: int = 25) -> str:
         profiler.enable()
         seconds = _train_steps(model, optimizer, batches)
         profiler.disable()
-        report.write(f"\n=== {label} on {name}: {seconds * 1e3:.3f} ms/step over {len(batches)} steps "
-                     f"(under the profiler) ===\n")
+        report.write(
+            f"\n=== {label} on {name}: {seconds * 1e3:.3f} ms/step over {len(batches)} steps (under the profiler) ===\n"
+        )
         pstats.Stats(profiler, stream=report).sort_stats("tottime").print_stats(top)
     return report.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.ddp_overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="digits-cnn,mlp-1m,resnet20,many-small",
-                        help="comma-separated: " + ",".join(cases()))
+    parser.add_argument(
+        "--models", default="digits-cnn,mlp-1m,resnet20,many-small", help="comma-separated: " + ",".join(cases())
+    )
     parser.add_argument("--batch", type=int, help="per-worker batch (default: the model's, 32 for resnet20, else 64)")
     parser.add_argument("--steps", type=int, help="steps per round (default: the model's, 5 for resnet20, else 20)")
     parser.add_argument("--rounds", type=int, default=12, help="alternating rounds per trainer")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="then profile N steps of each trainer with cProfile and print where the time goes")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="then profile N steps of each trainer with cProfile and print where the time goes",
+    )
     parser.add_argument("--json", help="also write the results to this file (rank 0)")
     args = parser.parse_args(argv)
     names = args.models.split(",")
@@ -179,13 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     bunsan.init()
     results = [measure(m, args.batch, args.steps, args.rounds) for m in names]
     if bunsan.is_main():
-        print(f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
-              f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round")
-        print(f"{'model':<11} {'tensors':>7} {'batch':>5} {'DDP ms/step':>12} {'bunsan ms/step':>15} {'ratio':>6} "
-              f"{'min':>6} {'max':>6} {'param diff':>10}")
+        print(
+            f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
+            f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round"
+        )
+        print(
+            f"{'model':<11} {'tensors':>7} {'batch':>5} {'DDP ms/step':>12} {'bunsan ms/step':>15} {'ratio':>6} "
+            f"{'min':>6} {'max':>6} {'param diff':>10}"
+        )
         for r in results:
-            print(f"{r['model']:<11} {r['tensors']:>7} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} "
-                  f"{r['ratio']:>6.3f} {r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f} {r['max_param_diff']:>10.2g}")
+            print(
+                f"{r['model']:<11} {r['tensors']:>7} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} "
+                f"{r['ratio']:>6.3f} {r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f} {r['max_param_diff']:>10.2g}"
+            )
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "threads": torch.get_num_threads(), "results": results})
     for name in names if args.profile else ():

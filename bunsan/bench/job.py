@@ -122,8 +122,13 @@ def spec_from_args(argv: list[str] | None = None) -> JobSpec:
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--out", help="JSON result file written by rank 0 (default: print it)")
-    parser.add_argument("--no-curves", dest="curves", action="store_false", default=None,
-                        help="skip the per-epoch test error (no model copies kept)")
+    parser.add_argument(
+        "--no-curves",
+        dest="curves",
+        action="store_false",
+        default=None,
+        help="skip the per-epoch test error (no model copies kept)",
+    )
     args = parser.parse_args(argv)
     values: dict[str, Any] = {}
     if args.spec is not None:
@@ -231,8 +236,7 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
     train_set, test_set = datasets.load(spec.dataset, "train"), datasets.load(spec.dataset, "test")
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, info)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
-                                weight_decay=spec.weight_decay)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     algorithm = algorithms.create(spec.algorithm, **spec.options)
     x0, y0 = train_set[:local_batch]
     _warm_up(model, x0, y0)

@@ -32,8 +32,9 @@ from bunsan.algorithms.measure import PROBE_SIZES, measure_codec, measure_networ
 __all__ = ["PROBE_SIZES", "main", "measure_codec", "measure_compute", "measure_network"]
 
 
-def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int = 5,
-                    warmup: int = 2) -> dict[str, float]:
+def measure_compute(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int = 5, warmup: int = 2
+) -> dict[str, float]:
     """Median seconds of a training step (forward, backward, SGD update) and of the forward alone.
 
     Returns ``{"compute_s", "forward_s", "step_times", "backward_fraction", "params", "tensors",
@@ -67,9 +68,15 @@ def measure_compute(model: nn.Module, inputs: torch.Tensor, targets: torch.Tenso
     from bunsan.compression import DEFAULT_CHUNK_SIZE
 
     chunks = sum(-(-p.numel() // DEFAULT_CHUNK_SIZE) for p in model.parameters() if p.requires_grad)
-    return {"compute_s": compute, "forward_s": forward_s, "step_times": step_times,
-            "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)), "params": params, "tensors": tensors,
-            "chunks": chunks}
+    return {
+        "compute_s": compute,
+        "forward_s": forward_s,
+        "step_times": step_times,
+        "backward_fraction": min(1.0, max(0.0, 1 - forward_s / compute)),
+        "params": params,
+        "tensors": tensors,
+        "chunks": chunks,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,9 +89,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bunsan.init(timeout_s=120.0)
     network = measure_network(repeats=args.repeats)
     if bunsan.is_main():
-        print(json.dumps({"workers": bunsan.size(), "latency_s": network.latency_s,
-                          "bandwidth": network.bandwidth, "gather_bandwidth": network.gather_bandwidth,
-                          "half_bandwidth": network.half_bandwidth}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "workers": bunsan.size(),
+                    "latency_s": network.latency_s,
+                    "bandwidth": network.bandwidth,
+                    "gather_bandwidth": network.gather_bandwidth,
+                    "half_bandwidth": network.half_bandwidth,
+                }
+            ),
+            flush=True,
+        )
     bunsan.finalize()
     return 0
 

@@ -39,7 +39,13 @@ from torch import Tensor, nn
 import bunsan
 from bunsan.bench import write_json
 from bunsan.comm import Traffic, all_reduce, barrier
-from bunsan.nn import ChannelParallelConv2d, SpatialParallelConv2d, SpatialParallelMaxPool2d, gather_height, split_height
+from bunsan.nn import (
+    ChannelParallelConv2d,
+    SpatialParallelConv2d,
+    SpatialParallelMaxPool2d,
+    gather_height,
+    split_height,
+)
 
 __all__ = ["main", "measure"]
 
@@ -128,8 +134,10 @@ def measure(batch: int, channels: int, size: int, steps: int, rounds: int) -> li
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     models["data"], optimizers["data"] = bunsan.distribute(models["data"], optimizers["data"], bunsan.DataParallelSGD())
     g = torch.Generator().manual_seed(1)  # the same global batches on every rank
-    batches = [(torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g))
-               for _ in range(steps)]
+    batches = [
+        (torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g))
+        for _ in range(steps)
+    ]
 
     def run(name: str, count: int) -> float:
         model, optimizer = models[name], optimizers[name]
@@ -187,13 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     bunsan.init()
     results = measure(args.batch, args.channels, args.size, args.steps, args.rounds)
     if bunsan.is_main():
-        print(f"small CNN 3x{args.size}x{args.size}, {args.channels} channels, global batch {args.batch}, "
-              f"{bunsan.size()} workers x {torch.get_num_threads()} thread(s), median of {args.rounds} "
-              f"alternating rounds x {args.steps} steps")
+        print(
+            f"small CNN 3x{args.size}x{args.size}, {args.channels} channels, global batch {args.batch}, "
+            f"{bunsan.size()} workers x {torch.get_num_threads()} thread(s), median of {args.rounds} "
+            f"alternating rounds x {args.steps} steps"
+        )
         print(f"{'variant':<8} {'ms/step':>9} {'ratio':>7} {'speed-up':>9} {'KiB sent/step':>14}")
         for r in results:
-            print(f"{r['variant']:<8} {r['ms_per_step']:>9.2f} {r['ratio']:>7.2f} {r['speedup']:>9.2f} "
-                  f"{float(r['bytes_sent_per_step']) / 1024:>14.1f}")
+            print(
+                f"{r['variant']:<8} {r['ms_per_step']:>9.2f} {r['ratio']:>7.2f} {r['speedup']:>9.2f} "
+                f"{float(r['bytes_sent_per_step']) / 1024:>14.1f}"
+            )
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "args": vars(args), "results": results})
     bunsan.finalize()

@@ -50,7 +50,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = [
     "NetworkSpec",
@@ -99,8 +98,10 @@ def parse_rate(text: str) -> int:
     """
     match = _RATE.fullmatch(text.strip())
     if not match:
-        raise ValueError(f"rate {text!r} is not a number with a unit bit, kbit, mbit, gbit or tbit "
-                         "(bits per second, SI: 1gbit = 10^9 bit/s), e.g. rate=100mbit")
+        raise ValueError(
+            f"rate {text!r} is not a number with a unit bit, kbit, mbit, gbit or tbit "
+            "(bits per second, SI: 1gbit = 10^9 bit/s), e.g. rate=100mbit"
+        )
     bits = float(match["number"]) * _UNITS[match["unit"].lower()]
     if bits < 8000:
         raise ValueError(f"rate {text!r} is below 8kbit, too slow for a job to start")
@@ -137,9 +138,11 @@ def parse_network(text: str) -> NetworkSpec:
         if not equals or not key or not value.strip():
             raise ValueError(f"--network {text!r}: {item.strip()!r} is not KEY=VALUE; write e.g. --network rate=1gbit")
         if key in _NOT_SUPPORTED:
-            raise ValueError(f"--network {text!r}: {key} cannot be emulated: that needs tc's netem, which this "
-                             "kernel lacks; bunsan shapes the rate only (tbf). Drop "
-                             f"{key}={value.strip()} and use rate=...")
+            raise ValueError(
+                f"--network {text!r}: {key} cannot be emulated: that needs tc's netem, which this "
+                "kernel lacks; bunsan shapes the rate only (tbf). Drop "
+                f"{key}={value.strip()} and use rate=..."
+            )
         if key not in ("rate", "burst"):
             raise ValueError(f"--network {text!r}: unknown key {key!r}; the keys are rate (required) and burst")
         if key in options:
@@ -195,8 +198,23 @@ def plan_topology(world_size: int, prefix: str | None = None) -> Topology:
 
 
 def _shape(namespace: str, device: str, spec: NetworkSpec) -> list[str]:
-    return ["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{spec.rate_bits}bit",
-            "burst", str(spec.burst_bytes), "latency", QUEUE_LATENCY]
+    return [
+        "tc",
+        "-n",
+        namespace,
+        "qdisc",
+        "add",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        f"{spec.rate_bits}bit",
+        "burst",
+        str(spec.burst_bytes),
+        "latency",
+        QUEUE_LATENCY,
+    ]
 
 
 def setup_commands(topology: Topology, spec: NetworkSpec | None) -> list[list[str]]:
@@ -223,8 +241,9 @@ def setup_commands(topology: Topology, spec: NetworkSpec | None) -> list[list[st
     return commands
 
 
-def worker_environment(topology: Topology, rank: int, base: dict[str, str], job_id: str,
-                       master_port: int = MASTER_PORT) -> dict[str, str]:
+def worker_environment(
+    topology: Topology, rank: int, base: dict[str, str], job_id: str, master_port: int = MASTER_PORT
+) -> dict[str, str]:
     """What worker ``rank`` runs with: ``base`` plus what :func:`bunsan.init` and Gloo read. Pure."""
     env = dict(base)
     for name in ("GROUP_RANK", "TORCHELASTIC_RUN_ID", "BUNSAN_RESTART"):
@@ -246,8 +265,7 @@ def worker_environment(topology: Topology, rank: int, base: dict[str, str], job_
 
 def launcher_command(network: str, workers: int, worker_argv: Sequence[str]) -> list[str]:
     """The command that runs ``worker_argv`` on ``workers`` workers on a shaped network (this module's launcher)."""
-    return [sys.executable, "-m", "bunsan.bench.netns", "--network", network, "-np", str(workers), "--",
-            *worker_argv]
+    return [sys.executable, "-m", "bunsan.bench.netns", "--network", network, "-np", str(workers), "--", *worker_argv]
 
 
 # -- privileged: create, remove, run ---------------------------------------------------------
@@ -259,12 +277,16 @@ def check_privileges() -> None:
         FileNotFoundError: ``ip`` or ``tc`` (iproute2) is missing.
     """
     if os.geteuid() != 0:
-        raise PermissionError("the shaped network (--network) needs root: network namespaces, veth links and tc "
-                              "need CAP_NET_ADMIN; run as root, or drop --network to use loopback")
+        raise PermissionError(
+            "the shaped network (--network) needs root: network namespaces, veth links and tc "
+            "need CAP_NET_ADMIN; run as root, or drop --network to use loopback"
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise FileNotFoundError(f"the shaped network (--network) needs the {tool!r} command of iproute2; "
-                                    "install iproute2 (apt-get install iproute2)")
+            raise FileNotFoundError(
+                f"the shaped network (--network) needs the {tool!r} command of iproute2; "
+                "install iproute2 (apt-get install iproute2)"
+            )
 
 
 def _run(command: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -314,8 +336,10 @@ def create_network(topology: Topology, spec: NetworkSpec | None) -> None:
         result = _run(command)
         if result.returncode != 0:
             remove_network(topology)
-            raise RuntimeError(f"building the shaped network failed at `{shlex.join(command)}`: "
-                               f"{(result.stderr or result.stdout).strip() or 'exit ' + str(result.returncode)}")
+            raise RuntimeError(
+                f"building the shaped network failed at `{shlex.join(command)}`: "
+                f"{(result.stderr or result.stdout).strip() or 'exit ' + str(result.returncode)}"
+            )
 
 
 def _alive(pid: int) -> bool:
@@ -376,8 +400,9 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_workers(spec: NetworkSpec | None, world_size: int, command: Sequence[str],
-                say: Callable[[str], None] | None = None) -> int:
+def run_workers(
+    spec: NetworkSpec | None, world_size: int, command: Sequence[str], say: Callable[[str], None] | None = None
+) -> int:
     """Run ``command`` on ``world_size`` workers, each in its namespace; return the job's exit code.
 
     Builds the network, starts the workers, waits; when one fails the others
@@ -402,9 +427,15 @@ def run_workers(spec: NetworkSpec | None, world_size: int, command: Sequence[str
         preexec = local.die_with_launcher_hook()
         for rank in range(world_size):
             env = worker_environment(topology, rank, dict(os.environ), job_id)
-            processes.append(subprocess.Popen(["ip", "netns", "exec", topology.namespace(rank), *argv], env=env,
-                                              stdin=subprocess.DEVNULL, start_new_session=True,
-                                              preexec_fn=preexec))
+            processes.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", topology.namespace(rank), *argv],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+            )
         while True:
             codes = [p.poll() for p in processes]
             failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
@@ -439,10 +470,13 @@ def run_workers(spec: NetworkSpec | None, world_size: int, command: Sequence[str
 # -- the benchmarks' --network option ------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--network rate=RATE[,burst=SIZE]`` to a benchmark's parser."""
-    parser.add_argument("--network", metavar="rate=RATE[,burst=SIZE]",
-                        help="run every job's workers in network namespaces joined by veth links shaped to RATE "
-                             "(e.g. rate=1gbit, rate=100mbit) with tc tbf, both directions; needs root. Rate only: "
-                             "delay/loss emulation (netem) is not available")
+    parser.add_argument(
+        "--network",
+        metavar="rate=RATE[,burst=SIZE]",
+        help="run every job's workers in network namespaces joined by veth links shaped to RATE "
+        "(e.g. rate=1gbit, rate=100mbit) with tc tbf, both directions; needs root. Rate only: "
+        "delay/loss emulation (netem) is not available",
+    )
 
 
 def check_network_argument(args: argparse.Namespace) -> str | None:
@@ -462,13 +496,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bunsan.bench.netns",
         description="Run COMMAND on N workers, each in its own network namespace, joined by veth links shaped "
-                    "with tc tbf; the namespaces are removed at the end. Needs root.",
+        "with tc tbf; the namespaces are removed at the end. Needs root.",
     )
-    parser.add_argument("--network", metavar="rate=RATE[,burst=SIZE]",
-                        help="the links' rate, e.g. rate=1gbit; 'none' for unshaped links")
+    parser.add_argument(
+        "--network",
+        metavar="rate=RATE[,burst=SIZE]",
+        help="the links' rate, e.g. rate=1gbit; 'none' for unshaped links",
+    )
     parser.add_argument("-np", "--np", dest="workers", type=int, default=2, help="workers; default %(default)s")
-    parser.add_argument("--cleanup", action="store_true",
-                        help="only remove namespaces left by launchers that were killed, then exit")
+    parser.add_argument(
+        "--cleanup", action="store_true", help="only remove namespaces left by launchers that were killed, then exit"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     args = parser.parse_args(argv)
     try:

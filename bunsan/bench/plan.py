@@ -107,50 +107,70 @@ class Published:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-PUBLISHED: dict[str, Published] = {p.name: p for p in (
-    Published(
-        name="horovod-resnet101",
-        what="Horovod, ResNet-101 (tf_cnn_benchmarks, synthetic data), 512 Pascal GPUs",
-        source="Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, RoCE-capable 25 Gbit/s network, "
-               "90% scaling efficiency for ResNet-101; batch 64 per GPU; 16 GPUs: total images/sec 1656.82",
-        compute_s=64 / (1656.82 / 16),
-        compute_note="64 images / (1656.82 / 16 images/s per GPU at 16 GPUs) = 0.618 s per step",
-        params=44_549_160, batch=64, link="25gbit", latency="10us",
-        network_note="one flat ring over all GPUs: each server's NIC carries one ring edge each way, so the "
-                     "per-link bandwidth is the NIC's 25 Gbit/s; latency 10 us assumed (RoCE); Horovod's "
-                     "64 MB fusion buffer",
-        workers=(4, 16, 64, 128, 256, 512), at=512, efficiency=0.90, bucket_mb=64.0,
-    ),
-    Published(
-        name="goyal-resnet50",
-        what="Goyal et al. 2017, ResNet-50 on ImageNet, 8 to 256 P100 GPUs (32 servers of 8)",
-        source="Goyal et al. 2017, 'Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour': ~90% scaling "
-               "efficiency from 8 to 256 GPUs; Big Basin servers (8 P100, NVLink) on 50 Gbit/s Ethernet; "
-               "32 images per GPU; 29 hours for 90 epochs on 8 GPUs (minibatch 256)",
-        compute_s=29 * 3600 / (90 * 1_281_167 / 256),
-        compute_note="29 h / (90 epochs x 1,281,167 images / 256 per iteration) = 0.232 s per iteration of one "
-                     "8-GPU server (intra-server reduction included)",
-        params=25_557_032, batch=256, link="50gbit", latency="50us",
-        network_note="a worker is one 8-GPU server (the paper all-reduces within a server first, then across "
-                     "servers); latency 50 us assumed (TCP over Ethernet, Gloo); all-reduce overlapped with "
-                     "backprop as in the paper",
-        workers=(1, 2, 4, 8, 16, 32), at=32, efficiency=0.90,
-    ),
-    Published(
-        name="cntk-resnet20",
-        what="CNTK 2.2 article, ResNet-20 on CIFAR-10, 4 nodes of one K80 each, exact data-parallel SGD: 3.80x",
-        source="CNTK 2.2 Python API article (2), section 4-1 (1), ResNet-20 table: 1 node 47m54.594s, "
-               "4 nodes 12m37.295s, speed ratio 3.80 (100 epochs); Azure NC VMs, Tesla K80",
-        compute_s=(47 * 60 + 54.594) / (100 * 50_000 / 128),
-        compute_note="1 node: 2874.6 s / (100 epochs x 50,000 / 128 samples per step) = 73.6 ms per step of "
-                     "128 samples. The example's scale_up flag (type=bool, default 'False') reads as True, so "
-                     "each worker keeps 128 samples per step: weak scaling",
-        params=272_474, batch=128, link="10gbit", latency="50us",
-        network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
-                     "TCP); docs/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
-        workers=(1, 2, 4), at=4, efficiency=3.80 / 4, overlap=False,
-    ),
-)}
+PUBLISHED: dict[str, Published] = {
+    p.name: p
+    for p in (
+        Published(
+            name="horovod-resnet101",
+            what="Horovod, ResNet-101 (tf_cnn_benchmarks, synthetic data), 512 Pascal GPUs",
+            source="Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, RoCE-capable 25 Gbit/s network, "
+            "90% scaling efficiency for ResNet-101; batch 64 per GPU; 16 GPUs: total images/sec 1656.82",
+            compute_s=64 / (1656.82 / 16),
+            compute_note="64 images / (1656.82 / 16 images/s per GPU at 16 GPUs) = 0.618 s per step",
+            params=44_549_160,
+            batch=64,
+            link="25gbit",
+            latency="10us",
+            network_note="one flat ring over all GPUs: each server's NIC carries one ring edge each way, so the "
+            "per-link bandwidth is the NIC's 25 Gbit/s; latency 10 us assumed (RoCE); Horovod's "
+            "64 MB fusion buffer",
+            workers=(4, 16, 64, 128, 256, 512),
+            at=512,
+            efficiency=0.90,
+            bucket_mb=64.0,
+        ),
+        Published(
+            name="goyal-resnet50",
+            what="Goyal et al. 2017, ResNet-50 on ImageNet, 8 to 256 P100 GPUs (32 servers of 8)",
+            source="Goyal et al. 2017, 'Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour': ~90% scaling "
+            "efficiency from 8 to 256 GPUs; Big Basin servers (8 P100, NVLink) on 50 Gbit/s Ethernet; "
+            "32 images per GPU; 29 hours for 90 epochs on 8 GPUs (minibatch 256)",
+            compute_s=29 * 3600 / (90 * 1_281_167 / 256),
+            compute_note="29 h / (90 epochs x 1,281,167 images / 256 per iteration) = 0.232 s per iteration of one "
+            "8-GPU server (intra-server reduction included)",
+            params=25_557_032,
+            batch=256,
+            link="50gbit",
+            latency="50us",
+            network_note="a worker is one 8-GPU server (the paper all-reduces within a server first, then across "
+            "servers); latency 50 us assumed (TCP over Ethernet, Gloo); all-reduce overlapped with "
+            "backprop as in the paper",
+            workers=(1, 2, 4, 8, 16, 32),
+            at=32,
+            efficiency=0.90,
+        ),
+        Published(
+            name="cntk-resnet20",
+            what="CNTK 2.2 article, ResNet-20 on CIFAR-10, 4 nodes of one K80 each, exact data-parallel SGD: 3.80x",
+            source="CNTK 2.2 Python API article (2), section 4-1 (1), ResNet-20 table: 1 node 47m54.594s, "
+            "4 nodes 12m37.295s, speed ratio 3.80 (100 epochs); Azure NC VMs, Tesla K80",
+            compute_s=(47 * 60 + 54.594) / (100 * 50_000 / 128),
+            compute_note="1 node: 2874.6 s / (100 epochs x 50,000 / 128 samples per step) = 73.6 ms per step of "
+            "128 samples. The example's scale_up flag (type=bool, default 'False') reads as True, so "
+            "each worker keeps 128 samples per step: weak scaling",
+            params=272_474,
+            batch=128,
+            link="10gbit",
+            latency="50us",
+            network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
+            "TCP); docs/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
+            workers=(1, 2, 4),
+            at=4,
+            efficiency=3.80 / 4,
+            overlap=False,
+        ),
+    )
+}
 
 
 def plan_published(name: str) -> tuple[Published, list[Any]]:
@@ -167,8 +187,17 @@ def plan_published(name: str) -> tuple[Published, list[Any]]:
 
 
 # -- output ----------------------------------------------------------------------------------------
-COLUMNS = ("workers", "algorithm", "step (ms)", "compute (ms)", "comm (ms)", "exposed (ms)", "efficiency",
-           "MB/step", "")
+COLUMNS = (
+    "workers",
+    "algorithm",
+    "step (ms)",
+    "compute (ms)",
+    "comm (ms)",
+    "exposed (ms)",
+    "efficiency",
+    "MB/step",
+    "",
+)
 
 
 def format_plan(predictions: Sequence[Any]) -> str:
@@ -178,10 +207,20 @@ def format_plan(predictions: Sequence[Any]) -> str:
     best: dict[int, float] = {}
     for p in predictions:
         best[p.workers] = min(best.get(p.workers, float("inf")), p.step_s)
-    rows = [[str(p.workers), p.label, f"{p.step_s * 1e3:.2f}", f"{p.compute_s * 1e3:.2f}",
-             f"{p.communication_s * 1e3:.2f}", f"{p.exposed_s * 1e3:.2f}", f"{100 * p.efficiency:.1f}%",
-             f"{p.bytes_per_step / 1e6:.3f}", "*" if p.step_s == best[p.workers] and p.workers > 1 else ""]
-            for p in predictions]
+    rows = [
+        [
+            str(p.workers),
+            p.label,
+            f"{p.step_s * 1e3:.2f}",
+            f"{p.compute_s * 1e3:.2f}",
+            f"{p.communication_s * 1e3:.2f}",
+            f"{p.exposed_s * 1e3:.2f}",
+            f"{100 * p.efficiency:.1f}%",
+            f"{p.bytes_per_step / 1e6:.3f}",
+            "*" if p.step_s == best[p.workers] and p.workers > 1 else "",
+        ]
+        for p in predictions
+    ]
     return format_table(COLUMNS, rows, right=set(COLUMNS) - {"algorithm", ""})
 
 
@@ -223,24 +262,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--params", type=int, help="trainable parameters (gradient elements), with --compute-ms")
     what.add_argument("--published", help=f"a published set-up: {', '.join(sorted(PUBLISHED))}")
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
-    parser.add_argument("--backward-fraction", type=float,
-                        help="share of the step in backward (default: measured with --model, else 2/3)")
-    parser.add_argument("--codec-ns", type=float, default=0.0,
-                        help="with --compute-ms: quantization codec time per element, ns, each of encode and "
-                             "decode (--model measures it); default %(default)s")
-    parser.add_argument("--global-batch", action="store_true",
-                        help="the global batch is fixed (--batch is split over the workers: strong scaling); "
-                             "default: --batch per worker (weak scaling)")
+    parser.add_argument(
+        "--backward-fraction",
+        type=float,
+        help="share of the step in backward (default: measured with --model, else 2/3)",
+    )
+    parser.add_argument(
+        "--codec-ns",
+        type=float,
+        default=0.0,
+        help="with --compute-ms: quantization codec time per element, ns, each of encode and "
+        "decode (--model measures it); default %(default)s",
+    )
+    parser.add_argument(
+        "--global-batch",
+        action="store_true",
+        help="the global batch is fixed (--batch is split over the workers: strong scaling); "
+        "default: --batch per worker (weak scaling)",
+    )
     net = parser.add_argument_group("cluster")
     net.add_argument("--workers", default="2,4,8,16,32,64,128,256", help="worker counts; default %(default)s")
-    net.add_argument("--link", default="10gbit", help="bandwidth of one worker's link, e.g. 25gbit; default %(default)s")
+    net.add_argument(
+        "--link", default="10gbit", help="bandwidth of one worker's link, e.g. 25gbit; default %(default)s"
+    )
     net.add_argument("--latency", default="10us", help="per-message latency, e.g. 10us; default %(default)s")
     net.add_argument("--hostfile", help="with --probe: measure alpha and beta by a probe job over these hosts")
     net.add_argument("-H", "--hosts", help="with --probe: hosts as NAME:SLOTS,... (bunsan run -H)")
-    net.add_argument("--probe", action="store_true", help="measure --link and --latency with a probe job "
-                                                          "(bunsan run over --hostfile/-H, or -np 2 here)")
-    parser.add_argument("--block-size", type=int, default=1024,
-                        help="block algorithms' block, samples per worker; default %(default)s")
+    net.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure --link and --latency with a probe job (bunsan run over --hostfile/-H, or -np 2 here)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=1024, help="block algorithms' block, samples per worker; default %(default)s"
+    )
     parser.add_argument("--no-overlap", action="store_true", help="exchange after backward, no overlap")
     parser.add_argument("--png", default="runs/plan/plan.png", help="the plot; default %(default)s")
     parser.add_argument("--json", help="also write the predictions to this file")
@@ -300,12 +355,16 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             case, predictions = plan_published(args.published)
         except ValueError as err:
             return _fail(str(err))
-        say(f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
-            f"{case.latency}; {case.network_note}")
+        say(
+            f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
+            f"{case.latency}; {case.network_note}"
+        )
         say(format_plan(predictions))
         at = next(p for p in predictions if p.workers == case.at)
-        say(f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
-            f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)")
+        say(
+            f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
+            f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)"
+        )
         say(f"PNG: {plot_plan(predictions, Path(args.png), case.what)}")
         return 0
     given = args.compute_ms is not None or args.params is not None
@@ -319,11 +378,17 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
         if args.probe:
             measured_net = _probe(args)
-            network = cm.Network(measured_net["latency_s"], measured_net["bandwidth"],
-                                 measured_net.get("gather_bandwidth"), measured_net.get("half_bandwidth"))
-            say(f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
+            network = cm.Network(
+                measured_net["latency_s"],
+                measured_net["bandwidth"],
+                measured_net.get("gather_bandwidth"),
+                measured_net.get("half_bandwidth"),
+            )
+            say(
+                f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
                 f"all-reduce bandwidth {network.bandwidth * 8 / 1e9:.3f} Gbit/s, all-gather "
-                f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s")
+                f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s"
+            )
         else:
             if args.hostfile or args.hosts:
                 raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
@@ -332,11 +397,22 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         if args.model is not None:
             measured = _measured_profile(args)
             compute_s, params = measured["compute_s"], measured["params"]
-            extra = {k: measured[k] for k in ("encode_s_per_element", "decode_s_per_element", "codec_call_s",
-                                              "cast_s_per_element", "tensors", "chunks")}
+            extra = {
+                k: measured[k]
+                for k in (
+                    "encode_s_per_element",
+                    "decode_s_per_element",
+                    "codec_call_s",
+                    "cast_s_per_element",
+                    "tensors",
+                    "chunks",
+                )
+            }
             backward = measured["backward_fraction"]
-            say(f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
-                f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters")
+            say(
+                f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
+                f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
+            )
         else:
             if not args.compute_ms > 0:
                 raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms}")
@@ -353,29 +429,35 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     candidates = cm.default_candidates(args.block_size)
-    predictions = cm.predict_all(profile, network, candidates, workers, global_batch=args.global_batch,
-                                 overlap=not args.no_overlap)
+    predictions = cm.predict_all(
+        profile, network, candidates, workers, global_batch=args.global_batch, overlap=not args.no_overlap
+    )
     scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
-    say(f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {args.batch} "
+    say(
+        f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {args.batch} "
         f"({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {network.latency_s * 1e6:.1f} us; "
         f"codec {profile.encode_s_per_element * 1e9:.2f} / {profile.decode_s_per_element * 1e9:.2f} ns per element "
-        f"(encode / decode); efficiency = compute / step; * = fastest")
+        f"(encode / decode); efficiency = compute / step; * = fastest"
+    )
     say(format_plan(predictions))
     png = plot_plan(predictions, Path(args.png), f"{args.model or 'profile'}: {params:,} parameters")
     say(f"PNG: {png}")
     if args.json:
         from bunsan.bench import write_json
 
-        write_json(args.json, {"profile": vars(profile), "network": vars(network),
-                               "predictions": [p.as_dict() for p in predictions]})
+        write_json(
+            args.json,
+            {"profile": vars(profile), "network": vars(network), "predictions": [p.as_dict() for p in predictions]},
+        )
         say(f"JSON: {args.json}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.plan``: the same as ``bunsan plan``."""
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -106,8 +106,11 @@ def plot_sweep(records: Sequence[dict[str, Any]], key: str, path: Path) -> Path 
     positive = [v for v in values if v > 0]
     scale: dict[str, Any] = {"value": "linear"}
     if positive and max(positive) / min(positive) >= 8:
-        scale = {"value": "log", "base": 2} if len(positive) == len(values) else \
-            {"value": "symlog", "base": 2, "linthresh": min(positive)}
+        scale = (
+            {"value": "log", "base": 2}
+            if len(positive) == len(values)
+            else {"value": "symlog", "base": 2, "linthresh": min(positive)}
+        )
     unit = "samples per worker" if key == "block_size" else "samples, all workers"
     for axes, ylabel in ((error_axes, "test error (%)"), (time_axes, "training wall time (s)")):
         axes.set_xscale(**scale)

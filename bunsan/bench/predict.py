@@ -45,8 +45,17 @@ from typing import Any
 
 from bunsan.bench import compare, write_json
 
-__all__ = ["DESCRIPTION", "EPILOG", "MODELS", "add_arguments", "main", "parse_networks", "plot_predict",
-           "run", "table_rows"]
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "MODELS",
+    "add_arguments",
+    "main",
+    "parse_networks",
+    "plot_predict",
+    "run",
+    "table_rows",
+]
 
 PROG = "bunsan bench predict"
 MODELS = ("digits_cnn", "mnist1d_cnn", "mlp-10m", "resnet20")
@@ -90,16 +99,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench predict`` to ``parser``."""
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated; default %(default)s")
     parser.add_argument("-np", "--np", dest="workers", default="2,4", help="worker counts; default %(default)s")
-    parser.add_argument("--networks", default="loopback",
-                        help="loopback and/or rate=RATE specs (shaped links, root only), comma-separated; "
-                             "default %(default)s")
+    parser.add_argument(
+        "--networks",
+        default="loopback",
+        help="loopback and/or rate=RATE specs (shaped links, root only), comma-separated; default %(default)s",
+    )
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
-    parser.add_argument("--block-size", type=int, default=256,
-                        help="block algorithms' block, samples per worker; default %(default)s")
+    parser.add_argument(
+        "--block-size", type=int, default=256, help="block algorithms' block, samples per worker; default %(default)s"
+    )
     parser.add_argument("--steps", type=int, default=8, help="steps per timed round; default %(default)s")
-    parser.add_argument("--compute-steps", type=int, default=24,
-                        help="steps timed without communication for the compute profile, spread over the rounds; "
-                             "default %(default)s")
+    parser.add_argument(
+        "--compute-steps",
+        type=int,
+        default=24,
+        help="steps timed without communication for the compute profile, spread over the rounds; default %(default)s",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per algorithm; default %(default)s")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
     parser.add_argument("--out", default="runs/predict", help="directory of outputs; default %(default)s")
@@ -181,9 +196,16 @@ def _worker(spec: dict[str, Any]) -> int:
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)
         compute_s, straggler_s = cm.compute_with_stragglers(everyone.view(n, -1).tolist())
-        profile = cm.Profile(compute_s=compute_s, straggler_s=straggler_s, params=measured["params"],
-                             batch=spec["batch"], backward_fraction=measured["backward_fraction"],
-                             tensors=measured["tensors"], chunks=measured["chunks"], **codec)
+        profile = cm.Profile(
+            compute_s=compute_s,
+            straggler_s=straggler_s,
+            params=measured["params"],
+            batch=spec["batch"],
+            backward_fraction=measured["backward_fraction"],
+            tensors=measured["tensors"],
+            chunks=measured["chunks"],
+            **codec,
+        )
         for candidate, _, optimizer, before, times in trainers:
             stats = optimizer.algorithm.stats()
             optimizer.join()
@@ -194,32 +216,72 @@ def _worker(spec: dict[str, Any]) -> int:
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
             predicted = cm.predict(profile, network, candidate, n)
-            rows.append({"model": name, "workers": n, "network": spec["network"] or "loopback",
-                         "label": candidate.label, "predicted_s": predicted.step_s, "measured_s": measured_s,
-                         "error": predicted.step_s / measured_s - 1, "predicted_bytes": predicted.bytes_per_step,
-                         "measured_bytes": sent, "compute_s": profile.compute_s, "exposed_s": predicted.exposed_s,
-                         "codec_s": predicted.codec_s, "params": profile.params,
-                         "straggler_s": profile.straggler_s})
+            rows.append(
+                {
+                    "model": name,
+                    "workers": n,
+                    "network": spec["network"] or "loopback",
+                    "label": candidate.label,
+                    "predicted_s": predicted.step_s,
+                    "measured_s": measured_s,
+                    "error": predicted.step_s / measured_s - 1,
+                    "predicted_bytes": predicted.bytes_per_step,
+                    "measured_bytes": sent,
+                    "compute_s": profile.compute_s,
+                    "exposed_s": predicted.exposed_s,
+                    "codec_s": predicted.codec_s,
+                    "params": profile.params,
+                    "straggler_s": profile.straggler_s,
+                }
+            )
         del trainers
     if rank == 0:
-        write_json(spec["result"], {"network": {"latency_s": network.latency_s, "bandwidth": network.bandwidth,
-                                                "gather_bandwidth": network.gather_bandwidth,
-                                                "half_bandwidth": network.half_bandwidth},
-                                    "rows": rows})
+        write_json(
+            spec["result"],
+            {
+                "network": {
+                    "latency_s": network.latency_s,
+                    "bandwidth": network.bandwidth,
+                    "gather_bandwidth": network.gather_bandwidth,
+                    "half_bandwidth": network.half_bandwidth,
+                },
+                "rows": rows,
+            },
+        )
     bunsan.finalize()
     return 0
 
 
 # -- the parent -------------------------------------------------------------------------------------
-COLUMNS = ("network", "workers", "model", "algorithm", "predicted (ms)", "measured (ms)", "error",
-           "MB/step pred.", "MB/step counted")
+COLUMNS = (
+    "network",
+    "workers",
+    "model",
+    "algorithm",
+    "predicted (ms)",
+    "measured (ms)",
+    "error",
+    "MB/step pred.",
+    "MB/step counted",
+)
 
 
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     """The table's cells, one per (network, workers, model, algorithm) row."""
-    return [[r["network"], str(r["workers"]), r["model"], r["label"], f"{r['predicted_s'] * 1e3:.2f}",
-             f"{r['measured_s'] * 1e3:.2f}", f"{100 * r['error']:+.0f}%", f"{r['predicted_bytes'] / 1e6:.3f}",
-             f"{r['measured_bytes'] / 1e6:.3f}"] for r in rows]
+    return [
+        [
+            r["network"],
+            str(r["workers"]),
+            r["model"],
+            r["label"],
+            f"{r['predicted_s'] * 1e3:.2f}",
+            f"{r['measured_s'] * 1e3:.2f}",
+            f"{100 * r['error']:+.0f}%",
+            f"{r['predicted_bytes'] / 1e6:.3f}",
+            f"{r['measured_bytes'] / 1e6:.3f}",
+        ]
+        for r in rows
+    ]
 
 
 def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -232,13 +294,11 @@ def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     axes = figure.subplots()
     for network in dict.fromkeys(r["network"] for r in rows):
         mine = [r for r in rows if r["network"] == network]
-        axes.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine], s=18,
-                     label=network)
+        axes.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine], s=18, label=network)
     values = [v * 1e3 for r in rows for v in (r["measured_s"], r["predicted_s"])]
     lo, hi = min(values) / 1.5, max(values) * 1.5
     axes.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-    axes.fill_between([lo, hi], [0.8 * lo, 0.8 * hi], [1.2 * lo, 1.2 * hi], color="grey", alpha=0.2,
-                      label="within 20%")
+    axes.fill_between([lo, hi], [0.8 * lo, 0.8 * hi], [1.2 * lo, 1.2 * hi], color="grey", alpha=0.2, label="within 20%")
     axes.set_xscale("log")
     axes.set_yscale("log")
     axes.set_xlabel("measured step (ms)")
@@ -262,8 +322,13 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         unknown = [m for m in names if m not in MODELS]
         if unknown:
             raise ValueError(f"--models: {unknown[0]!r} is not one of {', '.join(MODELS)}")
-        for name, value in (("--batch", args.batch), ("--block-size", args.block_size), ("--steps", args.steps),
-                            ("--rounds", args.rounds), ("--compute-steps", args.compute_steps)):
+        for name, value in (
+            ("--batch", args.batch),
+            ("--block-size", args.block_size),
+            ("--steps", args.steps),
+            ("--rounds", args.rounds),
+            ("--compute-steps", args.compute_steps),
+        ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if any(w < 2 for w in workers):
@@ -285,9 +350,17 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             directory = out / slug
             result = (directory / "result.json").resolve()
             result.unlink(missing_ok=True)
-            spec = {"models": names, "batch": args.batch, "compute_steps": args.compute_steps, "block_size": args.block_size, "steps": args.steps,
-                    "rounds": args.rounds, "network": network, "timeout_s": min(args.timeout_s, 300.0),
-                    "result": str(result)}
+            spec = {
+                "models": names,
+                "batch": args.batch,
+                "compute_steps": args.compute_steps,
+                "block_size": args.block_size,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "network": network,
+                "timeout_s": min(args.timeout_s, 300.0),
+                "result": str(result),
+            }
             worker = [_sys.executable, "-u", "-m", "bunsan.bench.predict", "--worker", json.dumps(spec)]
             if network is None:
                 command = [_sys.executable, "-m", "bunsan", "run", "-np", str(n), "--", *worker]
@@ -301,17 +374,27 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 failed += 1
                 compare.report_failures([record], say)
                 continue
-            say(f"{slug}: latency {job['network']['latency_s'] * 1e6:.1f} us, bandwidth "
-                f"{job['network']['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({record['total_s']:.0f} s)")
+            say(
+                f"{slug}: latency {job['network']['latency_s'] * 1e6:.1f} us, bandwidth "
+                f"{job['network']['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({record['total_s']:.0f} s)"
+            )
             rows += job["rows"]
     if rows:
         say(compare.format_table(COLUMNS, table_rows(rows), right=set(COLUMNS) - {"network", "model", "algorithm"}))
         worst = max(rows, key=lambda r: abs(r["error"]))
         within = sum(abs(r["error"]) <= 0.20 for r in rows)
-        say(f"{within} of {len(rows)} rows within 20%; worst: {worst['network']} -np {worst['workers']} "
-            f"{worst['model']} {worst['label']} ({100 * worst['error']:+.0f}%)")
-        write_json(str(out / "predict.json"), {"arguments": {k: v for k, v in vars(args).items() if k != "handler"},
-                                               "load_average": os.getloadavg(), "rows": rows})
+        say(
+            f"{within} of {len(rows)} rows within 20%; worst: {worst['network']} -np {worst['workers']} "
+            f"{worst['model']} {worst['label']} ({100 * worst['error']:+.0f}%)"
+        )
+        write_json(
+            str(out / "predict.json"),
+            {
+                "arguments": {k: v for k, v in vars(args).items() if k != "handler"},
+                "load_average": os.getloadavg(),
+                "rows": rows,
+            },
+        )
         say(f"JSON: {out / 'predict.json'}\nPNG: {plot_predict(rows, out / 'predict.png')}")
     return 1 if failed else 0
 
@@ -322,8 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["--worker"]:
         return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -28,8 +28,18 @@ def main() -> int:
     comm.all_reduce(value)
     elapsed_ms = (time.perf_counter() - started) * 1e3
     expected = info.world_size * (info.world_size + 1) / 2
-    print(json.dumps({"rank": info.rank, "host": socket.gethostname(), "sum": value.item(), "expected": expected,
-                      "ms": round(elapsed_ms, 2)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": info.rank,
+                "host": socket.gethostname(),
+                "sum": value.item(),
+                "expected": expected,
+                "ms": round(elapsed_ms, 2),
+            }
+        ),
+        flush=True,
+    )
     bunsan.finalize()
     return 0 if value.item() == expected else 1
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import bunsan
-from bunsan.bench import write_json
 from bunsan.algorithms.data_parallel import DataParallelSGD
+from bunsan.bench import write_json
 from bunsan.compression import Quantizer, RotatedQuantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE
 
@@ -39,20 +39,38 @@ __all__ = ["main"]
 
 def _mlp() -> tuple[nn.Module, tuple[int, ...]]:
     # 2048 -> 2048 -> 2048 -> 10: 2 x 4.2M + 20k = ~8.4M weights, plus 2 x 512k in a third layer
-    return nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
-                         nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10)), (1024,)
+    return nn.Sequential(
+        nn.Linear(1024, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 2048),
+        nn.ReLU(),
+        nn.Linear(2048, 10),
+    ), (1024,)
 
 
 def _cnn() -> tuple[nn.Module, tuple[int, ...]]:
-    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(64, 10)), (3, 32, 32)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    ), (3, 32, 32)
 
 
 MODELS = {"mlp-10m": _mlp, "cnn": _cnn}
 
 
-def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def _steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> float:
     start = time.perf_counter()
     for x, y in batches:
         optimizer.zero_grad()
@@ -80,10 +98,14 @@ def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int
         model, shape = MODELS[name]()
         bits, rotate = parse_setting(label)
         algorithm = DataParallelSGD(bits=bits, rotate=rotate)
-        model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm)
+        model, optimizer = bunsan.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm
+        )
         trainers.append((label, model, optimizer, algorithm))
     g = torch.Generator().manual_seed(bunsan.rank())
-    batches = [(torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)]
+    batches = [
+        (torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)
+    ]
     for _, model, optimizer, algorithm in trainers:  # warm up, then count from zero
         _steps(model, optimizer, batches[:2])
         algorithm.traffic.reset()
@@ -98,11 +120,18 @@ def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int
     for bits, _, _, algorithm in trainers:
         stats = algorithm.stats()
         ms = statistics.median(times[bits]) * 1e3
-        rows.append({
-            "model": name, "bits": bits, "ms_per_step": ms, "time_ratio": ms / (base * 1e3) if base else float("nan"),
-            "bytes_per_step": stats["bytes_sent_per_step"],
-            "codec_ms_per_step": (stats.get("encode_s", 0.0) + stats.get("decode_s", 0.0)) * 1e3 / max(stats["steps"], 1),
-        })
+        rows.append(
+            {
+                "model": name,
+                "bits": bits,
+                "ms_per_step": ms,
+                "time_ratio": ms / (base * 1e3) if base else float("nan"),
+                "bytes_per_step": stats["bytes_sent_per_step"],
+                "codec_ms_per_step": (stats.get("encode_s", 0.0) + stats.get("decode_s", 0.0))
+                * 1e3
+                / max(stats["steps"], 1),
+            }
+        )
     exact = next((r["bytes_per_step"] for r in rows if r["bits"] == "32"), None)
     for r in rows:
         r["bytes_ratio"] = r["bytes_per_step"] / exact if exact else float("nan")
@@ -135,8 +164,17 @@ def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[di
         payload = torch.empty(codec.payload_bytes(numel), dtype=torch.uint8)
         encode_ms = _best_ms(lambda: codec.encode_with_feedback(x, residual, out=payload), repeats)
         decode_ms = _best_ms(lambda: codec.decode(payload, numel, out=target), repeats)
-        rows.append({"bits": label, "numel": numel, "encode_feedback_ms": encode_ms, "decode_ms": decode_ms,
-                     "copy_ms": copy_ms, "encode_vs_copy": encode_ms / copy_ms, "decode_vs_copy": decode_ms / copy_ms})
+        rows.append(
+            {
+                "bits": label,
+                "numel": numel,
+                "encode_feedback_ms": encode_ms,
+                "decode_ms": decode_ms,
+                "copy_ms": copy_ms,
+                "encode_vs_copy": encode_ms / copy_ms,
+                "decode_vs_copy": decode_ms / copy_ms,
+            }
+        )
     return rows
 
 
@@ -146,21 +184,27 @@ def print_codec_table(rows: list[dict[str, float]]) -> None:
     print(f"codec beside a memory copy of the same float32 ({rows[0]['numel']:,} elements, one thread, min of runs)")
     print(f"{'bits':>4} {'encode+fb ms':>12} {'decode ms':>9} {'copy ms':>8} {'encode/copy':>11} {'decode/copy':>11}")
     for r in rows:
-        print(f"{r['bits']:>4} {r['encode_feedback_ms']:>12.1f} {r['decode_ms']:>9.1f} {r['copy_ms']:>8.1f} "
-              f"{r['encode_vs_copy']:>11.2f} {r['decode_vs_copy']:>11.2f}")
+        print(
+            f"{r['bits']:>4} {r['encode_feedback_ms']:>12.1f} {r['decode_ms']:>9.1f} {r['copy_ms']:>8.1f} "
+            f"{r['encode_vs_copy']:>11.2f} {r['decode_vs_copy']:>11.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.bench.quantized", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp-10m,cnn")
-    parser.add_argument("--bits", default="32,16,8,4,2,1,1r",
-                        help="bit widths; r = rotated chunks (DataParallelSGD(rotate=True)), e.g. 1r")
+    parser.add_argument(
+        "--bits",
+        default="32,16,8,4,2,1,1r",
+        help="bit widths; r = rotated chunks (DataParallelSGD(rotate=True)), e.g. 1r",
+    )
     parser.add_argument("--batch", type=int, default=32, help="per-worker batch")
     parser.add_argument("--steps", type=int, default=3, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this file (rank 0)")
-    parser.add_argument("--codec-only", action="store_true",
-                        help="only the codec-versus-copy table, in this process (no job)")
+    parser.add_argument(
+        "--codec-only", action="store_true", help="only the codec-versus-copy table, in this process (no job)"
+    )
     args = parser.parse_args(argv)
     bits_list = [b.strip() for b in args.bits.split(",")]
     for label in bits_list:  # refuse bad input before joining the job
@@ -180,12 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     codec_rows = codec_vs_copy(numel, bits_list)  # every rank at once: each sees the same load
     rows = [row for m in args.models.split(",") for row in measure(m, bits_list, args.batch, args.steps, args.rounds)]
     if bunsan.is_main():
-        print(f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
-              f"median of {args.rounds} alternating rounds x {args.steps} steps; ratios to bits=32")
-        print(f"{'model':<8} {'bits':>4} {'ms/step':>9} {'time ratio':>10} {'MB sent/step':>12} {'bytes ratio':>11} {'codec ms':>9}")
+        print(
+            f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
+            f"median of {args.rounds} alternating rounds x {args.steps} steps; ratios to bits=32"
+        )
+        print(
+            f"{'model':<8} {'bits':>4} {'ms/step':>9} {'time ratio':>10} {'MB sent/step':>12} {'bytes ratio':>11} {'codec ms':>9}"
+        )
         for r in rows:
-            print(f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
-                  f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}")
+            print(
+                f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
+                f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}"
+            )
         print()
         print_codec_table(codec_rows)
         if args.json:

@@ -101,8 +101,12 @@ def _load(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def job_table(path: Path, columns: Sequence[str], keep: Callable[[list[str], dict[str, str]], bool] | None = None,
-              prefix: Sequence[tuple[str, str]] = ()) -> tuple[list[str], list[list[str]]]:
+def job_table(
+    path: Path,
+    columns: Sequence[str],
+    keep: Callable[[list[str], dict[str, str]], bool] | None = None,
+    prefix: Sequence[tuple[str, str]] = (),
+) -> tuple[list[str], list[list[str]]]:
     """Chosen ``columns`` of the table that ``compare``, ``throughput`` or ``comm`` stored in its JSON record.
 
     ``keep(row, cells_by_column)`` filters rows; ``prefix`` adds constant leading columns ``(name, value)``.
@@ -127,12 +131,36 @@ def _table(parts: Sequence[tuple[list[str], list[list[str]]]]) -> str:
 
 
 COMPARE_COLUMNS = ("workers", "algorithm", "time (s)", "speed", "vs first", "error (%)", "bytes/sample", "samples/s")
-THROUGHPUT_COLUMNS = ("workers", "algorithm", "per worker (img/s)", "total (img/s)", "efficiency", "step (ms)",
-                      "bytes/step", "note")
-THROUGHPUT_NETWORK_COLUMNS = ("workers", "algorithm", "total (img/s)", "efficiency", "vs first", "step (ms)",
-                              "bytes/step")
-COMM_COLUMNS = ("size", "op", "iters", "bunsan (ms)", "bunsan busbw (GB/s)", "torch (ms)", "torch busbw (GB/s)",
-                "bunsan/torch", "copy (GB/s)")
+THROUGHPUT_COLUMNS = (
+    "workers",
+    "algorithm",
+    "per worker (img/s)",
+    "total (img/s)",
+    "efficiency",
+    "step (ms)",
+    "bytes/step",
+    "note",
+)
+THROUGHPUT_NETWORK_COLUMNS = (
+    "workers",
+    "algorithm",
+    "total (img/s)",
+    "efficiency",
+    "vs first",
+    "step (ms)",
+    "bytes/step",
+)
+COMM_COLUMNS = (
+    "size",
+    "op",
+    "iters",
+    "bunsan (ms)",
+    "bunsan busbw (GB/s)",
+    "torch (ms)",
+    "torch busbw (GB/s)",
+    "bunsan/torch",
+    "copy (GB/s)",
+)
 COMM_NETWORK_COLUMNS = ("size", "op", "bunsan (ms)", "bunsan busbw (GB/s)", "torch (ms)", "torch busbw (GB/s)")
 _LARGE = {"1MB", "4MB", "16MB", "64MB"}
 
@@ -143,10 +171,32 @@ def _render_compare(name: str) -> Callable[[Path], str]:
 
 def _render_ddp(out: Path) -> str:
     doc = _load(out / "ddp_overhead.json")
-    rows = [[r["model"], r["tensors"], r["batch"], f"{r['ddp_ms']:.3f}", f"{r['bunsan_ms']:.3f}", f"{r['ratio']:.3f}",
-             f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}", f"{r['max_param_diff']:.2g}"] for r in doc["results"]]
-    return markdown_table(["model", "tensors", "batch/worker", "DDP ms/step", "bunsan ms/step", "ratio",
-                           "ratio min-max", "parameter difference"], rows)
+    rows = [
+        [
+            r["model"],
+            r["tensors"],
+            r["batch"],
+            f"{r['ddp_ms']:.3f}",
+            f"{r['bunsan_ms']:.3f}",
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
+            f"{r['max_param_diff']:.2g}",
+        ]
+        for r in doc["results"]
+    ]
+    return markdown_table(
+        [
+            "model",
+            "tensors",
+            "batch/worker",
+            "DDP ms/step",
+            "bunsan ms/step",
+            "ratio",
+            "ratio min-max",
+            "parameter difference",
+        ],
+        rows,
+    )
 
 
 def _render_quantized(out: Path) -> str:
@@ -170,30 +220,76 @@ def _render_quantized(out: Path) -> str:
 
 def _render_async(out: Path) -> str:
     doc = _load(out / "async_bench.json")
-    rows = [[r["situation"], r["algorithm"], f"{r['lr']:g}", f"{r['time_s']:.1f} s", f"{100 * r['accuracy']:.1f}%",
-             f"{r['bytes_per_sample']:.0f}"] for r in doc["rows"]]
+    rows = [
+        [
+            r["situation"],
+            r["algorithm"],
+            f"{r['lr']:g}",
+            f"{r['time_s']:.1f} s",
+            f"{100 * r['accuracy']:.1f}%",
+            f"{r['bytes_per_sample']:.0f}",
+        ]
+        for r in doc["rows"]
+    ]
     return markdown_table(["case", "algorithm", "lr", "time", "test accuracy", "bytes/sample"], rows)
 
 
 # The accuracy table of the README: (run directory, algorithm label) in the order shown.
 ACCURACY_RUNS = {
-    "acc-m09": ("0.05", "0.9", ["data_parallel", "block_momentum:block_size=256,block_learning_rate=0.5",
-                                "block_momentum:block_size=1024,block_learning_rate=0.5",
-                                "block_momentum:block_size=4096,block_learning_rate=0.5", "block_momentum:block_size=1024",
-                                "model_averaging:block_size=1024", "data_parallel:bits=1,warm_start=40000",
-                                "data_parallel:bits=2,warm_start=40000", "data_parallel:bits=8"]),
+    "acc-m09": (
+        "0.05",
+        "0.9",
+        [
+            "data_parallel",
+            "block_momentum:block_size=256,block_learning_rate=0.5",
+            "block_momentum:block_size=1024,block_learning_rate=0.5",
+            "block_momentum:block_size=4096,block_learning_rate=0.5",
+            "block_momentum:block_size=1024",
+            "model_averaging:block_size=1024",
+            "data_parallel:bits=1,warm_start=40000",
+            "data_parallel:bits=2,warm_start=40000",
+            "data_parallel:bits=8",
+        ],
+    ),
     "acc-m09-1bit": ("0.05", "0.9", ["data_parallel:bits=1"]),
-    "acc-m09-rotate": ("0.05", "0.9", ["data_parallel:bits=1,rotate=true",
-                                       "data_parallel:bits=1,rotate=true,warm_start=40000"]),
-    "acc-m0": ("0.5", "0", ["data_parallel", "data_parallel:bits=1", "data_parallel:bits=1,warm_start=40000",
-                            "data_parallel:bits=1,warm_start=80000"]),
+    "acc-m09-rotate": (
+        "0.05",
+        "0.9",
+        ["data_parallel:bits=1,rotate=true", "data_parallel:bits=1,rotate=true,warm_start=40000"],
+    ),
+    "acc-m0": (
+        "0.5",
+        "0",
+        [
+            "data_parallel",
+            "data_parallel:bits=1",
+            "data_parallel:bits=1,warm_start=40000",
+            "data_parallel:bits=1,warm_start=80000",
+        ],
+    ),
     "acc-m05": ("0.25", "0.5", ["data_parallel", "data_parallel:bits=1", "data_parallel:bits=1,warm_start=40000"]),
 }
-ACCURACY_ORDER = [("acc-m09", 0), ("acc-m09", 1), ("acc-m09", 2), ("acc-m09", 3), ("acc-m09", 4), ("acc-m09", 5),
-                  ("acc-m0", 0), ("acc-m0", 1), ("acc-m0", 2), ("acc-m0", 3),
-                  ("acc-m05", 0), ("acc-m05", 1), ("acc-m05", 2),
-                  ("acc-m09-1bit", 0), ("acc-m09", 6), ("acc-m09", 7), ("acc-m09", 8),
-                  ("acc-m09-rotate", 0), ("acc-m09-rotate", 1)]
+ACCURACY_ORDER = [
+    ("acc-m09", 0),
+    ("acc-m09", 1),
+    ("acc-m09", 2),
+    ("acc-m09", 3),
+    ("acc-m09", 4),
+    ("acc-m09", 5),
+    ("acc-m0", 0),
+    ("acc-m0", 1),
+    ("acc-m0", 2),
+    ("acc-m0", 3),
+    ("acc-m05", 0),
+    ("acc-m05", 1),
+    ("acc-m05", 2),
+    ("acc-m09-1bit", 0),
+    ("acc-m09", 6),
+    ("acc-m09", 7),
+    ("acc-m09", 8),
+    ("acc-m09-rotate", 0),
+    ("acc-m09-rotate", 1),
+]
 
 
 def accuracy_label(label: str) -> str:
@@ -226,9 +322,15 @@ def _render_accuracy(out: Path) -> str:
         records = {r["label"]: r for r in _load(out / run / "compare.json")["configs"]}
         r = records[labels[i]]
         ok = r.get("status") == "ok"
-        rows.append([accuracy_label(labels[i]), f"{lr}, {momentum}",
-                     f"{100 * r['test_error']:.1f}%" if ok else r.get("status", "failed"),
-                     f"{r['bytes_sent_per_sample']:.1f}" if ok else "-", f"{r['wall_s']:.1f} s" if ok else "-"])
+        rows.append(
+            [
+                accuracy_label(labels[i]),
+                f"{lr}, {momentum}",
+                f"{100 * r['test_error']:.1f}%" if ok else r.get("status", "failed"),
+                f"{r['bytes_sent_per_sample']:.1f}" if ok else "-",
+                f"{r['wall_s']:.1f} s" if ok else "-",
+            ]
+        )
     return markdown_table(["algorithm", "lr, momentum", "test error", "bytes/sample", "time"], rows)
 
 
@@ -259,64 +361,153 @@ class Block:
 
 
 def blocks() -> list[Block]:
-    compare_cmd = (f"{_COMPARE} -np 1,2,4 --epochs 20 --batch 128 --lr 0.5 --momentum 0 --algorithms data_parallel "
-                   "data_parallel:bits=1 block_momentum:block_size=1024,block_learning_rate=0.5 "
-                   "model_averaging:block_size=1024 async --out {out}/compare")
+    compare_cmd = (
+        f"{_COMPARE} -np 1,2,4 --epochs 20 --batch 128 --lr 0.5 --momentum 0 --algorithms data_parallel "
+        "data_parallel:bits=1 block_momentum:block_size=1024,block_learning_rate=0.5 "
+        "model_averaging:block_size=1024 async --out {out}/compare"
+    )
     comm_cmd = "bunsan bench comm -np 2 --sizes 1KB..64MB --out {out}/comm"
-    digits = "bunsan bench compare --model digits_cnn --dataset digits -np 1,2,4 --epochs 10 --batch 64 --lr 0.1 " \
-             "--momentum 0 --algorithms data_parallel data_parallel:bits=1"
-    cifar = "bunsan bench throughput --model cifar_convnet -np 1,2 --batch 32 --warmup 3 --iters 10 --momentum 0 " \
-            "--algorithm data_parallel data_parallel:bits=1"
+    digits = (
+        "bunsan bench compare --model digits_cnn --dataset digits -np 1,2,4 --epochs 10 --batch 64 --lr 0.1 "
+        "--momentum 0 --algorithms data_parallel data_parallel:bits=1"
+    )
+    cifar = (
+        "bunsan bench throughput --model cifar_convnet -np 1,2 --batch 32 --warmup 3 --iters 10 --momentum 0 "
+        "--algorithm data_parallel data_parallel:bits=1"
+    )
 
     def throughput_network(out: Path) -> str:
-        return _table([job_table(out / f"throughput-{rate}" / "throughput.json", THROUGHPUT_NETWORK_COLUMNS,
-                                 prefix=[("link", label)])
-                       for rate, label in (("100mbit", "100 Mbit/s"), ("1gbit", "1 Gbit/s"))])
+        return _table(
+            [
+                job_table(
+                    out / f"throughput-{rate}" / "throughput.json", THROUGHPUT_NETWORK_COLUMNS, prefix=[("link", label)]
+                )
+                for rate, label in (("100mbit", "100 Mbit/s"), ("1gbit", "1 Gbit/s"))
+            ]
+        )
 
     return [
-        Block("compare-mnist1d", (README, DOCS), (compare_cmd,), _render_compare("compare"), 110,
-              {"compare/plots/scaling.png": "docs/img/compare_mnist1d_scaling.png",
-               "compare/plots/curves.png": "docs/img/compare_mnist1d_curves.png"}),
-        Block("compare-async", (DOCS,), (f"{_COMPARE} -np 1,2,4 --epochs 20 --batch 128 --lr 0.125 --momentum 0 "
-                                         "--algorithms async data_parallel --out {out}/compare-async --no-plots",),
-              _render_compare("compare-async"), 41),
-        Block("throughput-resnet20", (README, DOCS),
-              ("bunsan bench throughput --model resnet20 -np 1,2,4 --batch 32 --warmup 5 --iters 20 "
-               "--out {out}/throughput",),
-              lambda out: _table([job_table(out / "throughput" / "throughput.json", THROUGHPUT_COLUMNS)]), 25,
-              {"throughput/plots/throughput.png": "docs/img/throughput_resnet20.png"}),
-        Block("comm-loopback", (DOCS,), (comm_cmd,),
-              lambda out: _table([job_table(out / "comm" / "comm.json", COMM_COLUMNS)]), 15,
-              {"comm/plots/comm.png": "docs/img/comm_loopback.png"}),
-        Block("comm-loopback-large", (README,), (comm_cmd,),
-              lambda out: _table([job_table(out / "comm" / "comm.json", COMM_COLUMNS,
-                                            keep=lambda row, cells: cells["size"] in _LARGE)]), 0),
-        Block("comm-1gbit", (DOCS,),
-              ("bunsan bench comm -np 2 --sizes 16KB..16MB --rounds 2 --network rate=1gbit --out {out}/comm-1gbit",),
-              lambda out: _table([job_table(out / "comm-1gbit" / "comm.json", COMM_NETWORK_COLUMNS)]), 38,
-              {"comm-1gbit/plots/comm.png": "docs/img/comm_1gbit.png"}, needs_root=True),
-        Block("compare-100mbit", (DOCS,), (f"{digits} --network rate=100mbit --out {{out}}/compare-100mbit",),
-              _render_compare("compare-100mbit"), 74,
-              {"compare-100mbit/plots/scaling.png": "docs/img/compare_digits_100mbit_scaling.png"}, needs_root=True),
-        Block("compare-1gbit", (DOCS,), (f"{digits} --network rate=1gbit --out {{out}}/compare-1gbit --no-plots",),
-              _render_compare("compare-1gbit"), 45, needs_root=True),
-        Block("throughput-network", (DOCS,),
-              (f"{cifar} --network rate=100mbit --out {{out}}/throughput-100mbit",
-               f"{cifar} --network rate=1gbit --out {{out}}/throughput-1gbit --no-plots"),
-              throughput_network, 46,
-              {"throughput-100mbit/plots/throughput.png": "docs/img/throughput_cifar_convnet_100mbit.png"},
-              needs_root=True),
-        Block("ddp-overhead", (README,),
-              ("bunsan run -np 2 python -m bunsan.bench.ddp_overhead --json {out}/ddp_overhead.json",), _render_ddp, 60),
-        Block("quantized", (README,),
-              ("bunsan run -np 2 python -m bunsan.bench.quantized --json {out}/quantized_np2.json",
-               "bunsan run -np 4 python -m bunsan.bench.quantized --json {out}/quantized_np4.json"),
-              _render_quantized, 130),
-        Block("accuracy-mnist1d", (README,), tuple(
-            f"{_ACC} --lr {lr} --momentum {momentum} --algorithms {' '.join(labels)} --out {{out}}/{run}"
-            for run, (lr, momentum, labels) in ACCURACY_RUNS.items()), _render_accuracy, 420),
-        Block("async-bench", (README,),
-              ("bunsan run -np 4 python -m bunsan.bench.async_bench --json {out}/async_bench.json",), _render_async, 60),
+        Block(
+            "compare-mnist1d",
+            (README, DOCS),
+            (compare_cmd,),
+            _render_compare("compare"),
+            110,
+            {
+                "compare/plots/scaling.png": "docs/img/compare_mnist1d_scaling.png",
+                "compare/plots/curves.png": "docs/img/compare_mnist1d_curves.png",
+            },
+        ),
+        Block(
+            "compare-async",
+            (DOCS,),
+            (
+                f"{_COMPARE} -np 1,2,4 --epochs 20 --batch 128 --lr 0.125 --momentum 0 "
+                "--algorithms async data_parallel --out {out}/compare-async --no-plots",
+            ),
+            _render_compare("compare-async"),
+            41,
+        ),
+        Block(
+            "throughput-resnet20",
+            (README, DOCS),
+            (
+                "bunsan bench throughput --model resnet20 -np 1,2,4 --batch 32 --warmup 5 --iters 20 "
+                "--out {out}/throughput",
+            ),
+            lambda out: _table([job_table(out / "throughput" / "throughput.json", THROUGHPUT_COLUMNS)]),
+            25,
+            {"throughput/plots/throughput.png": "docs/img/throughput_resnet20.png"},
+        ),
+        Block(
+            "comm-loopback",
+            (DOCS,),
+            (comm_cmd,),
+            lambda out: _table([job_table(out / "comm" / "comm.json", COMM_COLUMNS)]),
+            15,
+            {"comm/plots/comm.png": "docs/img/comm_loopback.png"},
+        ),
+        Block(
+            "comm-loopback-large",
+            (README,),
+            (comm_cmd,),
+            lambda out: _table(
+                [job_table(out / "comm" / "comm.json", COMM_COLUMNS, keep=lambda row, cells: cells["size"] in _LARGE)]
+            ),
+            0,
+        ),
+        Block(
+            "comm-1gbit",
+            (DOCS,),
+            ("bunsan bench comm -np 2 --sizes 16KB..16MB --rounds 2 --network rate=1gbit --out {out}/comm-1gbit",),
+            lambda out: _table([job_table(out / "comm-1gbit" / "comm.json", COMM_NETWORK_COLUMNS)]),
+            38,
+            {"comm-1gbit/plots/comm.png": "docs/img/comm_1gbit.png"},
+            needs_root=True,
+        ),
+        Block(
+            "compare-100mbit",
+            (DOCS,),
+            (f"{digits} --network rate=100mbit --out {{out}}/compare-100mbit",),
+            _render_compare("compare-100mbit"),
+            74,
+            {"compare-100mbit/plots/scaling.png": "docs/img/compare_digits_100mbit_scaling.png"},
+            needs_root=True,
+        ),
+        Block(
+            "compare-1gbit",
+            (DOCS,),
+            (f"{digits} --network rate=1gbit --out {{out}}/compare-1gbit --no-plots",),
+            _render_compare("compare-1gbit"),
+            45,
+            needs_root=True,
+        ),
+        Block(
+            "throughput-network",
+            (DOCS,),
+            (
+                f"{cifar} --network rate=100mbit --out {{out}}/throughput-100mbit",
+                f"{cifar} --network rate=1gbit --out {{out}}/throughput-1gbit --no-plots",
+            ),
+            throughput_network,
+            46,
+            {"throughput-100mbit/plots/throughput.png": "docs/img/throughput_cifar_convnet_100mbit.png"},
+            needs_root=True,
+        ),
+        Block(
+            "ddp-overhead",
+            (README,),
+            ("bunsan run -np 2 python -m bunsan.bench.ddp_overhead --json {out}/ddp_overhead.json",),
+            _render_ddp,
+            60,
+        ),
+        Block(
+            "quantized",
+            (README,),
+            (
+                "bunsan run -np 2 python -m bunsan.bench.quantized --json {out}/quantized_np2.json",
+                "bunsan run -np 4 python -m bunsan.bench.quantized --json {out}/quantized_np4.json",
+            ),
+            _render_quantized,
+            130,
+        ),
+        Block(
+            "accuracy-mnist1d",
+            (README,),
+            tuple(
+                f"{_ACC} --lr {lr} --momentum {momentum} --algorithms {' '.join(labels)} --out {{out}}/{run}"
+                for run, (lr, momentum, labels) in ACCURACY_RUNS.items()
+            ),
+            _render_accuracy,
+            420,
+        ),
+        Block(
+            "async-bench",
+            (README,),
+            ("bunsan run -np 4 python -m bunsan.bench.async_bench --json {out}/async_bench.json",),
+            _render_async,
+            60,
+        ),
     ]
 
 
@@ -371,8 +562,10 @@ def dry_run(chosen: Sequence[Block], out: Path) -> str:
         for src, dest in block.plots.items():
             lines.append(f"    plot {out / src} -> {dest}")
         total += block.estimate_s
-    lines.append(f"{len(chosen)} blocks, estimated {total / 60:.0f} min in all (from the durations the documents "
-                 "state; not measured as one run)")
+    lines.append(
+        f"{len(chosen)} blocks, estimated {total / 60:.0f} min in all (from the durations the documents "
+        "state; not measured as one run)"
+    )
     return "\n".join(lines)
 
 

@@ -161,8 +161,17 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-COLUMNS = ("workers", "algorithm", "per worker (img/s)", "total (img/s)", "efficiency", "vs first",
-           "step (ms)", "bytes/step", "note")
+COLUMNS = (
+    "workers",
+    "algorithm",
+    "per worker (img/s)",
+    "total (img/s)",
+    "efficiency",
+    "vs first",
+    "step (ms)",
+    "bytes/step",
+    "note",
+)
 _RIGHT = set(COLUMNS) - {"algorithm", "note"}
 
 
@@ -182,19 +191,33 @@ def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in records:
         if r.get("status") != "ok":
-            rows.append([str(r["workers"]), r["label"], str(r.get("status", "failed")), "-", "-", "-", "-", "-",
-                         r.get("note", "")])
+            rows.append(
+                [
+                    str(r["workers"]),
+                    r["label"],
+                    str(r.get("status", "failed")),
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    r.get("note", ""),
+                ]
+            )
             continue
-        rows.append([
-            str(r["workers"]), r["label"],
-            _pm(r["per_worker_mean"], r["per_worker_spread"]),
-            _pm(r["total_mean"], r["total_spread"]),
-            _cell(r.get("efficiency"), ".2f"),
-            _cell(r.get("vs_first"), ".2f"),
-            _cell(r.get("step_ms"), ".1f"),
-            _cell(r.get("bytes_sent_per_step"), ".0f"),
-            r.get("note", ""),
-        ])
+        rows.append(
+            [
+                str(r["workers"]),
+                r["label"],
+                _pm(r["per_worker_mean"], r["per_worker_spread"]),
+                _pm(r["total_mean"], r["total_spread"]),
+                _cell(r.get("efficiency"), ".2f"),
+                _cell(r.get("vs_first"), ".2f"),
+                _cell(r.get("step_ms"), ".1f"),
+                _cell(r.get("bytes_sent_per_step"), ".0f"),
+                r.get("note", ""),
+            ]
+        )
     return rows
 
 
@@ -238,8 +261,11 @@ def _worker(spec: dict[str, Any]) -> int:
     after = algorithm.stats()
     optimizer.join()  # block algorithms end their last block; not timed
     steps = max(after["steps"] - before["steps"], 1)
-    mine = {"times": times, "bytes_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
-            "threads": torch.get_num_threads()}
+    mine = {
+        "times": times,
+        "bytes_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
+        "threads": torch.get_num_threads(),
+    }
     everyone = comm.all_gather_object(mine)
     if rank == 0:
         result = {
@@ -261,25 +287,42 @@ def _worker(spec: dict[str, Any]) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench throughput`` to ``parser``."""
     parser.add_argument("--model", default="resnet20", help="model name (bunsan.models.names()); default %(default)s")
-    parser.add_argument("-np", "--np", dest="workers", default="1,2", metavar="N,N,...",
-                        help="worker counts, comma-separated; default %(default)s")
-    parser.add_argument("--algorithm", "--algorithms", dest="algorithms", nargs="+", default=["data_parallel"],
-                        metavar="SPEC", help="algorithm setting(s) NAME[:KEY=VALUE,...]; default data_parallel")
+    parser.add_argument(
+        "-np",
+        "--np",
+        dest="workers",
+        default="1,2",
+        metavar="N,N,...",
+        help="worker counts, comma-separated; default %(default)s",
+    )
+    parser.add_argument(
+        "--algorithm",
+        "--algorithms",
+        dest="algorithms",
+        nargs="+",
+        default=["data_parallel"],
+        metavar="SPEC",
+        help="algorithm setting(s) NAME[:KEY=VALUE,...]; default data_parallel",
+    )
     parser.add_argument("--batch", type=int, default=32, help="images per worker per step; default %(default)s")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first; default %(default)s")
     parser.add_argument("--iters", type=int, default=20, help="timed iterations; default %(default)s")
-    parser.add_argument("--batches-per-iter", type=int, default=1, help="steps per timed iteration; "
-                                                                         "default %(default)s")
-    parser.add_argument("--image-size", type=int, default=None,
-                        help="side of the synthetic images; default the model's own (32 for CIFAR models)")
+    parser.add_argument(
+        "--batches-per-iter", type=int, default=1, help="steps per timed iteration; default %(default)s"
+    )
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="side of the synthetic images; default the model's own (32 for CIFAR models)",
+    )
     parser.add_argument("--num-classes", type=int, default=10, help="default %(default)s")
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate; default %(default)s")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum; default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="model and data; default %(default)s")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per job; default %(default)s")
-    parser.add_argument("--out", default="runs/throughput", help="directory of the jobs' outputs; "
-                                                                  "default %(default)s")
+    parser.add_argument("--out", default="runs/throughput", help="directory of the jobs' outputs; default %(default)s")
     parser.add_argument("--json", metavar="FILE", help="the JSON record; default OUT/throughput.json")
     parser.add_argument("--plots", metavar="DIR", help="PNG plots; default OUT/plots")
     parser.add_argument("--no-plots", action="store_true", help="write no plots")
@@ -299,9 +342,14 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[tuple[compare.Algo
         raise _Refused(str(err)) from None
     if len({s.label for s in settings}) != len(settings):
         raise _Refused("an --algorithm setting is given twice")
-    for name, value, low in (("--batch", args.batch, 1), ("--warmup", args.warmup, 0), ("--iters", args.iters, 1),
-                             ("--batches-per-iter", args.batches_per_iter, 1), ("--threads", args.threads, 1),
-                             ("--num-classes", args.num_classes, 1)):
+    for name, value, low in (
+        ("--batch", args.batch, 1),
+        ("--warmup", args.warmup, 0),
+        ("--iters", args.iters, 1),
+        ("--batches-per-iter", args.batches_per_iter, 1),
+        ("--threads", args.threads, 1),
+        ("--num-classes", args.num_classes, 1),
+    ):
         if value < low:
             raise _Refused(f"{name} must be >= {low}, got {value}")
     if not args.timeout_s > 0:
@@ -327,10 +375,21 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[tuple[compare.Algo
 
 
 def _spec(args: argparse.Namespace, setting: compare.AlgorithmSetting, out: Path) -> dict[str, Any]:
-    return {"model": args.model, "algorithm": setting.name, "options": dict(setting.options), "batch": args.batch,
-            "warmup": args.warmup, "iters": args.iters, "batches_per_iter": args.batches_per_iter,
-            "image_size": args.image_size, "num_classes": args.num_classes, "lr": args.lr,
-            "momentum": args.momentum, "seed": args.seed, "out": str(out)}
+    return {
+        "model": args.model,
+        "algorithm": setting.name,
+        "options": dict(setting.options),
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "batches_per_iter": args.batches_per_iter,
+        "image_size": args.image_size,
+        "num_classes": args.num_classes,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "seed": args.seed,
+        "out": str(out),
+    }
 
 
 def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
@@ -384,8 +443,13 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         directory = out / f"np{n}-{compare._slug(setting.label)}"
         result_path = directory / "result.json"
         result_path.unlink(missing_ok=True)
-        record: dict[str, Any] = {"label": setting.label, "workers": n, "batch": args.batch, "dir": str(directory),
-                                  **described}
+        record: dict[str, Any] = {
+            "label": setting.label,
+            "workers": n,
+            "batch": args.batch,
+            "dir": str(directory),
+            **described,
+        }
         if oversubscribed(n, args.threads, cores):
             record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
         command = _command(n, _spec(args, setting, result_path.resolve()), args.network)
@@ -400,26 +464,32 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             per_worker, total = throughputs(result["times_s"], images)
             record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
             record["total_mean"], record["total_spread"] = summarize(total)
-            record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) \
-                / args.batches_per_iter
+            record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) / args.batches_per_iter
             record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
-            for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape",
-                        "algorithm_repr"):
+            for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape", "algorithm_repr"):
                 record[key] = result.get(key)
         records.append(record)
-        done = f"{record['total_mean']:.1f} img/s in total" if record["status"] == "ok" else \
-            f"{record['status'].upper()}; see {directory}/stderr.txt"
+        done = (
+            f"{record['total_mean']:.1f} img/s in total"
+            if record["status"] == "ok"
+            else f"{record['status'].upper()}; see {directory}/stderr.txt"
+        )
         say(f"[{index}/{len(configs)}] {setting.label} -np {n}: {done} ({record['total_s']:.1f} s in all)")
 
     reference = _finish(records, workers, settings[0][0].label)
     shape = "x".join(map(str, model_inputs(args.model, args.image_size, args.num_classes)[1]))
-    network = f"links shaped to {netns.parse_network(args.network).label} (network namespaces)" if args.network \
+    network = (
+        f"links shaped to {netns.parse_network(args.network).label} (network namespaces)"
+        if args.network
         else "Gloo over loopback"
+    )
     say("")
-    say(f"{args.model} on synthetic {shape} inputs, batch {args.batch} per worker, {args.iters} iterations of "
+    say(
+        f"{args.model} on synthetic {shape} inputs, batch {args.batch} per worker, {args.iters} iterations of "
         f"{args.batches_per_iter} step(s) after {args.warmup} warm-up steps, {args.threads} thread(s) per worker, "
         f"{cores} usable cores, {network}; mean +- 1.96 sigma over iterations; "
-        f"efficiency = total(N) / (N / {reference} x total({reference}))")
+        f"efficiency = total(N) / (N / {reference} x total({reference}))"
+    )
     rows = table_rows(records)
     say(compare.format_table(COLUMNS, rows, right=_RIGHT))
     failed = compare.report_failures(records, say)
@@ -449,15 +519,22 @@ def plot_throughput(records: Sequence[dict[str, Any]], directory: Path, model: s
     for label in dict.fromkeys(r["label"] for r in ok):
         rs = sorted((r for r in ok if r["label"] == label), key=lambda r: r["workers"])
         x = [r["workers"] for r in rs]
-        line = rate_axes.errorbar(x, [r["total_mean"] for r in rs], yerr=[r["total_spread"] for r in rs],
-                                  marker="o", capsize=3, label=label)
+        line = rate_axes.errorbar(
+            x, [r["total_mean"] for r in rs], yerr=[r["total_spread"] for r in rs], marker="o", capsize=3, label=label
+        )
         base = next((r["total_mean"] for r in rs if r["workers"] == reference), None)
         if base is not None:
-            rate_axes.plot(counts, [n / reference * base for n in counts], linestyle=":",
-                           color=line[0].get_color(), label=f"{label}, linear")
+            rate_axes.plot(
+                counts,
+                [n / reference * base for n in counts],
+                linestyle=":",
+                color=line[0].get_color(),
+                label=f"{label}, linear",
+            )
         with_efficiency = [r for r in rs if r.get("efficiency") is not None]
-        efficiency_axes.plot([r["workers"] for r in with_efficiency], [r["efficiency"] for r in with_efficiency],
-                             marker="o", label=label)
+        efficiency_axes.plot(
+            [r["workers"] for r in with_efficiency], [r["efficiency"] for r in with_efficiency], marker="o", label=label
+        )
     rate_axes.set_ylabel("images/s, all workers")
     efficiency_axes.set_ylabel(f"scaling efficiency vs {reference} worker{'s' if reference > 1 else ''}")
     efficiency_axes.axhline(1.0, color="grey", linewidth=0.8)
@@ -477,8 +554,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--worker"]:
         return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -75,10 +75,17 @@ def tta_rows(configs: Sequence[dict[str, Any]], reference: str, points: float) -
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("record", help="the JSON record of bunsan bench compare")
-    parser.add_argument("--reference", default="data_parallel", help="the setting whose final error sets the target; "
-                                                                      "default %(default)s")
-    parser.add_argument("--points", type=float, default=1.0,
-                        help="percentage points above the reference's final error; default %(default)s")
+    parser.add_argument(
+        "--reference",
+        default="data_parallel",
+        help="the setting whose final error sets the target; default %(default)s",
+    )
+    parser.add_argument(
+        "--points",
+        type=float,
+        default=1.0,
+        help="percentage points above the reference's final error; default %(default)s",
+    )
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
@@ -92,8 +99,15 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         print(f"{PROG}: error: cannot use {args.record!r}: {err}", file=sys.stderr)
         return 2
     header = ("workers", "algorithm", "target error (%)", "time to target (s)", "auto vs best")
-    cells = [[str(r["workers"]), r["label"], f"{100 * r['target']:.2f}",
-              "-" if r["tta_s"] is None else f"{r['tta_s']:.2f}",
-              "" if r["vs_best"] is None else f"{r['vs_best']:.2f}"] for r in rows]
+    cells = [
+        [
+            str(r["workers"]),
+            r["label"],
+            f"{100 * r['target']:.2f}",
+            "-" if r["tta_s"] is None else f"{r['tta_s']:.2f}",
+            "" if r["vs_best"] is None else f"{r['vs_best']:.2f}",
+        ]
+        for r in rows
+    ]
     say(format_table(header, cells, right={"workers", "target error (%)", "time to target (s)", "auto vs best"}))
     return 0

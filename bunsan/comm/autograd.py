@@ -103,7 +103,9 @@ def _reduced(tensor: Tensor, group: ProcessGroup | None, traffic: Traffic | None
     return out
 
 
-def _gather(tensor: Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup | None, traffic: Traffic | None) -> Tensor:
+def _gather(
+    tensor: Tensor, dim: int, sizes: Sequence[int], group: ProcessGroup | None, traffic: Traffic | None
+) -> Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank ``r`` holds ``sizes[r]``)."""
     n, rank = len(sizes), get_rank(group)
     width = max(sizes)
@@ -131,8 +133,7 @@ def _check_sizes(tensor: Tensor, dim: int, sizes: Sequence[int], group: ProcessG
     if tensor.shape[dim] != expected:
         what = "the sum of sizes" if whole else f"sizes[{get_rank(group)}] (this rank's slice)"
         raise ValueError(
-            f"tensor has {tensor.shape[dim]} elements along dim {dim} but {what} is {expected}; "
-            f"sizes={list(sizes)}"
+            f"tensor has {tensor.shape[dim]} elements along dim {dim} but {what} is {expected}; sizes={list(sizes)}"
         )
 
 
@@ -334,7 +335,9 @@ def _exchange(
 
 class _HaloExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, dim: int, halo: int, group: ProcessGroup | None, traffic: Traffic | None) -> Tensor:
+    def forward(
+        ctx: Any, tensor: Tensor, dim: int, halo: int, group: ProcessGroup | None, traffic: Traffic | None
+    ) -> Tensor:
         ctx.dim, ctx.halo, ctx.group, ctx.traffic = dim, halo, group, traffic
         rank, n = get_rank(group), get_world_size(group)
         length = tensor.shape[dim]

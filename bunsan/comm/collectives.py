@@ -172,8 +172,13 @@ def all_reduce(
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
-    return _call("all_reduce", lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op),
-                 group=group, tensor=tensor, blocking=not async_op)
+    return _call(
+        "all_reduce",
+        lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op),
+        group=group,
+        tensor=tensor,
+        blocking=not async_op,
+    )
 
 
 def flatten(tensors: Sequence[Tensor]) -> Tensor:
@@ -246,8 +251,13 @@ def all_gather_into(
         return None
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single; torch >= 2.4 is supported
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _call("all_gather", lambda: gather(output, tensor.contiguous(), group=group, async_op=async_op),
-                 group=group, tensor=tensor, blocking=not async_op)
+    return _call(
+        "all_gather",
+        lambda: gather(output, tensor.contiguous(), group=group, async_op=async_op),
+        group=group,
+        tensor=tensor,
+        blocking=not async_op,
+    )
 
 
 def all_to_all(
@@ -264,15 +274,22 @@ def all_to_all(
     """
     n = get_world_size(group)
     if tensor.numel() % n or output.numel() != tensor.numel():
-        raise ValueError(f"all_to_all needs equal slices: {tensor.numel()} and {output.numel()} elements over {n} ranks")
+        raise ValueError(
+            f"all_to_all needs equal slices: {tensor.numel()} and {output.numel()} elements over {n} ranks"
+        )
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add((n - 1) / n * nbytes, (n - 1) / n * nbytes)
     if n == 1:
         output.copy_(tensor)
         return None
-    return _call("all_to_all", lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=async_op),
-                 group=group, tensor=tensor, blocking=not async_op)
+    return _call(
+        "all_to_all",
+        lambda: dist.all_to_all_single(output, tensor.contiguous(), group=group, async_op=async_op),
+        group=group,
+        tensor=tensor,
+        blocking=not async_op,
+    )
 
 
 def global_rank(group: ProcessGroup | None, group_rank: int) -> int:

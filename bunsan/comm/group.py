@@ -56,8 +56,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bunsan.launch import treewatch
 from bunsan.comm import inspector as _inspector
+from bunsan.launch import treewatch
 
 __all__ = [
     "REPORT_FD_VARIABLE",
@@ -140,8 +140,12 @@ def _listening_socket(master_addr: str, port: int, all_local: bool = True) -> in
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if not all_local and ipaddress.ip_address(address).is_loopback:
-            print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} is {address} here, which other hosts cannot reach; "
-                  "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
+            print(
+                f"[bunsan] rank 0: MASTER_ADDR={master_addr} is {address} here, which other hosts cannot reach; "
+                "the rendezvous store listens on every interface",
+                file=sys.stderr,
+                flush=True,
+            )
             sock.bind((wildcard, port))
         else:
             try:
@@ -149,8 +153,12 @@ def _listening_socket(master_addr: str, port: int, all_local: bool = True) -> in
             except OSError as err:
                 if err.errno != errno.EADDRNOTAVAIL:
                     raise
-                print(f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
-                      "the rendezvous store listens on every interface", file=sys.stderr, flush=True)
+                print(
+                    f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
+                    "the rendezvous store listens on every interface",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 sock.bind((wildcard, port))
         sock.listen(1024)
         return sock.detach()
@@ -311,7 +319,7 @@ def destroy_world(*, barrier: bool) -> None:
         if barrier and _world.world_size > 1:
             try:
                 dist.barrier()
-            except Exception:  # noqa: BLE001 - a peer already gone; nothing left to protect
+            except Exception:
                 pass
         dist.destroy_process_group()
     _world.store = _world.watch_store = None
@@ -324,7 +332,7 @@ def signal_abort(reason: str, failed: int | None = None) -> None:
         return
     try:
         _world.store.set(_ABORT_KEY, f"{_world.rank if failed is None else failed}:{reason}")
-    except Exception:  # noqa: BLE001 - the store may be gone already; the peers then see that
+    except Exception:
         pass
 
 
@@ -356,8 +364,12 @@ def report(event: str, *, peer: int | None = None, code: int = 1, what: str = ""
     """
     if _world.report_fd is None:
         return
-    line = json.dumps({"rank": _world.rank, "event": event, "peer": peer, "code": code, "what": what[:300],
-                       "time": time.time()}).encode() + b"\n"
+    line = (
+        json.dumps(
+            {"rank": _world.rank, "event": event, "peer": peer, "code": code, "what": what[:300], "time": time.time()}
+        ).encode()
+        + b"\n"
+    )
     with contextlib.suppress(OSError):
         os.write(_world.report_fd, line)  # one write below PIPE_BUF: never mixed with another rank's
 
@@ -435,7 +447,7 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
     here = socket.gethostname()
     try:
         peers = _peers(store, _world.world_size)
-    except Exception:  # noqa: BLE001 - the store is gone
+    except Exception:
         return [0] if _world.store_on_rank0 and _world.rank != 0 else None
     local = {r: (pid, start) for r, (host, pid, start) in peers.items() if r != _world.rank and host == here}
     # A killed process closes its sockets a moment before it is gone from the process table.
@@ -443,8 +455,11 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
     while True:
         dead = [r for r, (pid, start) in local.items() if not treewatch.is_alive(pid, start)]
         with contextlib.suppress(Exception):
-            dead = [r for r in dead if not (store.check([_BEAT_KEY.format(rank=r)])
-                                            and store.get(_BEAT_KEY.format(rank=r)) == b"done")]
+            dead = [
+                r
+                for r in dead
+                if not (store.check([_BEAT_KEY.format(rank=r)]) and store.get(_BEAT_KEY.format(rank=r)) == b"done")
+            ]
         if dead or time.monotonic() >= deadline:
             break
         time.sleep(0.02)
@@ -455,7 +470,7 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
             before = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}
             time.sleep(3 * poll_s if wait_s is None else wait_s)
             after = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}
-        except Exception:  # noqa: BLE001
+        except Exception:
             return [0] if _world.store_on_rank0 and _world.rank != 0 else None
         dead += [r for r in remote if before[r] == after[r] != b"done"]
     return sorted(dead)
@@ -470,7 +485,7 @@ def abort_reason() -> tuple[int, str] | None:
             return None
         failed, _, reason = _world.watch_store.get(_ABORT_KEY).decode(errors="replace").partition(":")
         return int(failed), reason
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -491,7 +506,7 @@ def lagging_ranks() -> list[int] | None:
             for r in range(_world.world_size)
             if watchdog.store.check([_PROGRESS_KEY.format(rank=r)])
         }
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     mine = _world.collectives
     return [r for r in range(_world.world_size) if counts.get(r, 0) < mine]
@@ -529,14 +544,17 @@ class Watchdog(threading.Thread):
             return
         peers = _peers(self.store, self.world_size)
         if len(peers) == self.world_size:
-            self._local_peers = {r: (pid, start) for r, (host, pid, start) in peers.items()
-                                 if r != self.rank and host == self.host}
+            self._local_peers = {
+                r: (pid, start) for r, (host, pid, start) in peers.items() if r != self.rank and host == self.host
+            }
 
     def _check_local_peers(self) -> None:
         """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it."""
         for r, (pid, start) in (self._local_peers or {}).items():
             if not treewatch.is_alive(pid, start):
-                why = f"died without a word (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
+                why = (
+                    f"died without a word (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
+                )
                 signal_abort(why, failed=r)
                 self._end(f"rank {r} {why}", peer=r)
 
@@ -553,11 +571,14 @@ class Watchdog(threading.Thread):
                     if int(failed) != self.rank:
                         self._end(f"rank {failed} failed ({reason}); see its traceback above", peer=int(failed))
                 self._find_local_peers()
-            except Exception as e:  # noqa: BLE001 - any store failure means the job is broken
+            except Exception as e:
                 if not self._stop_event.is_set():
                     if _world.store_on_rank0 and self.rank != 0:
-                        self._end(f"rank 0 is gone: it hosted the rendezvous store, which stopped answering "
-                                  f"({type(e).__name__}); see rank 0's output", peer=0)
+                        self._end(
+                            f"rank 0 is gone: it hosted the rendezvous store, which stopped answering "
+                            f"({type(e).__name__}); see rank 0's output",
+                            peer=0,
+                        )
                     else:
                         self._end(f"lost the rendezvous store (the launcher's agent is gone: {type(e).__name__})")
             self._check_local_peers()

@@ -65,12 +65,12 @@ __all__ = [
     "configure",
     "count_steps_of",
     "describe_mismatch",
-    "skipped_step",
     "diagnose",
     "end_wait",
     "in_finalize_join_hint",
     "poll",
     "set_activity",
+    "skipped_step",
     "started",
     "waiting",
 ]
@@ -141,7 +141,7 @@ def _group_key(group: Any) -> str:
         return "world"
     try:
         return "group " + ",".join(map(str, dist.get_process_group_ranks(group)))
-    except Exception:  # noqa: BLE001 - a group unknown to torch: counted on its own, never matched
+    except Exception:
         return f"group@{id(group)}"
 
 
@@ -263,7 +263,7 @@ def _read(store: Any, key: str) -> dict[str, Any] | None:
         if not store.check([key]):
             return None
         return json.loads(store.get(key).decode())
-    except Exception:  # noqa: BLE001 - a peer's record is a hint, never a failure
+    except Exception:
         return None
 
 
@@ -306,11 +306,21 @@ def describe_mismatch(
                 g, n = entry_b[0], entry_b[1]
                 if entry_a[2] != entry_b[2]:
                     text = _op_mismatch(g, n, a, entry_a, b, entry_b, states)
-                elif len(entry_a) > 3 and len(entry_b) > 3 and min(entry_a[3], entry_b[3]) >= 0 \
-                        and entry_a[3] != entry_b[3]:
+                elif (
+                    len(entry_a) > 3
+                    and len(entry_b) > 3
+                    and min(entry_a[3], entry_b[3]) >= 0
+                    and entry_a[3] != entry_b[3]
+                ):
                     earlier_b = {(e[0], e[1]): e for e in rings[b]}
-                    exact = any(e[0] == g and e[1] < n and len(e) > 3 and (g, e[1]) in earlier_b
-                                and e[3] == earlier_b[(g, e[1])][3] >= 0 for e in rings[a])
+                    exact = any(
+                        e[0] == g
+                        and e[1] < n
+                        and len(e) > 3
+                        and (g, e[1]) in earlier_b
+                        and e[3] == earlier_b[(g, e[1])][3] >= 0
+                        for e in rings[a]
+                    )
                     skipped = None if exact or steps_of is None else skipped_step(steps_of(a), steps_of(b))
                     text = _step_mismatch(g, n, a, entry_a, b, entry_b, exact, skipped)
                 else:
@@ -321,8 +331,9 @@ def describe_mismatch(
     return found[1] if found else None
 
 
-def _op_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any],
-                 states: dict[int, dict[str, Any] | None]) -> str:
+def _op_mismatch(
+    g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], states: dict[int, dict[str, Any] | None]
+) -> str:
     forgot = _forgotten_join(states)
     if forgot is not None:
         return forgot
@@ -357,8 +368,9 @@ def skipped_step(steps_a: list[list[int]] | None, steps_b: list[list[int]] | Non
     return None
 
 
-def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool,
-                   skipped: int | None = None) -> str:
+def _step_mismatch(
+    g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool, skipped: int | None = None
+) -> str:
     (lo, lo_steps), (hi, hi_steps) = sorted([(a, entry_a[3]), (b, entry_b[3])], key=lambda t: t[1])
     # Exact when the rings also hold an earlier collective both ranks made after
     # the same number of steps, or when the step counts' first collectives say where
@@ -376,8 +388,11 @@ def _step_mismatch(g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: 
 
 
 def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
-    finished = [r for r, s in sorted(states.items())
-                if s is not None and s.get("activity") in (FINALIZE_JOIN, IN_FINALIZE, "finished")]
+    finished = [
+        r
+        for r, s in sorted(states.items())
+        if s is not None and s.get("activity") in (FINALIZE_JOIN, IN_FINALIZE, "finished")
+    ]
     training = [r for r, s in sorted(states.items()) if s is not None and s.get("activity") == TRAINING]
     if not finished or not training:
         return None
@@ -437,8 +452,11 @@ def _poll(store: Any) -> None:
         theirs = _read(store, _RING_KEY.format(rank=neighbour))
         if theirs is not None:
             states = {_local.rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
-            message = describe_mismatch({_local.rank: ring, neighbour: theirs}, states,  # type: ignore[dict-item]
-                                        lambda r: _steps_record(store, r))
+            message = describe_mismatch(
+                {_local.rank: ring, neighbour: theirs},
+                states,  # type: ignore[dict-item]
+                lambda r: _steps_record(store, r),
+            )
             if message is not None:
                 _end_job(message, store)
                 return
@@ -480,13 +498,21 @@ def stall_report(waited: float, states: dict[int, dict[str, Any] | None]) -> str
         if r == _local.rank:
             continue
         last = s.get("last") if s else None
-        reached = s is not None and s.get("waiting") and last is not None and mine is not None and \
-            last[0] == mine[0] and last[1] >= mine[1]
+        reached = (
+            s is not None
+            and s.get("waiting")
+            and last is not None
+            and mine is not None
+            and last[0] == mine[0]
+            and last[1] >= mine[1]
+        )
         if not reached:
             missing.append(f"rank {r} is {_describe_state(s)}")
     if not missing:
-        return (f"{here} has waited {waited:.0f} s; every rank has reached it (the backend is slow "
-                "or a message is lost); still waiting")
+        return (
+            f"{here} has waited {waited:.0f} s; every rank has reached it (the backend is slow "
+            "or a message is lost); still waiting"
+        )
     return f"{here} has waited {waited:.0f} s for {len(missing)} rank(s), still waiting: " + "; ".join(missing)
 
 
@@ -510,7 +536,7 @@ def compare_at_end(timeout_s: float) -> str | None:
     try:
         store.wait([key], timedelta(seconds=timeout_s))
         theirs = json.loads(store.get(key).decode())
-    except Exception:  # noqa: BLE001 - the neighbour never got here: the collectives after this one say why
+    except Exception:
         return None
     states = {rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
     return describe_mismatch({rank: ring, neighbour: theirs}, states)
@@ -546,13 +572,13 @@ def diagnose(timeout_s: float = 2.0) -> str | None:
     try:
         store.set(_STATE_KEY.format(rank=rank), json.dumps({**_state(), "waiting": True}))
         store.set(_RING_KEY.format(rank=rank), json.dumps(_ring()))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             store.check([_STATE_KEY.format(rank=rank)])
-        except Exception:  # noqa: BLE001 - the store died (with rank 0): nothing to read
+        except Exception:
             return None
         states = {rank: _state()}
         rings = {rank: _ring()}

@@ -128,7 +128,11 @@ def scatter_tensor(
                     f"{out.dtype} {tuple(out.shape)}; every chunk must match out"
                 )
         scatter_list = [chunk.to(device).contiguous() for chunk in chunks]
-    buffer = out if out.device == device and out.is_contiguous() else torch.empty_like(out, device=device, memory_format=torch.contiguous_format)
+    buffer = (
+        out
+        if out.device == device and out.is_contiguous()
+        else torch.empty_like(out, device=device, memory_format=torch.contiguous_format)
+    )
     dist.scatter(buffer, scatter_list, group=group, group_src=src)
     if buffer is not out:
         out.copy_(buffer)

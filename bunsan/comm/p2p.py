@@ -103,8 +103,11 @@ def new_pair_groups(root: int, members: list[int], *, timeout_s: float) -> dict[
     for w in members:  # the same order on every rank: new_group is collective
         if w == root:
             continue
-        group = _call("creating the server channel with", w,
-                      lambda w=w: dist.new_group(ranks=sorted((root, w)), timeout=timeout, backend="gloo"))
+        group = _call(
+            "creating the server channel with",
+            w,
+            lambda w=w: dist.new_group(ranks=sorted((root, w)), timeout=timeout, backend="gloo"),
+        )
         if me in (root, w):
             groups[w] = group
     return groups
@@ -159,4 +162,3 @@ def irecv(tensor: Tensor, src: int, *, group: ProcessGroup, tag: int = 0, traffi
     """Start receiving into ``tensor`` from global rank ``src``; it holds the data after ``wait()``."""
     work = _call("receiving from", src, lambda: dist.irecv(tensor, src=src, group=group, tag=tag))
     return P2PWork(work, "receiving from", src, _nbytes(tensor), traffic)
-

@@ -72,7 +72,7 @@ def code_dtype(bits: int) -> torch.dtype:
     return torch.uint8 if bits <= 8 else torch.int32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout(bits: int) -> tuple[int, int, tuple[tuple[tuple[int, int, int, int, int], ...], ...]]:
     """Return ``(G, B, overlaps)`` for one group of G codes in B bytes.
 
@@ -102,7 +102,7 @@ def _layout(bits: int) -> tuple[int, int, tuple[tuple[tuple[int, int, int, int, 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lookup_table(bits: int, device: torch.device) -> Tensor:
     """(256, 8 // bits) uint8 on ``device``: the codes each byte value holds (bits 1, 2, 4). A constant."""
     per_byte = 8 // bits
@@ -147,7 +147,7 @@ def _pack_groups(planes: list[Tensor], bits: int, out: Tensor) -> None:
                 target |= piece << a if a else piece
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _word_rounds(bits: int) -> tuple[tuple[int, int], ...]:
     """``(shift, mask)`` per round of :func:`_pack_words` for 1, 2 or 4 bits."""
     rounds = []

@@ -34,8 +34,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "onebit_decode", "onebit_decode_rotated", "onebit_decode_rotated_sum", "onebit_encode",
-           "onebit_encode_rotated"]
+__all__ = [
+    "available",
+    "onebit_decode",
+    "onebit_decode_rotated",
+    "onebit_decode_rotated_sum",
+    "onebit_encode",
+    "onebit_encode_rotated",
+]
 
 _SOURCE = Path(__file__).with_name("onebit.c")
 # No -march=native: the library may sit in a home directory shared by machines of
@@ -84,7 +90,9 @@ def _compile_with(extra: list[str]) -> ctypes.CDLL:
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=120)
+            subprocess.run(
+                [compiler, *flags, str(_SOURCE), "-o", partial], check=True, capture_output=True, timeout=120
+            )
             os.replace(partial, target)  # atomic: a concurrent loader sees the old state or the whole file
         finally:
             if os.path.exists(partial):
@@ -136,8 +144,9 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def onebit_encode(values: Tensor, addend: Tensor | None, chunk_size: int, offsets: Tensor, steps: Tensor,
-                  packed: Tensor) -> None:
+def onebit_encode(
+    values: Tensor, addend: Tensor | None, chunk_size: int, offsets: Tensor, steps: Tensor, packed: Tensor
+) -> None:
     """1-bit encode ``values`` in place of ``offsets``, ``steps``, ``packed``.
 
     With ``addend`` (error feedback) ``values`` is the residual and becomes
@@ -147,50 +156,88 @@ def onebit_encode(values: Tensor, addend: Tensor | None, chunk_size: int, offset
     """
     library = _load()
     assert library is not None and chunk_size % 8 == 0
-    library.bunsan_onebit_encode(_ptr(values), _ptr(addend), values.numel(), chunk_size,
-                                 _ptr(offsets), _ptr(steps), _ptr(packed))
+    library.bunsan_onebit_encode(
+        _ptr(values), _ptr(addend), values.numel(), chunk_size, _ptr(offsets), _ptr(steps), _ptr(packed)
+    )
 
 
-def onebit_decode(offsets: Tensor, steps: Tensor, packed: Tensor, numel: int, chunk_size: int, out: Tensor,
-                  accumulate: bool = False) -> None:
+def onebit_decode(
+    offsets: Tensor, steps: Tensor, packed: Tensor, numel: int, chunk_size: int, out: Tensor, accumulate: bool = False
+) -> None:
     """Write (or with ``accumulate``, add) the ``numel`` decoded values into ``out``, in place."""
     library = _load()
     assert library is not None and chunk_size % 8 == 0
-    library.bunsan_onebit_decode(_ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(out),
-                                 int(accumulate))
+    library.bunsan_onebit_decode(
+        _ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(out), int(accumulate)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _scales(chunk_size: int) -> Tensor:
     """float32 ``2 ** (-k / 2)`` for k = 0..log2(chunk_size): the Hadamard scale of each row length,
     rounded as torch rounds ``tensor * n ** -0.5`` (the Python float cast to float32)."""
     return torch.tensor([(1 << k) ** -0.5 for k in range(chunk_size.bit_length())], dtype=torch.float32)
 
 
-def onebit_encode_rotated(values: Tensor, addend: Tensor | None, chunk_size: int, signs: Tensor, offsets: Tensor,
-                          steps: Tensor, packed: Tensor) -> None:
+def onebit_encode_rotated(
+    values: Tensor,
+    addend: Tensor | None,
+    chunk_size: int,
+    signs: Tensor,
+    offsets: Tensor,
+    steps: Tensor,
+    packed: Tensor,
+) -> None:
     """As :func:`onebit_encode` on chunks rotated as :class:`~bunsan.compression.RotatedQuantizer` rotates
     them (``signs``: float32 ``chunk_size``, CPU); the residual stays in the original coordinates."""
     library = _load()
     assert library is not None and chunk_size % 8 == 0
     work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
-    library.bunsan_onebit_encode_rotated(_ptr(values), _ptr(addend), values.numel(), chunk_size, _ptr(signs),
-                                         _ptr(scales), _ptr(work), _ptr(offsets), _ptr(steps),
-                                         _ptr(packed))
+    library.bunsan_onebit_encode_rotated(
+        _ptr(values),
+        _ptr(addend),
+        values.numel(),
+        chunk_size,
+        _ptr(signs),
+        _ptr(scales),
+        _ptr(work),
+        _ptr(offsets),
+        _ptr(steps),
+        _ptr(packed),
+    )
 
 
-def onebit_decode_rotated(offsets: Tensor, steps: Tensor, packed: Tensor, numel: int, chunk_size: int,
-                          signs: Tensor, out: Tensor, accumulate: bool = False) -> None:
+def onebit_decode_rotated(
+    offsets: Tensor,
+    steps: Tensor,
+    packed: Tensor,
+    numel: int,
+    chunk_size: int,
+    signs: Tensor,
+    out: Tensor,
+    accumulate: bool = False,
+) -> None:
     """As :func:`onebit_decode` for :func:`onebit_encode_rotated`'s payloads; ``numel`` unpadded."""
     library = _load()
     assert library is not None and chunk_size % 8 == 0
     work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
-    library.bunsan_onebit_decode_rotated(_ptr(offsets), _ptr(steps), _ptr(packed), numel, chunk_size, _ptr(signs),
-                                         _ptr(scales), _ptr(work), _ptr(out), int(accumulate))
+    library.bunsan_onebit_decode_rotated(
+        _ptr(offsets),
+        _ptr(steps),
+        _ptr(packed),
+        numel,
+        chunk_size,
+        _ptr(signs),
+        _ptr(scales),
+        _ptr(work),
+        _ptr(out),
+        int(accumulate),
+    )
 
 
-def onebit_decode_rotated_sum(params: list[tuple[Tensor, Tensor, Tensor]], numel: int, chunk_size: int,
-                              signs: Tensor, out: Tensor) -> None:
+def onebit_decode_rotated_sum(
+    params: list[tuple[Tensor, Tensor, Tensor]], numel: int, chunk_size: int, signs: Tensor, out: Tensor
+) -> None:
     """The sum of several rotated payloads ``(offsets, steps, packed)``, decoded into ``out``: summed in
     rotated coordinates in the given order, then rotated back once."""
     library = _load()
@@ -198,5 +245,6 @@ def onebit_decode_rotated_sum(params: list[tuple[Tensor, Tensor, Tensor]], numel
     k = len(params)
     pointers = [(ctypes.c_void_p * k)(*(_ptr(t[i]) for t in params)) for i in range(3)]
     work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
-    library.bunsan_onebit_decode_rotated_sum(k, pointers[0], pointers[1], pointers[2], numel, chunk_size,
-                                             _ptr(signs), _ptr(scales), _ptr(work), _ptr(out))
+    library.bunsan_onebit_decode_rotated_sum(
+        k, pointers[0], pointers[1], pointers[2], numel, chunk_size, _ptr(signs), _ptr(scales), _ptr(work), _ptr(out)
+    )

@@ -309,18 +309,14 @@ class Quantizer:
 
     def _native(self, values: Tensor) -> bool:
         """Whether the C kernels (:mod:`bunsan.compression.native`) serve this call."""
-        return (
-            self.bits == 1
-            and self.chunk_size % 8 == 0
-            and values.device.type == "cpu"
-            and native.available()
-        )
+        return self.bits == 1 and self.chunk_size % 8 == 0 and values.device.type == "cpu" and native.available()
 
     def decode_native(self, payload: Tensor, numel: int, out: Tensor, accumulate: bool = False) -> None:
         """1 bit on CPU: decode into ``out`` (or add to it), in place; the caller checked the sizes."""
         params = self._read_params(payload, numel)
-        native.onebit_decode(params[0], params[1], payload[self._params_bytes(numel) :], numel, self.chunk_size,
-                             out, accumulate)
+        native.onebit_decode(
+            params[0], params[1], payload[self._params_bytes(numel) :], numel, self.chunk_size, out, accumulate
+        )
 
     def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
         """``out += decode(payload)`` in place, rounded as that sum would be, without a temporary."""
@@ -362,8 +358,9 @@ class Quantizer:
             aligned = raw.storage_offset() % 4 == 0
             params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
             chunks = params.numel() // 2
-            native.onebit_encode(values, addend, self.chunk_size, params[:chunks], params[chunks:],
-                                 payload[params_bytes:])
+            native.onebit_encode(
+                values, addend, self.chunk_size, params[:chunks], params[chunks:], payload[params_bytes:]
+            )
             if not aligned:
                 raw.copy_(params.view(torch.uint8))
             return
@@ -522,8 +519,7 @@ def check_residual(x: Tensor, residual: Tensor) -> None:
         )
     if residual.numel() != x.numel() or residual.device != x.device:
         raise ValueError(
-            f"residual must match x: {x.numel()} elements on {x.device}, "
-            f"got {residual.numel()} on {residual.device}"
+            f"residual must match x: {x.numel()} elements on {x.device}, got {residual.numel()} on {residual.device}"
         )
 
 
@@ -544,4 +540,3 @@ def _check_buffer(out: Tensor, numel: int, dtype: torch.dtype, device: torch.dev
     if not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return out.view(-1)
-

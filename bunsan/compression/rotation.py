@@ -57,8 +57,9 @@ _SIGN_SEED = 0x5EED  # the same signs in every process: a rotation is part of th
 _BLOCK_ELEMENTS = 1 << 16  # 256 KiB of float32 per buffer: two buffers stay in a 2 MiB L2
 
 
-def hadamard(rows: Tensor, pre: Tensor | None = None, post: Tensor | float | None = None,
-             out: Tensor | None = None) -> Tensor:
+def hadamard(
+    rows: Tensor, pre: Tensor | None = None, post: Tensor | float | None = None, out: Tensor | None = None
+) -> Tensor:
     """Orthonormal fast Walsh-Hadamard transform of every row of a 2-D float tensor.
 
     Computes ``(rows * pre) @ H / sqrt(n) * post`` row by row, ``H`` the n x n
@@ -194,8 +195,15 @@ class RotatedQuantizer:
         aligned = raw.storage_offset() % 4 == 0
         params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
         chunks = params.numel() // 2
-        native.onebit_encode_rotated(values, addend, self.chunk_size, self._signs_on(values.device),
-                                     params[:chunks], params[chunks:], payload[params_bytes:])
+        native.onebit_encode_rotated(
+            values,
+            addend,
+            self.chunk_size,
+            self._signs_on(values.device),
+            params[:chunks],
+            params[chunks:],
+            payload[params_bytes:],
+        )
         if not aligned:
             raw.copy_(params.view(torch.uint8))
         return payload
@@ -259,8 +267,16 @@ class RotatedQuantizer:
         padded = self.padded_numel(numel)
         payload = self.inner._check_payload(payload, padded)
         params = self.inner._read_params(payload, padded)
-        native.onebit_decode_rotated(params[0], params[1], payload[self.inner._params_bytes(padded) :], numel,
-                                     self.chunk_size, self._signs_on(out.device), out, accumulate)
+        native.onebit_decode_rotated(
+            params[0],
+            params[1],
+            payload[self.inner._params_bytes(padded) :],
+            numel,
+            self.chunk_size,
+            self._signs_on(out.device),
+            out,
+            accumulate,
+        )
 
     def decode(self, payload: Tensor, numel: int, out: Tensor | None = None) -> Tensor:
         if self._native(payload.device):

@@ -87,8 +87,9 @@ class DistributedLoader:
                     f"{name}={dataloader_kwargs[name]!r} cannot be passed to bunsan.data.loader's DataLoader: "
                     "the partition decides sampling and batching; use loader(batch_size=, shuffle=, drop_last=)"
                 )
-        self.partition = Partition(dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed,
-                                   drop_last=drop_last)
+        self.partition = Partition(
+            dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         if drop_last and self.partition.shard_size < self.batch_size:
             raise ValueError(
                 f"batch_size={self.batch_size} is larger than this worker's shard of "
@@ -97,7 +98,10 @@ class DistributedLoader:
             )
         self.drop_last = bool(drop_last)
         self.dataloader = DataLoader(
-            dataset, batch_size=self.batch_size, sampler=self.partition, drop_last=self.drop_last,
+            dataset,
+            batch_size=self.batch_size,
+            sampler=self.partition,
+            drop_last=self.drop_last,
             **dataloader_kwargs,
         )
         self._epoch = 0
@@ -231,5 +235,13 @@ def loader(
     Returns:
         A :class:`DistributedLoader`.
     """
-    return DistributedLoader(dataset, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, rank=rank,
-                             world_size=world_size, **dataloader_kwargs)
+    return DistributedLoader(
+        dataset,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        rank=rank,
+        world_size=world_size,
+        **dataloader_kwargs,
+    )

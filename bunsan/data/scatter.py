@@ -44,23 +44,29 @@ def _tensors_of(dataset: Any) -> tuple[Tensor, ...] | None:
 def _describe(dataset: Any, root: int) -> dict[str, Any]:
     """The header ``root`` broadcasts: what is coming, or why nothing is."""
     if dataset is None:
-        return {"error": f"dataset is None on root rank {root}; pass the data set on rank {root} "
-                         "(the other ranks may pass None)"}
+        return {
+            "error": f"dataset is None on root rank {root}; pass the data set on rank {root} "
+            "(the other ranks may pass None)"
+        }
     tensors = _tensors_of(dataset)
     if tensors is not None:
         lengths = {len(t) if t.dim() else -1 for t in tensors}
         if len(lengths) != 1 or -1 in lengths:
             shapes = [tuple(t.shape) for t in tensors]
-            return {"error": f"the tensors on root rank {root} must share their first dimension, got shapes "
-                             f"{shapes}; pass (inputs, targets) with one row per sample"}
+            return {
+                "error": f"the tensors on root rank {root} must share their first dimension, got shapes "
+                f"{shapes}; pass (inputs, targets) with one row per sample"
+            }
         num_samples = lengths.pop()
         specs = [(tuple(t.shape[1:]), t.dtype) for t in tensors]
         header = {"kind": "tensors", "num_samples": num_samples, "specs": specs}
     elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
         header = {"kind": "objects", "num_samples": len(dataset)}
     else:
-        return {"error": f"dataset on root rank {root} is a {type(dataset).__name__} without __len__ and "
-                         "__getitem__; pass a map-style data set, a TensorDataset or a tuple of tensors"}
+        return {
+            "error": f"dataset on root rank {root} is a {type(dataset).__name__} without __len__ and "
+            "__getitem__; pass a map-style data set, a TensorDataset or a tuple of tensors"
+        }
     if header["num_samples"] < 1:
         return {"error": f"dataset on root rank {root} is empty; there is nothing to scatter"}
     return header
@@ -137,8 +143,9 @@ def _prepare(
     if "error" in header:
         return header, None, None
     try:
-        parts = [shard_indices(header["num_samples"], r, size, epoch=0, seed=seed, shuffle=shuffle)
-                 for r in range(size)]
+        parts = [
+            shard_indices(header["num_samples"], r, size, epoch=0, seed=seed, shuffle=shuffle) for r in range(size)
+        ]
         if header["kind"] == "tensors":
             payload = []
             for tensor in _tensors_of(dataset):
@@ -146,7 +153,7 @@ def _prepare(
                 payload.append([source[part] for part in parts])
         else:
             payload = [[dataset[i] for i in part.tolist()] for part in parts]
-    except Exception as error:  # noqa: BLE001 - reported on every rank, chained on root
+    except Exception as error:
         message = f"reading the data set on root rank {root} failed: {type(error).__name__}: {error}"
         return {"error": message}, None, error
     return header, payload, None

@@ -189,8 +189,9 @@ def _write_npz(path: Path, data: dict[str, Tensor]) -> None:
             os.unlink(temporary)
             raise
     except OSError as error:
-        warnings.warn(f"could not cache MNIST-1D in {path.parent}: {error}; pass disk_cache=False to skip",
-                      stacklevel=3)
+        warnings.warn(
+            f"could not cache MNIST-1D in {path.parent}: {error}; pass disk_cache=False to skip", stacklevel=3
+        )
 
 
 def mnist1d(

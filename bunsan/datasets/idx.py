@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-__all__ = ["LABELS_MAGIC", "IMAGES_MAGIC", "mnist_idx", "read_idx", "write_idx"]
+__all__ = ["IMAGES_MAGIC", "LABELS_MAGIC", "mnist_idx", "read_idx", "write_idx"]
 
 LABELS_MAGIC = 2049
 IMAGES_MAGIC = 2051

@@ -160,7 +160,7 @@ def _history(study: optuna.Study) -> Any:
     figure, (axes,) = _figure()
     numbers_ = [t.number for t in trials]
     values = [t.value for t in trials if t.value is not None]  # complete trials: every one has a value
-    best = (max if _maximize(study) else min)
+    best = max if _maximize(study) else min
     running = [best(values[: i + 1]) for i in range(len(values))]
     axes.scatter(numbers_, values, label="objective value", color="tab:blue")
     axes.step(numbers_, running, where="post", label="best value", color="tab:red")
@@ -207,7 +207,7 @@ def _slice(study: optuna.Study) -> Any:
             panel.set_xticks(range(len(labels)), labels, rotation=20)
         scatter = panel.scatter(x, [p[1] for p in points], c=[p[2] for p in points], cmap="Blues", edgecolors="grey")
         panel.set(xlabel=name, ylabel="objective value" if panel is axes[0] else "")
-    for panel in axes[len(names):]:
+    for panel in axes[len(names) :]:
         panel.set_visible(False)
     figure.colorbar(scatter, ax=axes[: len(names)], label="trial")
     figure.suptitle("Slice plot")
@@ -223,8 +223,14 @@ def _intermediate(study: optuna.Study) -> Any:
     for t in trials:
         steps = sorted(t.intermediate_values)
         pruned = t.state == optuna_.trial.TrialState.PRUNED
-        axes.plot(steps, [t.intermediate_values[s] for s in steps], marker="o", markersize=3,
-                  linestyle="--" if pruned else "-", label=f"trial {t.number}" + (" (pruned)" if pruned else ""))
+        axes.plot(
+            steps,
+            [t.intermediate_values[s] for s in steps],
+            marker="o",
+            markersize=3,
+            linestyle="--" if pruned else "-",
+            label=f"trial {t.number}" + (" (pruned)" if pruned else ""),
+        )
     axes.set(title="Intermediate values", xlabel="step", ylabel="reported value")
     if len(trials) <= 12:
         axes.legend(fontsize="small")

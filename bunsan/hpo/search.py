@@ -180,9 +180,12 @@ def _resolve(
     if statuses == {"ok"}:
         try:
             return _Outcome("complete", values=_combine([m.value for m in messages], combine))
-        except Exception as error:  # noqa: BLE001 - the same on every rank: the trial fails everywhere
-            return _Outcome("failed", message=f"could not combine the ranks' values {[m.value for m in messages]}: "
-                                              f"{type(error).__name__}: {error}")
+        except Exception as error:
+            return _Outcome(
+                "failed",
+                message=f"could not combine the ranks' values {[m.value for m in messages]}: "
+                f"{type(error).__name__}: {error}",
+            )
     where = "; ".join(f"rank {r} {m.where()}" for r, m in enumerate(messages))
     return _Outcome(
         "failed",
@@ -397,10 +400,11 @@ class _Search:
             raise  # the process group is broken: no exchange can follow
         except optuna.TrialPruned:
             message = _Message("end", status="pruned")
-        except Exception as error:  # noqa: BLE001 - sent to every rank below, so that none is left waiting
+        except Exception as error:
             local_error = error
-            message = _Message("end", status="failed", error=traceback.format_exc(),
-                               caught=isinstance(error, self.catch))
+            message = _Message(
+                "end", status="failed", error=traceback.format_exc(), caught=isinstance(error, self.catch)
+            )
         else:
             try:
                 message = _Message("end", status="ok", value=_as_values(result))
@@ -521,8 +525,17 @@ def _snapshot(optuna: Any, name: str, directions: list[Any], trials: list[Any]) 
 
 
 def _check_args(
-    n_trials: Any, timeout: Any, catch: Any, combine: Any, study: Any, storage: Any, study_name: Any,
-    direction: Any, directions: Any, sampler: Any, pruner: Any,
+    n_trials: Any,
+    timeout: Any,
+    catch: Any,
+    combine: Any,
+    study: Any,
+    storage: Any,
+    study_name: Any,
+    direction: Any,
+    directions: Any,
+    sampler: Any,
+    pruner: Any,
 ) -> tuple[type[BaseException], ...]:
     """Validate :func:`optimize`'s arguments on every rank alike, before any exchange. Pure."""
     if n_trials is not None and (isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1):
@@ -541,8 +554,18 @@ def _check_args(
         if d is not None and str(getattr(d, "name", d)).lower() not in ("minimize", "maximize"):
             raise ValueError(f"direction must be 'minimize' or 'maximize', got {d!r}")
     if study is not None:
-        given = [n for n, v in (("storage", storage), ("study_name", study_name), ("direction", direction),
-                                ("directions", directions), ("sampler", sampler), ("pruner", pruner)) if v is not None]
+        given = [
+            n
+            for n, v in (
+                ("storage", storage),
+                ("study_name", study_name),
+                ("direction", direction),
+                ("directions", directions),
+                ("sampler", sampler),
+                ("pruner", pruner),
+            )
+            if v is not None
+        ]
         if given:
             raise ValueError(
                 f"{', '.join(given)} describe(s) a study for optimize() to create, but study= is given; "
@@ -662,8 +685,9 @@ def optimize(
         WorkerFailedError: Another rank raised an exception that is not in
             ``catch``, or rank 0 could not create the study or continue it.
     """
-    catches = _check_args(n_trials, timeout, catch, combine, study, storage, study_name, direction, directions,
-                          sampler, pruner)
+    catches = _check_args(
+        n_trials, timeout, catch, combine, study, storage, study_name, direction, directions, sampler, pruner
+    )
     optuna = _import_optuna()
     search = _Search(objective, catches, combine, group)
     if search.rank != 0:
@@ -673,8 +697,13 @@ def optimize(
     if study is None:
         try:
             study = optuna.create_study(
-                storage=storage, sampler=sampler, pruner=pruner, study_name=study_name,
-                direction=direction, directions=directions, load_if_exists=True,
+                storage=storage,
+                sampler=sampler,
+                pruner=pruner,
+                study_name=study_name,
+                direction=direction,
+                directions=directions,
+                load_if_exists=True,
             )
         except Exception as error:
             search.abort(f"could not create or load the study: {type(error).__name__}: {error}")
@@ -683,7 +712,11 @@ def optimize(
     search.lead(
         driven,
         lambda func: driven.optimize(
-            func, n_trials=n_trials, timeout=timeout, catch=(_CaughtFailure,), callbacks=list(callbacks),
+            func,
+            n_trials=n_trials,
+            timeout=timeout,
+            catch=(_CaughtFailure,),
+            callbacks=list(callbacks),
             gc_after_trial=gc_after_trial,
         ),
     )

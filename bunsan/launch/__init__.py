@@ -38,6 +38,7 @@ def __getattr__(name: str) -> object:
         return getattr(ssh, name)
     raise AttributeError(f"module 'bunsan.launch' has no attribute {name!r}")
 
+
 __all__ = [
     "Host",
     "HostPlan",

@@ -171,12 +171,25 @@ def list_job_records(environ: Mapping[str, str] | None = None, now: float | None
 
 
 def launcher_record(
-    job_id: str, hosts: Sequence[str], local_hosts: Sequence[str], ssh: SshOptions, remote_python: str,
+    job_id: str,
+    hosts: Sequence[str],
+    local_hosts: Sequence[str],
+    ssh: SshOptions,
+    remote_python: str,
     command: Sequence[str],
 ) -> JobRecord:
     """The record for a job launched by this process."""
-    return JobRecord(job_id, list(hosts), list(local_hosts), ssh.to_dict(), remote_python, os.getpid(),
-                     _process_start(os.getpid()), time.time(), list(command))
+    return JobRecord(
+        job_id,
+        list(hosts),
+        list(local_hosts),
+        ssh.to_dict(),
+        remote_python,
+        os.getpid(),
+        _process_start(os.getpid()),
+        time.time(),
+        list(command),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -215,8 +228,13 @@ def cleanup_hosts(
             continue
         command = remote_command(remote_python, "bunsan.launch.cleanup", module_args)
         try:
-            running[host] = subprocess.Popen(ssh_command(host, command, ssh), stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running[host] = subprocess.Popen(
+                ssh_command(host, command, ssh),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         except OSError as err:
             results[host] = HostCleanup(host, error=f"cannot run {ssh.executable!r}: {err}")
     local_hosts = [h for h in hosts if is_local(h)]
@@ -282,14 +300,19 @@ def run_cleanup(
         record = records.get(job_id)
         if hosts is None and record is None:
             hosts = ["localhost"]
-            print(f"bunsan run: no record of job {job_id} here and no -H/--hostfile: cleaning up this machine only",
-                  file=stderr)
+            print(
+                f"bunsan run: no record of job {job_id} here and no -H/--hostfile: cleaning up this machine only",
+                file=stderr,
+            )
         jobs = [(job_id, record, hosts)]
     else:
         jobs = [(r.job_id, r, hosts) for r in records.values() if not r.launcher_running()]
         if not jobs:
-            print(f"bunsan run: no job to clean up: no record of a stopped launcher in {jobs_dir(environ)}; "
-                  "give --job-id ID with -H or --hostfile", file=stdout)
+            print(
+                f"bunsan run: no job to clean up: no record of a stopped launcher in {jobs_dir(environ)}; "
+                "give --job-id ID with -H or --hostfile",
+                file=stdout,
+            )
             return 0
     status = 0
     for jid, record, job_hosts in jobs:
@@ -297,8 +320,9 @@ def run_cleanup(
         options = ssh or (SshOptions.from_dict(record.ssh) if record else SshOptions())
         python = remote_python or (record.remote_python if record else sys.executable)
         local_names = set(record.local_hosts) if record and job_hosts is None else set()
-        results = cleanup_hosts(names, jid, is_local=lambda h: h in local_names or is_local(h), ssh=options,
-                                remote_python=python)
+        results = cleanup_hosts(
+            names, jid, is_local=lambda h: h in local_names or is_local(h), ssh=options, remote_python=python
+        )
         print(format_cleanup(jid, results), file=stdout, flush=True)
         unreachable = [r.host for r in results if r.error is not None]
         if not unreachable:
@@ -308,14 +332,21 @@ def run_cleanup(
         kept = ""
         if record is not None:
             # Only the hosts not reached stay in the record: the next --cleanup tries them alone.
-            narrowed = replace(record, hosts=[h for h in record.hosts if h in unreachable] or unreachable,
-                               local_hosts=[h for h in record.local_hosts if h in unreachable])
+            narrowed = replace(
+                record,
+                hosts=[h for h in record.hosts if h in unreachable] or unreachable,
+                local_hosts=[h for h in record.local_hosts if h in unreachable],
+            )
             if write_job_record(narrowed, environ) is not None:
                 until = time.strftime("%Y-%m-%d %H:%M", time.localtime(record.started + RECORD_TTL_S))
                 kept = f"; the record of job {jid} now lists only them and is kept until {until}"
-        print(f"bunsan run: could not reach {len(unreachable)} host(s) of job {jid}: {', '.join(unreachable)}; "
-              f"processes of the job may still run there{kept}: run bunsan run --cleanup --job-id {jid} again "
-              "once they are reachable", file=stderr, flush=True)
+        print(
+            f"bunsan run: could not reach {len(unreachable)} host(s) of job {jid}: {', '.join(unreachable)}; "
+            f"processes of the job may still run there{kept}: run bunsan run --cleanup --job-id {jid} again "
+            "once they are reachable",
+            file=stderr,
+            flush=True,
+        )
     return status
 
 

@@ -25,11 +25,11 @@ __all__ = [
     "HOST_KEY_CHECKING",
     "ArgumentParser",
     "LaunchConfig",
+    "RemoteSettings",
     "UsageError",
     "add_run_arguments",
     "add_ssh_arguments",
     "config_from_namespace",
-    "RemoteSettings",
     "parse_env_file",
     "parse_run_args",
     "remote_settings",
@@ -152,7 +152,9 @@ class LaunchConfig:
         for export in self.exports:
             name = export.split("=", 1)[0]
             if not _ENV_NAME_RE.match(name):
-                raise UsageError(f"-x {quoted(export)}: {quoted(name)} is not a variable name; use -x NAME or -x NAME=value")
+                raise UsageError(
+                    f"-x {quoted(export)}: {quoted(name)} is not a variable name; use -x NAME or -x NAME=value"
+                )
         if not self.command:
             raise UsageError(
                 "no command given; put the training script after the options, e.g. bunsan run -np 2 train.py"
@@ -207,63 +209,91 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     "not given" from "given", and fall back to the environment.
     """
     parser.add_argument(
-        "-np", "-n", "--np", dest="nproc", type=_whole_number, metavar="N",
+        "-np",
+        "-n",
+        "--np",
+        dest="nproc",
+        type=_whole_number,
+        metavar="N",
         help="number of worker processes (env BUNSAN_NPROC; default: all slots of the hosts, or 1)",
     )
     parser.add_argument(
-        "-H", "--hosts", metavar="HOST:SLOTS,...",
+        "-H",
+        "--hosts",
+        metavar="HOST:SLOTS,...",
         help="hosts and their slots, e.g. node1:4,node2:4 (env BUNSAN_HOSTS; default: this machine)",
     )
     parser.add_argument(
-        "--hostfile", metavar="PATH",
+        "--hostfile",
+        metavar="PATH",
         help="file of 'HOST slots=N' lines, '#' comments (env BUNSAN_HOSTFILE)",
     )
     parser.add_argument(
-        "--master-addr", metavar="ADDR",
+        "--master-addr",
+        metavar="ADDR",
         help="address of rank 0 for the rendezvous (env BUNSAN_MASTER_ADDR; default 127.0.0.1 on one machine)",
     )
     parser.add_argument(
-        "--master-port", type=_whole_number, metavar="PORT",
+        "--master-port",
+        type=_whole_number,
+        metavar="PORT",
         help="port of the rendezvous (env BUNSAN_MASTER_PORT; default: a free port)",
     )
     parser.add_argument(
-        "--tag-output", action="store_true", default=None,
+        "--tag-output",
+        action="store_true",
+        default=None,
         help="prefix every line of worker output with [rank], or [host:rank] on several hosts (env BUNSAN_TAG_OUTPUT)",
     )
     parser.add_argument(
-        "--dry-run", action="store_true", default=None,
+        "--dry-run",
+        action="store_true",
+        default=None,
         help="print the rank, local rank, host and command of every worker, start nothing",
     )
     parser.add_argument(
-        "-x", dest="exports", action="append", metavar="VAR[=VALUE]",
+        "-x",
+        dest="exports",
+        action="append",
+        metavar="VAR[=VALUE]",
         help="pass VAR (from this environment, or with VALUE) to every worker; repeatable",
     )
     parser.add_argument(
-        "--env-file", metavar="PATH",
+        "--env-file",
+        metavar="PATH",
         help="file of VAR=value lines ('#' comments) set for every worker (env BUNSAN_ENV_FILE)",
     )
     parser.add_argument(
-        "--max-restarts", type=_whole_number, metavar="K",
+        "--max-restarts",
+        type=_whole_number,
+        metavar="K",
         help="after a worker fails, restart all workers on all hosts up to K times "
         "(env BUNSAN_MAX_RESTARTS; default 0); workers see BUNSAN_RESTART=1, 2, ...",
     )
     parser.add_argument(
-        "--job-id", metavar="ID",
+        "--job-id",
+        metavar="ID",
         help="the job's id (BUNSAN_JOB_ID; default: a fresh one); with --cleanup, the job to clean up",
     )
     parser.add_argument(
-        "--cleanup", action="store_true", default=None,
+        "--cleanup",
+        action="store_true",
+        default=None,
         help="end what is left of job --job-id (or of every job whose launcher is gone) on its hosts, "
         "found by BUNSAN_JOB_ID in /proc/*/environ; starts nothing",
     )
     parser.add_argument(
-        "--oversubscribe", action="store_true", default=None,
+        "--oversubscribe",
+        action="store_true",
+        default=None,
         help="start more workers than a host has CPU cores without a warning, and more than "
         "8 per core at all (refused otherwise) (env BUNSAN_OVERSUBSCRIBE)",
     )
     add_ssh_arguments(parser)
     parser.add_argument(
-        "command", nargs=argparse.REMAINDER, metavar="[--] COMMAND ...",
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="[--] COMMAND ...",
         help="script.py (run with this Python) or an executable, then its arguments",
     )
 
@@ -271,18 +301,35 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def add_ssh_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options that say how to reach remote hosts (``bunsan run`` and ``bunsan doctor``)."""
     group = parser.add_argument_group("remote hosts (ssh)")
-    group.add_argument("--ssh-port", type=_whole_number, metavar="PORT",
-                       help="ssh port of every remote host (env BUNSAN_SSH_PORT; default: ssh's own)")
-    group.add_argument("--ssh-identity", metavar="KEYFILE",
-                       help="ssh private key, ssh -i (env BUNSAN_SSH_IDENTITY)")
-    group.add_argument("--ssh-host-key-checking", metavar="yes|accept-new|no",
-                       help="StrictHostKeyChecking; 'no' also skips known_hosts (env BUNSAN_SSH_HOST_KEY_CHECKING)")
-    group.add_argument("--ssh-option", dest="ssh_options", action="append", metavar="KEY=VALUE",
-                       help="another ssh -o option; repeatable")
-    group.add_argument("--remote-python", metavar="PATH",
-                       help="Python on the remote hosts (env BUNSAN_REMOTE_PYTHON; default: this Python's path)")
-    group.add_argument("--remote-cwd", metavar="DIR",
-                       help="working directory on the remote hosts (env BUNSAN_REMOTE_CWD; default: the current one)")
+    group.add_argument(
+        "--ssh-port",
+        type=_whole_number,
+        metavar="PORT",
+        help="ssh port of every remote host (env BUNSAN_SSH_PORT; default: ssh's own)",
+    )
+    group.add_argument("--ssh-identity", metavar="KEYFILE", help="ssh private key, ssh -i (env BUNSAN_SSH_IDENTITY)")
+    group.add_argument(
+        "--ssh-host-key-checking",
+        metavar="yes|accept-new|no",
+        help="StrictHostKeyChecking; 'no' also skips known_hosts (env BUNSAN_SSH_HOST_KEY_CHECKING)",
+    )
+    group.add_argument(
+        "--ssh-option",
+        dest="ssh_options",
+        action="append",
+        metavar="KEY=VALUE",
+        help="another ssh -o option; repeatable",
+    )
+    group.add_argument(
+        "--remote-python",
+        metavar="PATH",
+        help="Python on the remote hosts (env BUNSAN_REMOTE_PYTHON; default: this Python's path)",
+    )
+    group.add_argument(
+        "--remote-cwd",
+        metavar="DIR",
+        help="working directory on the remote hosts (env BUNSAN_REMOTE_CWD; default: the current one)",
+    )
 
 
 @dataclass(frozen=True)
@@ -313,13 +360,16 @@ def remote_settings(
 
     try:
         settings = RemoteSettings(
-            pick("ssh_port", int, "a port number"), pick("ssh_identity", str, "a path"),
+            pick("ssh_port", int, "a port number"),
+            pick("ssh_identity", str, "a path"),
             pick("ssh_host_key_checking", str, "yes, accept-new or no"),
             tuple(getattr(args, "ssh_options", None) or ()),
-            pick("remote_python", str, "a path"), pick("remote_cwd", str, "a path"),
+            pick("remote_python", str, "a path"),
+            pick("remote_cwd", str, "a path"),
         )
-        _check_ssh_fields(settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options,
-                          settings.remote_python)
+        _check_ssh_fields(
+            settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options, settings.remote_python
+        )
         if settings.remote_cwd is not None and not os.path.isabs(settings.remote_cwd):
             raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(settings.remote_cwd)}")
     except UsageError as err:
@@ -342,7 +392,7 @@ def parse_env_file(text: str, source: str = "<env file>") -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         if line.startswith("export "):
-            line = line[len("export "):].lstrip()
+            line = line[len("export ") :].lstrip()
         name, sep, value = line.partition("=")
         name = name.strip()
         if not sep or not _ENV_NAME_RE.match(name):
@@ -375,15 +425,15 @@ def resolve_exports(
     return env
 
 
-def _from_environ(
-    environ: Mapping[str, str], name: str, convert: Callable[[str], _T], expected: str
-) -> _T | None:
+def _from_environ(environ: Mapping[str, str], name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
     if name not in environ:
         return None
     try:
         return convert(environ[name])
     except ValueError:
-        raise UsageError(f"environment variable {name}={quoted(environ[name])} is not {expected}; fix or unset it") from None
+        raise UsageError(
+            f"environment variable {name}={quoted(environ[name])} is not {expected}; fix or unset it"
+        ) from None
 
 
 def _boolean(text: str) -> bool:

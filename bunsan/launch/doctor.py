@@ -161,8 +161,9 @@ def check_hosts(
         else:
             argv = ssh_command(host, remote_command(remote_python, "bunsan.launch.doctor", args), ssh)
         try:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
         except OSError as err:
             report.error = f"cannot run {argv[0]!r}: {err}"
             process = None
@@ -263,8 +264,15 @@ def format_report(reports: Sequence[HostReport], data: str | None, port: int | N
         row = [r.host, "ok" if r.reachable else "FAILED!"]
         for item in ("python", "torch", "bunsan"):
             value = r.info.get(item) if r.reachable else None
-            row.append("-" if not r.reachable else "missing!" if value is None
-                       else f"{value}!" if value != refs[item] else value)
+            row.append(
+                "-"
+                if not r.reachable
+                else "missing!"
+                if value is None
+                else f"{value}!"
+                if value != refs[item]
+                else value
+            )
         if data:
             d = r.info.get("data") if r.reachable else None
             if d is None:
@@ -280,8 +288,7 @@ def format_report(reports: Sequence[HostReport], data: str | None, port: int | N
         row.append(r.allreduce if r.allreduce is not None else "not run")
         rows.append(row)
     widths = [max(len(str(row[i])) for row in [columns, *rows]) for i in range(len(columns))]
-    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip()
-                     for row in [columns, *rows])
+    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [columns, *rows])
 
 
 def _run_allreduce(
@@ -289,12 +296,25 @@ def _run_allreduce(
 ) -> None:
     """One worker per host through ``bunsan run``; fills ``report.allreduce``."""
     spec = ",".join(f"{h}:1" for h in hosts)
-    argv = [sys.executable, "-m", "bunsan", "run", "-H", spec, "--tag-output", *ssh_args,
-            "--", "python", "-m", "bunsan.bench.probe"]  # the training side stays out of launch/
+    argv = [
+        sys.executable,
+        "-m",
+        "bunsan",
+        "run",
+        "-H",
+        spec,
+        "--tag-output",
+        *ssh_args,
+        "--",
+        "python",
+        "-m",
+        "bunsan.bench.probe",
+    ]  # the training side stays out of launch/
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUNSAN_") or k == "BUNSAN_TIMEOUT"}
     try:
-        result = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
-                                timeout=timeout_s)
+        result = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         for r in reports:
             r.allreduce = f"FAILED: no result within {timeout_s:.0f} s"
@@ -305,8 +325,10 @@ def _run_allreduce(
         with contextlib.suppress(ValueError):
             answer = json.loads(payload)
             results[int(answer["rank"])] = answer
-    reason = next((line for line in reversed(result.stderr.splitlines()) if line.startswith("bunsan run:")),
-                  (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1])
+    reason = next(
+        (line for line in reversed(result.stderr.splitlines()) if line.startswith("bunsan run:")),
+        (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1],
+    )
     for rank, r in enumerate(reports):
         answer = results.get(rank)
         if answer is not None and answer["sum"] == answer["expected"] and result.returncode == 0:
@@ -324,8 +346,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-H", "--hosts", metavar="HOST[:SLOTS],...", help="hosts to check, e.g. node1,node2")
     parser.add_argument("--hostfile", metavar="PATH", help="file of 'HOST slots=N' lines to check")
     parser.add_argument("--data", metavar="PATH", help="a file or directory that must be equal on every host")
-    parser.add_argument("--port", type=_whole_number, default=DEFAULT_PORT, metavar="PORT",
-                        help=f"rendezvous port that must be free on every host (default {DEFAULT_PORT}; 0 skips)")
+    parser.add_argument(
+        "--port",
+        type=_whole_number,
+        default=DEFAULT_PORT,
+        metavar="PORT",
+        help=f"rendezvous port that must be free on every host (default {DEFAULT_PORT}; 0 skips)",
+    )
     parser.add_argument("--skip-allreduce", action="store_true", help="do not run the all-reduce job")
     add_ssh_arguments(parser)
 
@@ -339,8 +366,9 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None, stderr: IO[str]
     stderr = sys.stderr if stderr is None else stderr
     try:
         if (args.hosts is None) == (args.hostfile is None):
-            raise UsageError("give the hosts to check with --hostfile PATH or -H node1,node2 (one of them)",
-                             prog="bunsan doctor")
+            raise UsageError(
+                "give the hosts to check with --hostfile PATH or -H node1,node2 (one of them)", prog="bunsan doctor"
+            )
         hosts = hostlib.read_hostfile(args.hostfile) if args.hostfile else hostlib.parse_hosts(args.hosts)
         if args.port is not None and not 0 <= args.port <= 65535:
             raise UsageError(f"--port must be in 0..65535, got {args.port}", prog="bunsan doctor")
@@ -354,15 +382,24 @@ def run(args: argparse.Namespace, stdout: IO[str] | None = None, stderr: IO[str]
     python = remote.remote_python or sys.executable
     data = os.path.abspath(args.data) if args.data else None
     port = args.port or None
-    reports = check_hosts(names, is_local=lambda h: hostlib.is_local_host(h, hostname), ssh=ssh,
-                          remote_python=python, data=data, port=port)
+    reports = check_hosts(
+        names,
+        is_local=lambda h: hostlib.is_local_host(h, hostname),
+        ssh=ssh,
+        remote_python=python,
+        data=data,
+        port=port,
+    )
     if not args.skip_allreduce:
         if all(r.reachable for r in reports):
             # The worker needs no files: "/" exists on every host, the launcher's directory may not.
             ssh_args = ["--remote-cwd", remote.remote_cwd or "/"]
-            for flag, value in (("--ssh-port", remote.ssh_port), ("--ssh-identity", remote.ssh_identity),
-                                ("--ssh-host-key-checking", remote.ssh_host_key_checking),
-                                ("--remote-python", remote.remote_python)):
+            for flag, value in (
+                ("--ssh-port", remote.ssh_port),
+                ("--ssh-identity", remote.ssh_identity),
+                ("--ssh-host-key-checking", remote.ssh_host_key_checking),
+                ("--remote-python", remote.remote_python),
+            ):
                 if value is not None:
                     ssh_args += [flag, str(value)]
             for option in remote.ssh_options:

@@ -28,17 +28,17 @@ from pathlib import Path
 from bunsan.launch.quoting import quoted
 
 __all__ = [
-    "Host",
-    "Slot",
     "MAX_HOST_NAME",
     "OVERSUBSCRIBE_LIMIT",
+    "Host",
+    "Slot",
     "assign_slots",
     "check_oversubscription",
     "is_local_host",
-    "usable_cores",
     "parse_hostfile",
     "parse_hosts",
     "read_hostfile",
+    "usable_cores",
 ]
 
 # Host names, IPv4 addresses and "user@host" (an ssh login) for the ssh fan-out.
@@ -152,7 +152,9 @@ def parse_hostfile(text: str, source: str = "<hostfile>") -> list[Host]:
             continue
         match = _HOSTFILE_LINE_RE.match(line)
         if match is None:
-            raise ValueError(f"{source}:{lineno}: cannot read {quoted(line)}; expected 'HOST slots=N', e.g. 'node1 slots=4'")
+            raise ValueError(
+                f"{source}:{lineno}: cannot read {quoted(line)}; expected 'HOST slots=N', e.g. 'node1 slots=4'"
+            )
         name = match["name"]
         _check_name_length(name, f"{source}:{lineno}")
         slots_text = match["slots"] or match["colon_slots"]

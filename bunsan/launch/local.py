@@ -168,8 +168,14 @@ class FailureReport:
         try:
             data = json.loads(line)
             peer = data.get("peer")
-            return cls(int(data["rank"]), str(data["event"]), None if peer is None else int(peer),
-                       int(data.get("code", 1)), str(data.get("what", ""))[:300], float(data.get("time", 0.0)))
+            return cls(
+                int(data["rank"]),
+                str(data["event"]),
+                None if peer is None else int(peer),
+                int(data.get("code", 1)),
+                str(data.get("what", ""))[:300],
+                float(data.get("time", 0.0)),
+            )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
 
@@ -227,27 +233,36 @@ def attribute_failure(
             return Attribution(origin.rank, origin.code, "", wait_for=origin.rank)
         if code not in (None, 0):
             assert code is not None
-            return Attribution(origin.rank, exit_code_of(code),
-                               f"rank {origin.rank} {_describe_exit(code)} (it failed first: {origin.what})")
-        return Attribution(origin.rank, origin.code,
-                           f"rank {origin.rank} failed first ({origin.what}); exit code {origin.code}")
+            return Attribution(
+                origin.rank,
+                exit_code_of(code),
+                f"rank {origin.rank} {_describe_exit(code)} (it failed first: {origin.what})",
+            )
+        return Attribution(
+            origin.rank, origin.code, f"rank {origin.rank} failed first ({origin.what}); exit code {origin.code}"
+        )
     first_code = returncodes.get(first)
     first_status = exit_code_of(first_code) if first_code is not None else 1
     blamed = next((r.peer for r in reports if r.rank == first and r.event == "stopped" and r.peer is not None), None)
     if blamed is not None and blamed != first:
         if blamed not in returncodes:
-            return Attribution(blamed, first_status, f"rank {first} stopped because rank {blamed} on another host "
-                               "failed", origin=False)
+            return Attribution(
+                blamed, first_status, f"rank {first} stopped because rank {blamed} on another host failed", origin=False
+            )
         code = returncodes[blamed]
         if code is None and not final:
             return Attribution(blamed, first_status, "", wait_for=blamed)
         if code not in (None, 0):
             assert code is not None
-            return Attribution(blamed, exit_code_of(code), f"rank {blamed} {_describe_exit(code)} first; "
-                               "the others stopped because of it")
+            return Attribution(
+                blamed,
+                exit_code_of(code),
+                f"rank {blamed} {_describe_exit(code)} first; the others stopped because of it",
+            )
     if first_code is None:
         return Attribution(first, first_status, f"rank {first} failed")
     return Attribution(first, first_status, f"rank {first} {_describe_exit(first_code)}")
+
 
 # ---------------------------------------------------------------------------
 # Pure helpers: planning, environment, exit codes.
@@ -288,7 +303,9 @@ def worker_command(command: Sequence[str], python: str | None = None, check: boo
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]
     if check and shutil.which(first) is None:
-        raise ValueError(f"command {quoted(first)} is neither a .py script nor an executable on PATH; check the spelling")
+        raise ValueError(
+            f"command {quoted(first)} is neither a .py script nor an executable on PATH; check the spelling"
+        )
     return [first, *rest]
 
 
@@ -481,9 +498,7 @@ def _signal_job(
         _signal_job_pid(pid, job_id, sig, variable)
 
 
-def _job_alive(
-    processes: Sequence[subprocess.Popen[bytes]], job_id: str, variable: str = JOB_ID_VARIABLE
-) -> bool:
+def _job_alive(processes: Sequence[subprocess.Popen[bytes]], job_id: str, variable: str = JOB_ID_VARIABLE) -> bool:
     running = [p for p in processes if p.poll() is None]  # poll() also reaps the dead
     return bool(running) or bool(job_pids(job_id, variable=variable))
 
@@ -735,7 +750,7 @@ class _Reports:
                 break
             if not chunk:
                 break
-            self._buffer = (self._buffer + chunk)[-self._MAX_BUFFER:]
+            self._buffer = (self._buffer + chunk)[-self._MAX_BUFFER :]
             *lines, self._buffer = self._buffer.split(b"\n")
             new += [r for r in map(FailureReport.from_line, lines) if r is not None]
         self.items += new
@@ -920,6 +935,7 @@ def run_job(
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
     if log is None:
+
         def log(message: str) -> None:
             _say(stderr, message)
 
@@ -1005,9 +1021,7 @@ def _attribute(
     return blame
 
 
-def run_attempts(
-    attempt: Callable[[int], JobOutcome], max_restarts: int, log: Callable[[str], None]
-) -> JobOutcome:
+def run_attempts(attempt: Callable[[int], JobOutcome], max_restarts: int, log: Callable[[str], None]) -> JobOutcome:
     """Run ``attempt(0)``, and again with 1, 2, ... after each failure, at most ``max_restarts`` more times.
 
     Only a failed worker or a lost host leads to a restart; success, a
@@ -1026,8 +1040,10 @@ def run_attempts(
                 log(f"giving up after {restart} restart(s) (--max-restarts {max_restarts})")
             return outcome
         restart += 1
-        log(f"restart {restart} of {max_restarts} after: {outcome.cause}; "
-            f"starting every worker again (BUNSAN_RESTART={restart})")
+        log(
+            f"restart {restart} of {max_restarts} after: {outcome.cause}; "
+            f"starting every worker again (BUNSAN_RESTART={restart})"
+        )
 
 
 def run_workers(

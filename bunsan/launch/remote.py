@@ -368,8 +368,10 @@ class _Inbox:
 
 
 def _slots(init: AgentInit) -> list[Slot]:
-    return [Slot("", rank, local_rank, world, local_world, init.group_rank)
-            for rank, local_rank, world, local_world in init.slots]
+    return [
+        Slot("", rank, local_rank, world, local_world, init.group_rank)
+        for rank, local_rank, world, local_world in init.slots
+    ]
 
 
 def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
@@ -395,17 +397,25 @@ def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None
     try:
         os.chdir(init.cwd)
     except OSError as err:
-        return f"cannot change to the working directory {quoted(init.cwd)} on {host} ({err.strerror}); see --remote-cwd", None
+        return (
+            f"cannot change to the working directory {quoted(init.cwd)} on {host} ({err.strerror}); see --remote-cwd",
+            None,
+        )
     if init.script is not None and not os.path.isfile(init.script):
-        return f"script {quoted(init.script)} does not exist on {host} (looked in {quoted(init.cwd)}); check the path", None
+        return (
+            f"script {quoted(init.script)} does not exist on {host} (looked in {quoted(init.cwd)}); check the path",
+            None,
+        )
     if init.check_port is None:
         return None, None
     try:
         return None, check_port(init.check_port)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
-            return (f"port {init.check_port} is in use on {host}; choose another --master-port "
-                    "or leave it out to pick a free one"), None
+            return (
+                f"port {init.check_port} is in use on {host}; choose another --master-port "
+                "or leave it out to pick a free one"
+            ), None
         return f"cannot bind port {init.check_port} on {host} ({err.strerror})", None
 
 
@@ -414,8 +424,14 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
     if error is not None:
         outbox.status("error", message=error)
         return 2
-    outbox.status("ready", hostname=socket.gethostname(), ssh_connection=os.environ.get("SSH_CONNECTION", ""),
-                  pid=os.getpid(), port=port, python=sys.version.split()[0])
+    outbox.status(
+        "ready",
+        hostname=socket.gethostname(),
+        ssh_connection=os.environ.get("SSH_CONNECTION", ""),
+        pid=os.getpid(),
+        port=port,
+        python=sys.version.split()[0],
+    )
     message = inbox.wait(init.heartbeat_timeout_s, outbox)
     if message is None or message.get("op") != "start":
         return 1 if message is None else 128 + int(message.get("signal", signal.SIGTERM))
@@ -426,18 +442,31 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
             if message.get("op") == "stop":
                 return int(message.get("signal", signal.SIGTERM))
         if inbox.eof or outbox.broken:
-            print("bunsan agent: the launcher is gone (ssh connection closed); stopping the workers",
-                  file=sys.stderr, flush=True)
+            print(
+                "bunsan agent: the launcher is gone (ssh connection closed); stopping the workers",
+                file=sys.stderr,
+                flush=True,
+            )
             return signal.SIGTERM
         if time.monotonic() - inbox.last_heard > init.heartbeat_timeout_s or outbox.stalled():
-            print(f"bunsan agent: nothing from the launcher for {init.heartbeat_timeout_s:.0f} s; "
-                  "stopping the workers", file=sys.stderr, flush=True)
+            print(
+                f"bunsan agent: nothing from the launcher for {init.heartbeat_timeout_s:.0f} s; stopping the workers",
+                file=sys.stderr,
+                flush=True,
+            )
             return signal.SIGTERM
         return None
 
     master_addr, master_port = str(message["master_addr"]), int(message["master_port"])
-    specs = local.plan_workers(_slots(init), init.argv, _worker_base_env(init, master_addr, os.environ),
-                               master_addr, master_port, init.job_id, init.restart)
+    specs = local.plan_workers(
+        _slots(init),
+        init.argv,
+        _worker_base_env(init, master_addr, os.environ),
+        master_addr,
+        master_port,
+        init.job_id,
+        init.restart,
+    )
     outcome = local.run_job(
         specs,
         init.host_job_id,
@@ -450,15 +479,20 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         stdin_to_rank0=False,
         # Reported at once, with the time: the launcher reports the earliest
         # failure of all hosts, not the first consequence to reach it.
-        on_failure=lambda failed: outbox.status("failed", code=failed.code, rank=failed.rank, cause=failed.cause,
-                                                time=time.time(), origin=failed.origin),
+        on_failure=lambda failed: outbox.status(
+            "failed", code=failed.code, rank=failed.rank, cause=failed.cause, time=time.time(), origin=failed.origin
+        ),
         # A rank that raised says so before it exits (and before its peers stop):
         # forwarded at once, so the launcher names it even if this host is stopped first.
-        on_report=lambda item: outbox.status("report", rank=item.rank, code=item.code, what=item.what,
-                                             time=item.time) if item.event == "raised" else None,
+        on_report=lambda item: (
+            outbox.status("report", rank=item.rank, code=item.code, what=item.what, time=item.time)
+            if item.event == "raised"
+            else None
+        ),
     )
-    outbox.status("done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause,
-                  origin=outcome.origin)
+    outbox.status(
+        "done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause, origin=outcome.origin
+    )
     return outcome.code
 
 

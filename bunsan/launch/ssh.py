@@ -126,13 +126,23 @@ class SshOptions:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"port": self.port, "identity": self.identity, "host_key_checking": self.host_key_checking,
-                "options": list(self.options), "connect_timeout_s": self.connect_timeout_s}
+        return {
+            "port": self.port,
+            "identity": self.identity,
+            "host_key_checking": self.host_key_checking,
+            "options": list(self.options),
+            "connect_timeout_s": self.connect_timeout_s,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SshOptions:
-        return cls(data.get("port"), data.get("identity"), data.get("host_key_checking"),
-                   tuple(data.get("options", ())), int(data.get("connect_timeout_s", 10)))
+        return cls(
+            data.get("port"),
+            data.get("identity"),
+            data.get("host_key_checking"),
+            tuple(data.get("options", ())),
+            int(data.get("connect_timeout_s", 10)),
+        )
 
 
 def ssh_command(host: str, command: str, options: SshOptions) -> list[str]:
@@ -143,9 +153,22 @@ def ssh_command(host: str, command: str, options: SshOptions) -> list[str]:
     stderr separate. Keep-alives make a dead connection end the client
     within 15 s, which the launcher reports as a lost host.
     """
-    argv = [options.executable, "-T", "-x", "-a", "-o", "BatchMode=yes",
-            "-o", f"ConnectTimeout={options.connect_timeout_s}",
-            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3", "-o", "LogLevel=ERROR"]
+    argv = [
+        options.executable,
+        "-T",
+        "-x",
+        "-a",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={options.connect_timeout_s}",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-o",
+        "LogLevel=ERROR",
+    ]
     if options.host_key_checking is not None:
         argv += ["-o", f"StrictHostKeyChecking={options.host_key_checking}"]
         if options.host_key_checking == "no":
@@ -250,11 +273,18 @@ def plan_hosts(
         python = sys.executable if here else (remote_python or sys.executable)
         argv = local.worker_command(command, python=python, check=here)
         script = command[0] if command[0].endswith(".py") else None
-        plans.append(HostPlan(
-            host, mine[0].group_rank, here,
-            tuple((s.rank, s.local_rank, s.world_size, s.local_world_size) for s in mine),
-            tuple(argv), script, python, os.getcwd() if here else (remote_cwd or os.getcwd()),
-        ))
+        plans.append(
+            HostPlan(
+                host,
+                mine[0].group_rank,
+                here,
+                tuple((s.rank, s.local_rank, s.world_size, s.local_world_size) for s in mine),
+                tuple(argv),
+                script,
+                python,
+                os.getcwd() if here else (remote_cwd or os.getcwd()),
+            )
+        )
     return plans
 
 
@@ -382,25 +412,50 @@ class _Fanout:
             self.fail(_Failure(2, "start", f"{agent.host}: {status.get('message')}"))
         elif event == "report":
             what = str(status.get("what", ""))[:300]
-            self.raised.append(_Failure(int(status.get("code", 1)), "failed",
-                                        f"rank {status.get('rank')} on host {agent.host} failed first ({what})",
-                                        status.get("rank"), float(status.get("time", time.time()))))
+            self.raised.append(
+                _Failure(
+                    int(status.get("code", 1)),
+                    "failed",
+                    f"rank {status.get('rank')} on host {agent.host} failed first ({what})",
+                    status.get("rank"),
+                    float(status.get("time", time.time())),
+                )
+            )
         elif event == "failed":
             cause = f"{status.get('cause')} on host {agent.host}"
-            self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), float(status["time"]),
-                               bool(status.get("origin", True))))
+            self.fail(
+                _Failure(
+                    int(status["code"]),
+                    "failed",
+                    cause,
+                    status.get("rank"),
+                    float(status["time"]),
+                    bool(status.get("origin", True)),
+                )
+            )
         elif event == "done":
             agent.done = status
             if status.get("kind") == "failed" and status.get("code"):
                 cause = f"{status.get('cause')} on host {agent.host}"
-                self.fail(_Failure(int(status["code"]), "failed", cause, status.get("rank"), time.time(),
-                                   bool(status.get("origin", True))))
+                self.fail(
+                    _Failure(
+                        int(status["code"]),
+                        "failed",
+                        cause,
+                        status.get("rank"),
+                        time.time(),
+                        bool(status.get("origin", True)),
+                    )
+                )
 
     def fail(self, failure: _Failure) -> None:
         """Keep the failure that ended the job: a host's own failure before a consequence, then the earliest."""
         current = self.failure
-        if current is None or (failure.kind == "failed" and current.kind == "failed"
-                               and (not current.origin, current.time) > (not failure.origin, failure.time)):
+        if current is None or (
+            failure.kind == "failed"
+            and current.kind == "failed"
+            and (not current.origin, current.time) > (not failure.origin, failure.time)
+        ):
             self.failure = failure
 
     def first_failure(self) -> _Failure | None:
@@ -457,11 +512,17 @@ class _Fanout:
                 code = agent.process.returncode
                 tail = "; ".join(agent.stderr_tail) or "no message"
                 if agent.ready is None:
-                    self.fail(_Failure(2, "start", f"cannot start the agent on {agent.host} "
-                                                   f"(exit code {code}): {tail}"))
+                    self.fail(
+                        _Failure(2, "start", f"cannot start the agent on {agent.host} (exit code {code}): {tail}")
+                    )
                 else:
-                    self.fail(_Failure(255 if code in (0, None) else local.exit_code_of(code), "lost",
-                                       f"lost host {agent.host} (exit code {code}): {tail}"))
+                    self.fail(
+                        _Failure(
+                            255 if code in (0, None) else local.exit_code_of(code),
+                            "lost",
+                            f"lost host {agent.host} (exit code {code}): {tail}",
+                        )
+                    )
 
     def stop(self, sig: int, grace_s: float) -> None:
         """Stop every agent: ask, then close its connection, then kill the client. Bounded by ~2 grace + 4 s."""
@@ -578,12 +639,22 @@ def run_hosts(
                     fanout.fail(_Failure(2, "start", f"cannot start {ssh.executable!r} for host {plan.host}: {err}"))
                     break
                 agent = fanout.add(plan, process)
-                agent.send(AgentInit(
-                    job_id=job_id, group_rank=plan.group_rank, hosts=hosts, restart=restart, cwd=plan.cwd,
-                    argv=list(plan.argv), script=plan.script, env=dict(env), slots=[list(s) for s in plan.slots],
-                    check_port=(master_port or 0) if plan is plans[0] else None, grace_s=grace_s,
-                    oversubscribe=oversubscribe,
-                ).to_line())
+                agent.send(
+                    AgentInit(
+                        job_id=job_id,
+                        group_rank=plan.group_rank,
+                        hosts=hosts,
+                        restart=restart,
+                        cwd=plan.cwd,
+                        argv=list(plan.argv),
+                        script=plan.script,
+                        env=dict(env),
+                        slots=[list(s) for s in plan.slots],
+                        check_port=(master_port or 0) if plan is plans[0] else None,
+                        grace_s=grace_s,
+                        oversubscribe=oversubscribe,
+                    ).to_line()
+                )
             return _watch(fanout, plans, signals, master_addr, start_timeout_s, grace_s)
         finally:
             fanout.close()
@@ -607,8 +678,9 @@ def _watch(
             sig = signals.received[0]
             fanout.say(f"got {signal.Signals(sig).name}; stopping the job on {len(agents)} host(s)")
             fanout.stop(sig, grace_s)
-            return local.JobOutcome(128 + sig, "signal", cause=f"stopped by {signal.Signals(sig).name}",
-                                    unconfirmed=_unconfirmed(fanout))
+            return local.JobOutcome(
+                128 + sig, "signal", cause=f"stopped by {signal.Signals(sig).name}", unconfirmed=_unconfirmed(fanout)
+            )
         fanout.pump(local.POLL_S)
         fanout.check_exits()
         now = time.monotonic()

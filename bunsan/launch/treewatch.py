@@ -238,11 +238,30 @@ def start_janitor(pid: int, tree_id: str, grace_s: float = 2.0) -> subprocess.Po
     if not _LINUX or _state.janitor is not None:
         return _state.janitor
     env = {k: v for k, v in os.environ.items() if k not in (TREE_VARIABLE, "BUNSAN_REPORT_FD")}
-    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--pid", str(pid), "--start", start_time(pid),
-            "--tree", tree_id, "--grace", str(grace_s)]
+    argv = [
+        sys.executable,
+        "-I",
+        "-S",
+        os.path.abspath(__file__),
+        "--pid",
+        str(pid),
+        "--start",
+        start_time(pid),
+        "--tree",
+        tree_id,
+        "--grace",
+        str(grace_s),
+    ]
     try:
-        _state.janitor = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        _state.janitor = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
     except OSError:
         return None
     return _state.janitor

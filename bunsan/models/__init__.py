@@ -14,15 +14,15 @@ from bunsan.models.reference import (
     ResNet20,
     ResNet110,
 )
-from bunsan.models.small import MLP, DigitsCNN, MNIST1DCNN
+from bunsan.models.small import MLP, MNIST1DCNN, DigitsCNN
 
 __all__ = [
     "MLP",
+    "MNIST1DCNN",
     "BNInceptionCIFAR",
     "CIFARConvNet",
     "CIFARResNet",
     "DigitsCNN",
-    "MNIST1DCNN",
     "MNISTConvNet",
     "ResNet20",
     "ResNet110",

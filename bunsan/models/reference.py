@@ -62,24 +62,31 @@ class CIFARConvNet(nn.Module):
         dropout: Dropout probability after each hidden dense layer.
     """
 
-    def __init__(self, num_classes: int = 10, image_size: int = 32, in_channels: int = 3,
-                 dropout: float = 0.5) -> None:
+    def __init__(self, num_classes: int = 10, image_size: int = 32, in_channels: int = 3, dropout: float = 0.5) -> None:
         super().__init__()
         _check_positive("CIFARConvNet", num_classes=num_classes, image_size=image_size, in_channels=in_channels)
         layers: list[nn.Module] = []
         channels = in_channels
         for _ in range(2):
-            layers += [nn.Conv2d(channels, 64, 3, padding=1), nn.ReLU(),
-                       nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
-                       nn.MaxPool2d(3, stride=2, padding=1)]
+            layers += [
+                nn.Conv2d(channels, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(64, 64, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(3, stride=2, padding=1),
+            ]
             channels = 64
         self.features = nn.Sequential(*layers, nn.Flatten())
         side = image_size
         for _ in range(2):
             side = (side - 1) // 2 + 1  # a padded 3x3 pooling of stride 2: ceil(side / 2)
         self.classifier = nn.Sequential(
-            nn.Linear(64 * side * side, 256), nn.ReLU(), nn.Dropout(dropout),
-            nn.Linear(256, 128), nn.ReLU(), nn.Dropout(dropout),
+            nn.Linear(64 * side * side, 256),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+            nn.Linear(256, 128),
+            nn.ReLU(),
+            nn.Dropout(dropout),
             nn.Linear(128, num_classes),
         )
         for layer in self.modules():
@@ -120,8 +127,9 @@ class _BasicBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int, shortcut: str) -> None:
         super().__init__()
-        self.body = nn.Sequential(_conv_bn_relu(in_channels, out_channels, 3, stride),
-                                  _conv_bn(out_channels, out_channels, 3))
+        self.body = nn.Sequential(
+            _conv_bn_relu(in_channels, out_channels, 3, stride), _conv_bn(out_channels, out_channels, 3)
+        )
         self.shortcut: nn.Module
         if stride == 1 and in_channels == out_channels:
             self.shortcut = nn.Identity()
@@ -162,15 +170,22 @@ class CIFARResNet(nn.Module):
         widths: Channels of the three stages.
     """
 
-    def __init__(self, depth: int = 20, num_classes: int = 10, shortcut: str = "B", in_channels: int = 3,
-                 widths: Sequence[int] = (16, 32, 64)) -> None:
+    def __init__(
+        self,
+        depth: int = 20,
+        num_classes: int = 10,
+        shortcut: str = "B",
+        in_channels: int = 3,
+        widths: Sequence[int] = (16, 32, 64),
+    ) -> None:
         super().__init__()
         _check_positive("CIFARResNet", depth=depth, num_classes=num_classes, in_channels=in_channels)
         if (depth - 2) % 6 or depth < 8:
             raise ValueError(f"CIFARResNet depth must be 6 n + 2 with n >= 1 (20, 32, 44, 56, 110), got {depth}")
         if shortcut not in ("A", "B"):
-            raise ValueError(f"CIFARResNet shortcut must be 'A' (zero padding) or 'B' (1x1 projection), "
-                             f"got {shortcut!r}")
+            raise ValueError(
+                f"CIFARResNet shortcut must be 'A' (zero padding) or 'B' (1x1 projection), got {shortcut!r}"
+            )
         if len(widths) != 3:
             raise ValueError(f"CIFARResNet widths must give 3 stages, got {widths!r}")
         blocks_per_stage = (depth - 2) // 6
@@ -215,20 +230,38 @@ class _Inception(nn.Module):
     3x3 max pooling of stride 2 of the input, with no 1x1 branch.
     """
 
-    def __init__(self, in_channels: int, n1x1: int, n3x3_reduce: int, n3x3: int, ndbl_reduce: int, ndbl: int,
-                 npool: int, pool: str = "avg", stride: int = 1) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        n1x1: int,
+        n3x3_reduce: int,
+        n3x3: int,
+        ndbl_reduce: int,
+        ndbl: int,
+        npool: int,
+        pool: str = "avg",
+        stride: int = 1,
+    ) -> None:
         super().__init__()
         self.branches = nn.ModuleList()
         if stride == 1:
             self.branches.append(_conv_bn_relu(in_channels, n1x1, 1))
-        self.branches.append(nn.Sequential(_conv_bn_relu(in_channels, n3x3_reduce, 1),
-                                           _conv_bn_relu(n3x3_reduce, n3x3, 3, stride)))
-        self.branches.append(nn.Sequential(_conv_bn_relu(in_channels, ndbl_reduce, 1),
-                                           _conv_bn_relu(ndbl_reduce, ndbl, 3),
-                                           _conv_bn_relu(ndbl, ndbl, 3, stride)))
+        self.branches.append(
+            nn.Sequential(_conv_bn_relu(in_channels, n3x3_reduce, 1), _conv_bn_relu(n3x3_reduce, n3x3, 3, stride))
+        )
+        self.branches.append(
+            nn.Sequential(
+                _conv_bn_relu(in_channels, ndbl_reduce, 1),
+                _conv_bn_relu(ndbl_reduce, ndbl, 3),
+                _conv_bn_relu(ndbl, ndbl, 3, stride),
+            )
+        )
         if stride == 1:
-            pooling: nn.Module = (nn.AvgPool2d(3, 1, padding=1, count_include_pad=False) if pool == "avg"
-                                  else nn.MaxPool2d(3, 1, padding=1))
+            pooling: nn.Module = (
+                nn.AvgPool2d(3, 1, padding=1, count_include_pad=False)
+                if pool == "avg"
+                else nn.MaxPool2d(3, 1, padding=1)
+            )
             self.branches.append(nn.Sequential(pooling, _conv_bn_relu(in_channels, npool, 1)))
             self.out_channels = n1x1 + n3x3 + ndbl + npool
         else:
@@ -276,8 +309,11 @@ class BNInceptionCIFAR(nn.Module):
         super().__init__()
         _check_positive("BNInceptionCIFAR", num_classes=num_classes, in_channels=in_channels)
         stem = nn.Sequential(
-            _conv_bn_relu(in_channels, 32, 3), _conv_bn_relu(32, 32, 3), _conv_bn_relu(32, 32, 3),
-            _conv_bn_relu(32, 32, 1), _conv_bn_relu(32, 64, 3),
+            _conv_bn_relu(in_channels, 32, 3),
+            _conv_bn_relu(32, 32, 3),
+            _conv_bn_relu(32, 32, 3),
+            _conv_bn_relu(32, 32, 1),
+            _conv_bn_relu(32, 64, 3),
         )
         blocks: list[_Inception] = []
         channels = 64
@@ -326,9 +362,14 @@ class MNISTConvNet(nn.Module):
         unpadded = (image_size // 2 - 2) // 2 - 2  # side after the last 3x3 convolution without padding
         pad = 0 if unpadded >= 1 else 1
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
-            nn.Conv2d(32, 48, 3, padding=pad), nn.ReLU(), nn.MaxPool2d(2, 2),
-            nn.Conv2d(48, 64, 3, padding=pad), nn.ReLU(),
+            nn.Conv2d(1, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 2),
+            nn.Conv2d(32, 48, 3, padding=pad),
+            nn.ReLU(),
+            nn.MaxPool2d(2, 2),
+            nn.Conv2d(48, 64, 3, padding=pad),
+            nn.ReLU(),
             nn.Flatten(),
         )
         side = image_size // 2
@@ -337,7 +378,10 @@ class MNISTConvNet(nn.Module):
         if side < 1:
             raise ValueError(f"MNISTConvNet image_size {image_size} is too small; use 4 or more")
         self.classifier = nn.Sequential(
-            nn.Linear(64 * side * side, 96), nn.ReLU(), nn.Dropout(0.5), nn.Linear(96, num_classes),
+            nn.Linear(64 * side * side, 96),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(96, num_classes),
         )
         for layer in self.modules():
             if isinstance(layer, (nn.Conv2d, nn.Linear)):

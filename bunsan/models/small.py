@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["MLP", "DigitsCNN", "MNIST1DCNN"]
+__all__ = ["MLP", "MNIST1DCNN", "DigitsCNN"]
 
 
 class DigitsCNN(nn.Module):
@@ -84,8 +84,12 @@ class MLP(nn.Module):
 
     def __init__(self, in_features: int, hidden: int = 128, out_features: int = 10, depth: int = 2) -> None:
         super().__init__()
-        for name, value, minimum in (("in_features", in_features, 1), ("hidden", hidden, 1),
-                                     ("out_features", out_features, 1), ("depth", depth, 0)):
+        for name, value, minimum in (
+            ("in_features", in_features, 1),
+            ("hidden", hidden, 1),
+            ("out_features", out_features, 1),
+            ("depth", depth, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"MLP {name} must be an int >= {minimum}, got {value!r}")
         layers: list[nn.Module] = [nn.Flatten()]

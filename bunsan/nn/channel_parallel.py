@@ -101,8 +101,19 @@ class ChannelParallelConv2d(nn.Module):
         super().__init__()
         _check_supported(groups, padding_mode)
         _check_channels(out_channels, group)
-        full = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         padding_mode, device=device, dtype=dtype)
+        full = nn.Conv2d(
+            in_channels,
+            out_channels,
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            groups,
+            bias,
+            padding_mode,
+            device=device,
+            dtype=dtype,
+        )
         self._take_slice(full, group, traffic)
 
     @classmethod
@@ -142,9 +153,7 @@ class ChannelParallelConv2d(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
-            raise ValueError(
-                f"ChannelParallelConv2d expects (N, {self.in_channels}, H, W), got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"ChannelParallelConv2d expects (N, {self.in_channels}, H, W), got shape {tuple(x.shape)}")
         x = copy_to_group(x, self.group, self.traffic)  # backward: sum the ranks' partial dL/dx
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
         return gather_from_group(y, 1, self.channel_sizes, self.group, self.traffic)

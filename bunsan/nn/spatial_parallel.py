@@ -167,8 +167,9 @@ class SpatialParallelConv2d(nn.Module):
     ) -> None:
         super().__init__()
         _check_spatial(kernel_size, stride, padding, dilation, padding_mode)
-        full = nn.Conv2d(in_channels, out_channels, kernel_size, 1, "same", dilation, groups, bias,
-                         device=device, dtype=dtype)
+        full = nn.Conv2d(
+            in_channels, out_channels, kernel_size, 1, "same", dilation, groups, bias, device=device, dtype=dtype
+        )
         self._take(full, group, traffic)
 
     @classmethod

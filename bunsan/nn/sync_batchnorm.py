@@ -193,8 +193,9 @@ class SyncBatchNorm(_BatchNorm):
 
         if not self.training and has_running:
             # Eval: fixed statistics, no communication.
-            out = F.batch_norm(x, self.running_mean.to(compute), self.running_var.to(compute), weight, bias,
-                               False, 0.0, self.eps)
+            out = F.batch_norm(
+                x, self.running_mean.to(compute), self.running_var.to(compute), weight, bias, False, 0.0, self.eps
+            )
             return out.to(input.dtype)
 
         stats = local_moments(x)

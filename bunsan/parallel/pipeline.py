@@ -89,8 +89,9 @@ class Pipeline:
             device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
             stage = PipelineStage(self.module, self.stage_index, n, device, group=group)
             cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-            self._torch_schedule = cls(stage, n_microbatches=microbatches, loss_fn=self._microbatch_loss,
-                                       scale_grads=False)
+            self._torch_schedule = cls(
+                stage, n_microbatches=microbatches, loss_fn=self._microbatch_loss, scale_grads=False
+            )
 
     def parameters(self) -> Any:
         """This rank's stage's parameters (for its optimizer)."""
@@ -120,7 +121,9 @@ class Pipeline:
                 "message shapes are fixed at the first step; keep the batch size (drop the last partial batch)"
             )
 
-    def step(self, x: Tensor | None = None, target: Tensor | None = None, loss_fn: LossFn | None = None) -> Tensor | None:
+    def step(
+        self, x: Tensor | None = None, target: Tensor | None = None, loss_fn: LossFn | None = None
+    ) -> Tensor | None:
         """One forward and backward pass of the whole batch through the pipeline. Collective.
 
         Every rank of the group calls it. The gradients are *added* to each
@@ -179,8 +182,10 @@ class Pipeline:
             self._microbatch_loss(self.module(xm), tm).backward()
 
     def __repr__(self) -> str:
-        return (f"Pipeline(stage {self.stage_index} of {self.num_stages}, schedule={self.schedule!r}, "
-                f"microbatches={self.microbatches})")
+        return (
+            f"Pipeline(stage {self.stage_index} of {self.num_stages}, schedule={self.schedule!r}, "
+            f"microbatches={self.microbatches})"
+        )
 
 
 def pipeline(

@@ -154,7 +154,9 @@ class ProgressPrinter(Callback):
             return
         self._close_bar()
         if summary.test is not None:
-            self._write(f"test: {format_metrics(summary.test.loss, summary.test.metrics)} ({summary.test.samples} samples)")
+            self._write(
+                f"test: {format_metrics(summary.test.loss, summary.test.metrics)} ({summary.test.samples} samples)"
+            )
         self._write(
             f"finished ({summary.stopped_by}) after {summary.samples} samples, {summary.steps} steps: "
             f"{summary.samples_per_s:.0f} samples/s, {summary.bytes_per_sample:.1f} bytes sent per sample and worker"
@@ -178,8 +180,18 @@ class CSVLogger(Callback):
 
     def on_train_begin(self, session: TrainingSession) -> None:
         names = list(session.metrics)
-        self._columns = ["epoch", "samples", "loss", *names, "cv_loss", *(f"cv_{n}" for n in names),
-                         "learning_rate_per_sample", "minibatch_size", "samples_per_s", "seconds"]
+        self._columns = [
+            "epoch",
+            "samples",
+            "loss",
+            *names,
+            "cv_loss",
+            *(f"cv_{n}" for n in names),
+            "learning_rate_per_sample",
+            "minibatch_size",
+            "samples_per_s",
+            "seconds",
+        ]
         if not session.is_main:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,10 +203,16 @@ class CSVLogger(Callback):
         if not session.is_main:
             return
         cv = epoch.cross_validation
-        row: dict[str, Any] = {"epoch": epoch.epoch + 1, "samples": epoch.trained_samples, "loss": epoch.loss,
-                               **epoch.metrics, "learning_rate_per_sample": epoch.learning_rate_per_sample,
-                               "minibatch_size": epoch.minibatch_size, "samples_per_s": epoch.samples_per_s,
-                               "seconds": epoch.seconds}
+        row: dict[str, Any] = {
+            "epoch": epoch.epoch + 1,
+            "samples": epoch.trained_samples,
+            "loss": epoch.loss,
+            **epoch.metrics,
+            "learning_rate_per_sample": epoch.learning_rate_per_sample,
+            "minibatch_size": epoch.minibatch_size,
+            "samples_per_s": epoch.samples_per_s,
+            "seconds": epoch.seconds,
+        }
         if cv is not None:
             row["cv_loss"] = cv.loss
             row.update({f"cv_{name}": value for name, value in cv.metrics.items()})

@@ -99,7 +99,9 @@ class Checkpoint:
     allow_fresh_start: bool = False
 
     def __post_init__(self) -> None:
-        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
+        if self.every is not None and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
+        ):
             raise ValueError(f"every must be a number of samples >= 1 or None (every epoch), got {self.every!r}")
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1):
             raise ValueError(f"keep must be >= 1 or None (keep every file), got {self.keep!r}")
@@ -222,10 +224,12 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} fails its SHA-256 checksum (the file was altered or damaged)")
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means an unusable file
+    except Exception as error:
         raise CheckpointError(f"cannot load {path}: {type(error).__name__}: {error}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {payload.get('format') if isinstance(payload, dict) else '?'}, expected {FORMAT}")
+        raise CheckpointError(
+            f"{path} has format {payload.get('format') if isinstance(payload, dict) else '?'}, expected {FORMAT}"
+        )
     return payload
 
 
@@ -323,10 +327,18 @@ def rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "python": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
@@ -337,8 +349,15 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
-    np.random.set_state((np_state["kind"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["internal"].tolist()), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -374,7 +393,9 @@ def check_model_fits(saved: Mapping[str, Tensor], model: nn.Module, source: str)
             )
     extra = [name for name in saved if name not in own]
     if extra:
-        raise CheckpointError(f"{source} was saved from another model: it has an entry {extra[0]!r} that this model lacks")
+        raise CheckpointError(
+            f"{source} was saved from another model: it has an entry {extra[0]!r} that this model lacks"
+        )
 
 
 # ----------------------------------------------------------------------------- collective save / restore
@@ -516,8 +537,16 @@ def _pick(path: Path, payload: dict[str, Any], rank: int, world_size: int) -> Re
             replicated[key] = values[rank]
         else:
             notes.append(f"the ranks' {key!r} differed when saved; every rank takes rank 0's")
-    return Restored(path, int(payload["samples"]), saved_world, dict(payload["common"]), replicated,
-                    payload["per_rank"][rank] if same else None, list(payload["per_rank"]), notes)
+    return Restored(
+        path,
+        int(payload["samples"]),
+        saved_world,
+        dict(payload["common"]),
+        replicated,
+        payload["per_rank"][rank] if same else None,
+        list(payload["per_rank"]),
+        notes,
+    )
 
 
 def restore(checkpoint: Checkpoint, group: Any = None) -> Restored | None:

@@ -111,7 +111,9 @@ class CrossValidation:
 
     def __post_init__(self) -> None:
         self.data = as_dataset(self.data, "CrossValidation data")
-        if self.every is not None and (isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1):
+        if self.every is not None and (
+            isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1
+        ):
             raise ValueError(f"every must be a number of samples >= 1 or None (every epoch), got {self.every!r}")
         _check_eval_minibatch(self.minibatch_size)
 
@@ -173,9 +175,20 @@ class EpochSummary:
     cross_validation: EvalResult | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in ("epoch", "samples", "trained_samples", "loss", "seconds",
-                                                "samples_per_s", "learning_rate_per_sample", "minibatch_size",
-                                                "complete")}
+        state = {
+            k: getattr(self, k)
+            for k in (
+                "epoch",
+                "samples",
+                "trained_samples",
+                "loss",
+                "seconds",
+                "samples_per_s",
+                "learning_rate_per_sample",
+                "minibatch_size",
+                "complete",
+            )
+        }
         state["metrics"] = dict(self.metrics)
         state["cross_validation"] = self.cross_validation.as_dict() if self.cross_validation else None
         return state
@@ -183,10 +196,19 @@ class EpochSummary:
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> EpochSummary:
         cv = state.get("cross_validation")
-        return cls(int(state["epoch"]), int(state["samples"]), int(state["trained_samples"]), float(state["loss"]),
-                   {k: float(v) for k, v in state["metrics"].items()}, float(state["seconds"]),
-                   float(state["samples_per_s"]), state["learning_rate_per_sample"], int(state["minibatch_size"]),
-                   bool(state["complete"]), EvalResult.from_dict(cv) if cv else None)
+        return cls(
+            int(state["epoch"]),
+            int(state["samples"]),
+            int(state["trained_samples"]),
+            float(state["loss"]),
+            {k: float(v) for k, v in state["metrics"].items()},
+            float(state["seconds"]),
+            float(state["samples_per_s"]),
+            state["learning_rate_per_sample"],
+            int(state["minibatch_size"]),
+            bool(state["complete"]),
+            EvalResult.from_dict(cv) if cv else None,
+        )
 
 
 @dataclass
@@ -382,7 +404,9 @@ class TrainingSession:
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             checkpoint = Checkpoint(checkpoint)
         if cross_validation is not None and not isinstance(cross_validation, CrossValidation):
-            raise ValueError(f"cross_validation must be a bunsan.CrossValidation, got {type(cross_validation).__name__}")
+            raise ValueError(
+                f"cross_validation must be a bunsan.CrossValidation, got {type(cross_validation).__name__}"
+            )
         if test is not None and not isinstance(test, Test):
             raise ValueError(f"test must be a bunsan.Test, got {type(test).__name__}")
 
@@ -403,8 +427,9 @@ class TrainingSession:
         self.loss_fn = loss_fn
 
         # drop_last: every worker gets the same number of samples, none twice.
-        self.partition = Partition(len(self.train_data), rank=self.rank, world_size=self.world_size,
-                                   shuffle=shuffle, seed=seed, drop_last=True)
+        self.partition = Partition(
+            len(self.train_data), rank=self.rank, world_size=self.world_size, shuffle=shuffle, seed=seed, drop_last=True
+        )
         self.samples_per_epoch = self.partition.shard_size * self.world_size
         self.minibatch_schedule = as_schedule("minibatch_size", minibatch_size, self.samples_per_epoch)
         assert self.minibatch_schedule is not None
@@ -608,16 +633,23 @@ class TrainingSession:
     def _run_cross_validation(self) -> tuple[EvalResult, bool]:
         cv = self.cross_validation
         assert cv is not None
-        result = evaluate(self.model, self.loss_fn, self.metrics, cv.data, cv.minibatch_size, self.group,
-                          self.device, self.collate_fn)
+        result = evaluate(
+            self.model, self.loss_fn, self.metrics, cv.data, cv.minibatch_size, self.group, self.device, self.collate_fn
+        )
         result.index, result.trained_samples = self.cv_index, self.samples
         self.cv_index += 1
         self.cross_validations.append(result)
         self._emit("on_cross_validation", result)
         keep_going = True
         if cv.callback is not None:
-            keep_going = self._steer(lambda: cv.callback(result.index, result.error, result.samples,  # type: ignore[misc]
-                                                         result.minibatches))
+            keep_going = self._steer(
+                lambda: cv.callback(
+                    result.index,
+                    result.error,
+                    result.samples,  # type: ignore[misc]
+                    result.minibatches,
+                )
+            )
         return result, keep_going
 
     def _steer(self, call: Callable[[], Any]) -> bool:
@@ -626,7 +658,7 @@ class TrainingSession:
         try:
             decision = call()
             keep_going = decision is None or bool(decision)
-        except Exception:  # noqa: BLE001 - reported on every rank below, so that no rank is left waiting
+        except Exception:
             error, keep_going = traceback.format_exc(), True
         outcome = {"continue": keep_going, "control": self._control(), "error": error}
         outcomes = comm.all_gather_object(outcome, group=self.group) if self.world_size > 1 else [outcome]
@@ -647,13 +679,22 @@ class TrainingSession:
     def _save(self) -> None:
         assert self.checkpoint is not None
         common = {
-            "counters": {"samples": self.samples, "steps": self.steps, "epoch": self.epoch, "position": self.position,
-                         "cv_index": self.cv_index, "samples_per_epoch": self.samples_per_epoch,
-                         "seed": self.seed, "last_minibatch": self._last_minibatch},
+            "counters": {
+                "samples": self.samples,
+                "steps": self.steps,
+                "epoch": self.epoch,
+                "position": self.position,
+                "cv_index": self.cv_index,
+                "samples_per_epoch": self.samples_per_epoch,
+                "seed": self.seed,
+                "last_minibatch": self._last_minibatch,
+            },
             "stopped": self._stopped,
             "control": self._control(),
-            "history": {"epochs": [e.as_dict() for e in self.epochs],
-                        "cross_validations": [r.as_dict() for r in self.cross_validations]},
+            "history": {
+                "epochs": [e.as_dict() for e in self.epochs],
+                "cross_validations": [r.as_dict() for r in self.cross_validations],
+            },
         }
         replicated = {
             "model": self.model.state_dict(),
@@ -661,8 +702,9 @@ class TrainingSession:
             "algorithm": self.algorithm.state_dict(),
         }
         per_rank = {"rng": _ckpt.rng_state(), "accumulator": {k: list(v) for k, v in self._acc.local().items()}}
-        path = _ckpt.save(self.checkpoint, self.samples, common=common, replicated=replicated, per_rank=per_rank,
-                          group=self.group)
+        path = _ckpt.save(
+            self.checkpoint, self.samples, common=common, replicated=replicated, per_rank=per_rank, group=self.group
+        )
         self._emit("on_checkpoint", path)
 
     def _restore(self) -> None:
@@ -679,13 +721,17 @@ class TrainingSession:
                 f"session has {self.samples_per_epoch}: restore with the same training data"
             )
         if counters["seed"] != self.seed:
-            raise CheckpointError(f"{source} was written with seed={counters['seed']}; build the session with that seed")
+            raise CheckpointError(
+                f"{source} was written with seed={counters['seed']}; build the session with that seed"
+            )
         notes = list(restored.notes)
         self.model.load_state_dict(restored.replicated["model"])
         try:
             self.optimizer.optimizer.load_state_dict(restored.replicated["optimizer"])
         except (ValueError, KeyError) as error:
-            raise CheckpointError(f"{source} has an optimizer state that does not fit this optimizer: {error}") from None
+            raise CheckpointError(
+                f"{source} has an optimizer state that does not fit this optimizer: {error}"
+            ) from None
         same_world = restored.world_size == self.world_size
         if same_world:
             self.algorithm.load_state_dict(restored.replicated["algorithm"])
@@ -709,7 +755,9 @@ class TrainingSession:
                 for saved in restored.all_per_rank:
                     for name, (total, count) in saved["accumulator"].items():
                         self._acc.add(name, float(total), int(count))
-            notes.append("the data position was rounded to the new number of workers and random states are not restored")
+            notes.append(
+                "the data position was rounded to the new number of workers and random states are not restored"
+            )
         self._apply_control(restored.common["control"])
         self._stopped = restored.common["stopped"]
         history = restored.common["history"]
@@ -745,8 +793,14 @@ class TrainingSession:
         cv, ckpt = self.cross_validation, self.checkpoint
         stop = self._stopped or self._limit_reached()
         while stop is None:
-            plan = plan_minibatches(self.partition.shard_size, self.position, self.samples, self.minibatch_schedule,
-                                    self.world_size, self.max_samples)
+            plan = plan_minibatches(
+                self.partition.shard_size,
+                self.position,
+                self.samples,
+                self.minibatch_schedule,
+                self.world_size,
+                self.max_samples,
+            )
             batches = self._batches(plan)
             for local in plan:
                 self._step(next(batches), local)
@@ -772,7 +826,9 @@ class TrainingSession:
                 # Only the callback's decision is kept in checkpoints: limits are re-read
                 # from the restoring session's arguments, so a run can be extended.
                 self._stopped = "cross_validation" if stop == "cross_validation" else None
-                if ckpt is not None and (stop or (_crossed(before, self.samples, ckpt.every) if ckpt.every else epoch_done)):
+                if ckpt is not None and (
+                    stop or (_crossed(before, self.samples, ckpt.every) if ckpt.every else epoch_done)
+                ):
                     # The last checkpoint comes before join() and sync_replicas(): a run restored
                     # from it continues the trajectory of one that never stopped.
                     self._save()
@@ -795,8 +851,16 @@ class TrainingSession:
             epochs.append(self._reduce_epoch(complete=False))
         test_result = None
         if self.test is not None:
-            test_result = evaluate(self.model, self.loss_fn, self.metrics, self.test.data, self.test.minibatch_size,
-                                   self.group, self.device, self.collate_fn)
+            test_result = evaluate(
+                self.model,
+                self.loss_fn,
+                self.metrics,
+                self.test.data,
+                self.test.minibatch_size,
+                self.group,
+                self.device,
+                self.collate_fn,
+            )
         stats = dict(self.algorithm.stats())
         summary = TrainingSummary(
             epochs=epochs,

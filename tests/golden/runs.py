@@ -48,8 +48,16 @@ from typing import Any
 
 VALUES = Path(__file__).with_name("values.json")
 PINNED_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1"}
-SETTINGS = {"model": "mnist1d_cnn", "dataset": "mnist1d", "epochs": 2, "batch": 128, "lr": 0.5, "momentum": 0.0,
-            "seed": 0, "curves": False}
+SETTINGS = {
+    "model": "mnist1d_cnn",
+    "dataset": "mnist1d",
+    "epochs": 2,
+    "batch": 128,
+    "lr": 0.5,
+    "momentum": 0.0,
+    "seed": 0,
+    "curves": False,
+}
 ALGORITHMS = [
     "data_parallel",
     "data_parallel:bits=1",
@@ -103,8 +111,12 @@ def body(rank: int, world_size: int, algorithm: str, lr: float | None = None) ->
         return None
     out = {key: result[key] for key in KEYS}
     out["replicas_equal"] = result["replicas_equal"]
-    out["fingerprint"] = {"torch": torch.__version__, "machine": platform.machine(), "data": _data_digest(),
-                          "aten": torch.backends.cpu.get_cpu_capability()}
+    out["fingerprint"] = {
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "data": _data_digest(),
+        "aten": torch.backends.cpu.get_cpu_capability(),
+    }
     return out
 
 
@@ -141,7 +153,12 @@ def measure(verbose: bool = False) -> dict[str, Any]:
                     results[f"np{world_size}:{algorithm}"] = value
             finally:
                 pool.close()
-    return {"settings": dict(SETTINGS, async_lr=ASYNC_LR), "pinned_env": PINNED_ENV, "fingerprint": fingerprint, "runs": results}
+    return {
+        "settings": dict(SETTINGS, async_lr=ASYNC_LR),
+        "pinned_env": PINNED_ENV,
+        "fingerprint": fingerprint,
+        "runs": results,
+    }
 
 
 def compare(stored: dict[str, Any], measured: dict[str, Any]) -> list[str]:

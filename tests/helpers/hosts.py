@@ -181,8 +181,7 @@ class SshHosts:
 
     def ssh_args(self) -> list[str]:
         """``bunsan run``/``bunsan doctor`` options that reach these hosts."""
-        return ["--ssh-port", str(self.ssh_port), "--ssh-identity", str(self.identity),
-                "--ssh-host-key-checking", "no"]
+        return ["--ssh-port", str(self.ssh_port), "--ssh-identity", str(self.identity), "--ssh-host-key-checking", "no"]
 
     def launcher(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run where the hosts can be reached (the client namespace in ``netns`` mode)."""
@@ -282,8 +281,9 @@ def start_hosts(
     etc_hosts, resolv = directory / "etc_hosts", directory / "resolv.conf"
     names = {f"{SUBNET}.1": f"{prefix}-c", **{f"{SUBNET}.{11 + i}": f"{prefix}-h{i + 1}" for i in range(count)}}
     # Also the IPv4-mapped IPv6 forms: the rendezvous store accepts on a dual-stack socket.
-    etc_hosts.write_text("127.0.0.1 localhost\n::1 localhost\n"
-                         + "".join(f"{a} {n}\n::ffff:{a} {n}\n" for a, n in names.items()))
+    etc_hosts.write_text(
+        "127.0.0.1 localhost\n::1 localhost\n" + "".join(f"{a} {n}\n::ffff:{a} {n}\n" for a, n in names.items())
+    )
     resolv.write_text("# test hosts: no DNS\n")
     hosts = SshHosts([], mode, port, identity)
     try:
@@ -313,8 +313,9 @@ def start_hosts(
             else:  # sshd as this user: no privilege separation, so no /run/sshd and no mounts
                 argv = [sshd, "-D", "-e", "-f", str(config)]
             log = open(directory / f"sshd.h{index + 1}.log", "wb")  # noqa: SIM115 - kept by the process
-            hosts._sshd.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                start_new_session=True))
+            hosts._sshd.append(
+                subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+            )
             log.close()
         deadline = time.monotonic() + SSHD_READY_S
         for index, process in enumerate(hosts._sshd):

@@ -100,8 +100,11 @@ class Outcome:
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "BUNSAN_", "GLOO_", "TORCHELASTIC"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "BUNSAN_", "GLOO_", "TORCHELASTIC"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", EDGE_TAG=tag, **extra)
     return env
 
@@ -207,9 +210,15 @@ def bunsan_run(directory: Path, mode: str, target: int, timeout_s: float = 90.0)
     tag = uuid.uuid4().hex
     script = _script(directory)
     started = time.monotonic()
-    process = subprocess.Popen([sys.executable, "-m", "bunsan", "run", "-np", "2", str(script), mode, str(target),
-                                str(directory)], cwd=directory, env=_env(tag), stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bunsan", "run", "-np", "2", str(script), mode, str(target), str(directory)],
+        cwd=directory,
+        env=_env(tag),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     listeners: list[str] = []
     if mode == "listen":
         deadline = time.monotonic() + timeout_s
@@ -229,9 +238,25 @@ def torchrun(directory: Path, mode: str, target: int, timeout_s: float = 90.0) -
     tag = uuid.uuid4().hex
     script = _script(directory)
     started = time.monotonic()
-    process = subprocess.Popen([*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script),
-                                mode, str(target), str(directory)], cwd=directory, env=_env(tag),
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            *TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+            mode,
+            str(target),
+            str(directory),
+        ],
+        cwd=directory,
+        env=_env(tag),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return _finish(process, tag, started, timeout_s)
 
 
@@ -242,10 +267,23 @@ def by_hand(directory: Path, mode: str, target: int, timeout_s: float = 90.0) ->
     port = str(_free_port())
     started = time.monotonic()
     processes = [
-        subprocess.Popen([sys.executable, str(script), mode, str(target), str(directory)], cwd=directory,
-                         env=_env(tag, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), mode, str(target), str(directory)],
+            cwd=directory,
+            env=_env(
+                tag,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in (0, 1)
     ]
     outputs = []
@@ -265,8 +303,9 @@ def by_hand(directory: Path, mode: str, target: int, timeout_s: float = 90.0) ->
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m tests.launch.edges", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.launch.edges", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("scenario", choices=["raise0", "raise1", "torchrun-kill9", "plain-kill9", "listeners"])
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args(argv)

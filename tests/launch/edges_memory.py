@@ -38,10 +38,21 @@ def main() -> None:
     procs = []
     for rank in range(args.world_size):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "BUNSAN_"))}
-        env.update(RANK=str(rank), WORLD_SIZE=str(args.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, str(JOB), "--algorithm", "async", "--seconds", str(args.seconds)],
-                                      env=env, stdout=subprocess.DEVNULL))
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(args.world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), "--algorithm", "async", "--seconds", str(args.seconds)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
     start = time.monotonic()
     samples: list[tuple[float, int]] = []
     while procs[0].poll() is None:
@@ -56,8 +67,11 @@ def main() -> None:
     if len(after) >= 2:
         growth = (after[-1] - after[0]) / 1024
         peak = (max(after) - after[0]) / 1024
-        print(f"rank 0 RSS from t={args.warmup:.0f} s to the end: {growth:+.1f} MiB (peak {peak:+.1f} MiB); "
-              f"exit codes {codes}", flush=True)
+        print(
+            f"rank 0 RSS from t={args.warmup:.0f} s to the end: {growth:+.1f} MiB (peak {peak:+.1f} MiB); "
+            f"exit codes {codes}",
+            flush=True,
+        )
     else:
         print(f"too few samples after the warm-up; exit codes {codes}", flush=True)
 

@@ -36,12 +36,12 @@ class JobResult:
     replicas: list[list[float] | None] = field(default_factory=list)
     after_start: float | None = None  # seconds from the first rank's start of training to the last exit
 
-
     @property
     def equal_replicas(self) -> bool:
         first = self.replicas[0] if self.replicas else None
-        return first is not None and all(r is not None and max(abs(a - b) for a, b in zip(first, r)) <= 1e-6
-                                         for r in self.replicas)
+        return first is not None and all(
+            r is not None and max(abs(a - b) for a, b in zip(first, r)) <= 1e-6 for r in self.replicas
+        )
 
     def summary(self) -> str:
         notes = []
@@ -50,8 +50,10 @@ class JobResult:
             if lines:
                 notes.append(f"rank {r}: {lines[-1][:300]}")
         after = "?" if self.after_start is None else f"{self.after_start:.1f}"
-        return (f"codes={self.codes} seconds={self.seconds:.1f} after_training_began={after} "
-                f"equal={self.equal_replicas} " + " | ".join(notes))
+        return (
+            f"codes={self.codes} seconds={self.seconds:.1f} after_training_began={after} "
+            f"equal={self.equal_replicas} " + " | ".join(notes)
+        )
 
 
 def _free_port() -> int:
@@ -60,8 +62,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0,
-            env_extra: dict[str, str] | None = None) -> JobResult:
+def run_job(
+    job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0, env_extra: dict[str, str] | None = None
+) -> JobResult:
     """Run one job of ``world_size`` ranks; kill whatever is left after ``timeout_s``."""
     import torch  # only the parent reads the replicas
 
@@ -69,13 +72,32 @@ def run_job(job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0
     with tempfile.TemporaryDirectory() as out:
         procs = []
         for rank in range(world_size):
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "BUNSAN_"))}
-            env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env_extra or {}))
-            procs.append(subprocess.Popen([sys.executable, str(JOB), *job_args, "--out", out], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "BUNSAN_"))
+            }
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=str(ROOT),
+                PYTHONUNBUFFERED="1",
+                **(env_extra or {}),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(JOB), *job_args, "--out", out],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         start = time.monotonic()
         stderr: list[str] = []
         ended_at = 0.0
@@ -95,8 +117,12 @@ def run_job(job_args: list[str], *, world_size: int = 2, timeout_s: float = 60.0
             path = Path(out) / f"rank{rank}.pt"
             replicas.append(torch.load(path).tolist() if path.exists() else None)
     codes = [p.returncode for p in procs]
-    starts = [float(line.split()[-1]) for text in stderr for line in text.splitlines()
-              if line.startswith("edges: training starts at")]
+    starts = [
+        float(line.split()[-1])
+        for text in stderr
+        for line in text.splitlines()
+        if line.startswith("edges: training starts at")
+    ]
     return JobResult(codes, seconds, stderr, replicas, ended_at - min(starts) if starts else None)
 
 

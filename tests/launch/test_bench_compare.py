@@ -21,15 +21,39 @@ from bunsan.cli import main
 @pytest.mark.timeout(180)
 def test_one_invocation_runs_every_setting_at_every_count(tmp_path, capsys):
     out = tmp_path / "compare"
-    code = main(["bench", "compare", "--model", "digits_cnn", "--dataset", "digits", "--epochs", "1",
-                 "--batch", "32", "--lr", "0.05", "-np", "1,2", "--out", str(out),
-                 "--algorithms", "data_parallel", "model_averaging:block_size=64"])
+    code = main(
+        [
+            "bench",
+            "compare",
+            "--model",
+            "digits_cnn",
+            "--dataset",
+            "digits",
+            "--epochs",
+            "1",
+            "--batch",
+            "32",
+            "--lr",
+            "0.05",
+            "-np",
+            "1,2",
+            "--out",
+            str(out),
+            "--algorithms",
+            "data_parallel",
+            "model_averaging:block_size=64",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     record = json.loads((out / "compare.json").read_text())
     configs = {(c["label"], c["workers"]): c for c in record["configs"]}
-    assert sorted(configs) == [("data_parallel", 1), ("data_parallel", 2),
-                               ("model_averaging:block_size=64", 1), ("model_averaging:block_size=64", 2)]
+    assert sorted(configs) == [
+        ("data_parallel", 1),
+        ("data_parallel", 2),
+        ("model_averaging:block_size=64", 1),
+        ("model_averaging:block_size=64", 2),
+    ]
     for (label, workers), c in configs.items():
         assert c["status"] == "ok" and c["replicas_equal"], (label, workers, c.get("stderr_tail"))
         assert c["per_worker_batch"] == 32 // workers
@@ -43,11 +67,13 @@ def test_one_invocation_runs_every_setting_at_every_count(tmp_path, capsys):
             assert c["speed_ratio"] == pytest.approx(configs[(label, 1)]["wall_s"] / c["wall_s"])
             assert c["bytes_sent_per_sample"] > 0
     # Averaging once every 64 samples per worker sends far less than every 16-sample step.
-    assert configs[("model_averaging:block_size=64", 2)]["bytes_sent_per_sample"] < \
-        configs[("data_parallel", 2)]["bytes_sent_per_sample"]
+    assert (
+        configs[("model_averaging:block_size=64", 2)]["bytes_sent_per_sample"]
+        < configs[("data_parallel", 2)]["bytes_sent_per_sample"]
+    )
     assert record["machine"]["threads_per_worker"] == 1
     assert all(c["threads"] == 1 for c in record["configs"])
-    table = printed[printed.index("workers  algorithm"):]
+    table = printed[printed.index("workers  algorithm") :]
     assert len([line for line in table.splitlines() if line.lstrip().startswith(("1  ", "2  "))]) == 4
     assert sorted(p.name for p in (out / "plots").iterdir()) == ["curves.png", "scaling.png"]
 
@@ -65,11 +91,31 @@ _FAKE_JOB = textwrap.dedent("""
 
 def test_a_failed_job_is_a_row_and_the_rest_go_on(tmp_path, capsys, monkeypatch):
     # The jobs are stand-ins (no torch): this checks the orchestration, not training.
-    monkeypatch.setattr(compare, "_command",
-                        lambda workers, spec, network=None: [sys.executable, "-c", _FAKE_JOB, json.dumps(spec), str(workers)])
+    monkeypatch.setattr(
+        compare,
+        "_command",
+        lambda workers, spec, network=None: [sys.executable, "-c", _FAKE_JOB, json.dumps(spec), str(workers)],
+    )
     out = tmp_path / "compare"
-    code = main(["bench", "compare", "--model", "digits_cnn", "--dataset", "digits", "-np", "1,2,4",
-                 "--batch", "4", "--out", str(out), "--no-plots", "--algorithms", "data_parallel"])
+    code = main(
+        [
+            "bench",
+            "compare",
+            "--model",
+            "digits_cnn",
+            "--dataset",
+            "digits",
+            "-np",
+            "1,2,4",
+            "--batch",
+            "4",
+            "--out",
+            str(out),
+            "--no-plots",
+            "--algorithms",
+            "data_parallel",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 1
     configs = json.loads((out / "compare.json").read_text())["configs"]
@@ -82,7 +128,8 @@ def test_a_failed_job_is_a_row_and_the_rest_go_on(tmp_path, capsys, monkeypatch)
 
 def test_a_job_past_its_timeout_is_stopped(tmp_path):
     env = dict(os.environ)
-    status, code, seconds = compare.run_job([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path,
-                                            timeout_s=0.5, env=env)
+    status, code, seconds = compare.run_job(
+        [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, timeout_s=0.5, env=env
+    )
     assert (status, code) == ("timeout", None)
     assert seconds < 15

@@ -29,8 +29,26 @@ def _ours(namespaces):
 @pytest.mark.timeout(120)
 def test_throughput_at_one_and_two_workers(tmp_path, capsys):
     out = tmp_path / "throughput"
-    code = main(["bench", "throughput", "--model", "mlp", "--image-size", "8", "-np", "1,2", "--batch", "8",
-                 "--warmup", "1", "--iters", "3", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            "mlp",
+            "--image-size",
+            "8",
+            "-np",
+            "1,2",
+            "--batch",
+            "8",
+            "--warmup",
+            "1",
+            "--iters",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     record = json.loads((out / "throughput.json").read_text())
@@ -54,8 +72,28 @@ def test_a_shaped_link_is_slower_than_loopback_and_nothing_is_left(tmp_path, cap
     results = {}
     for name, extra in (("loopback", []), ("shaped", ["--network", "rate=100mbit"])):
         out = tmp_path / name
-        code = main(["bench", "comm", "-np", "2", "--sizes", "1MB", "--ops", "all_reduce", "--iters", "3",
-                     "--warmup", "1", "--rounds", "1", "--no-plots", "--out", str(out), *extra])
+        code = main(
+            [
+                "bench",
+                "comm",
+                "-np",
+                "2",
+                "--sizes",
+                "1MB",
+                "--ops",
+                "all_reduce",
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--rounds",
+                "1",
+                "--no-plots",
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
         assert code == 0, capsys.readouterr()
         (row,) = json.loads((out / "comm.json").read_text())["rows"]
         results[name] = row["torch_busbw"]

@@ -58,8 +58,10 @@ def test_forgotten_join_with_another_collective_names_the_fix():
     # Rank 0 logs its loss with an all_reduce every step; rank 1, finished and in
     # finalize(), answers only gradient exchanges. The job must end at once, not
     # after the 30 s timeout, and say what to do.
-    result = run_job(["--algorithm", "data_parallel", "--extra", "0:3", "--log-loss", "--collective-timeout", "30"],
-                     timeout_s=LIMIT_S)
+    result = run_job(
+        ["--algorithm", "data_parallel", "--extra", "0:3", "--log-loss", "--collective-timeout", "30"],
+        timeout_s=LIMIT_S,
+    )
     assert any(code != 0 for code in result.codes), result.summary()
     assert FIX in "".join(result.stderr), result.summary()
     assert result.after_start is not None and result.after_start < 20, result.summary()  # the timeout is 30 s
@@ -67,8 +69,9 @@ def test_forgotten_join_with_another_collective_names_the_fix():
 
 @pytest.mark.parametrize("finalize", [[], ["--finalize"]], ids=["at-exit", "finalize"])
 def test_skipped_step_on_one_rank_is_named_and_fails_the_job(finalize):
-    result = run_job(["--algorithm", "data_parallel", "--skip", "1:2", "--collective-timeout", "30", *finalize],
-                     timeout_s=LIMIT_S)
+    result = run_job(
+        ["--algorithm", "data_parallel", "--skip", "1:2", "--collective-timeout", "30", *finalize], timeout_s=LIMIT_S
+    )
     assert all(code != 0 for code in result.codes), result.summary()
     assert "rank 1 skipped optimizer.step() at its step 2" in "".join(result.stderr), result.summary()
     assert result.after_start is not None and result.after_start < 20, result.summary()
@@ -77,8 +80,9 @@ def test_skipped_step_on_one_rank_is_named_and_fails_the_job(finalize):
 def test_an_extra_collective_on_one_rank_is_named_while_the_others_wait():
     # Rank 1's barrier pairs with rank 0's gradient all-reduce: gloo waits until the
     # 30 s timeout. The watch threads compare the ranks' recent collectives after 1 s.
-    result = run_job(["--algorithm", "data_parallel", "--barrier", "1:3", "--collective-timeout", "30"],
-                     timeout_s=LIMIT_S)
+    result = run_job(
+        ["--algorithm", "data_parallel", "--barrier", "1:3", "--collective-timeout", "30"], timeout_s=LIMIT_S
+    )
     assert all(code != 0 for code in result.codes), result.summary()
     text = "".join(result.stderr)
     assert "collectives out of step at world collective #" in text, result.summary()
@@ -89,8 +93,11 @@ def test_an_extra_collective_on_one_rank_is_named_while_the_others_wait():
 def test_stall_report_names_the_absent_rank_and_what_it_does():
     # Rank 1 spends 5 s "in checkpoint save"; with a 2 s stall threshold rank 0 reports
     # once, keeps waiting, and the job ends normally.
-    result = run_job(["--algorithm", "data_parallel", "--pause", "1:3", "--pause-s", "5"], timeout_s=LIMIT_S,
-                     env_extra={"BUNSAN_STALL_S": "2"})
+    result = run_job(
+        ["--algorithm", "data_parallel", "--pause", "1:3", "--pause-s", "5"],
+        timeout_s=LIMIT_S,
+        env_extra={"BUNSAN_STALL_S": "2"},
+    )
     _ok(result)
     reports = [line for line in result.stderr[0].splitlines() if "still waiting" in line]
     assert len(reports) == 1, result.stderr[0]

@@ -72,8 +72,15 @@ def _bunsan(hosts: SshHosts, tmp_path: Path, *args: str) -> subprocess.Popen[str
     """``bunsan ARGS`` started where the hosts can be reached, with their ssh options."""
     subcommand, rest = args[0], args[1:]
     argv = hosts.launcher([sys.executable, "-m", "bunsan", subcommand, *hosts.ssh_args(), *rest])
-    return subprocess.Popen(argv, cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _write(tmp_path: Path, name: str, source: str) -> Path:
@@ -195,12 +202,17 @@ def test_two_hosts_train_like_four_local_workers(hosts, tmp_path):
 
     script = _write(tmp_path, "train.py", _TRAIN)
     hostfile = hosts.hostfile(tmp_path / "hostfile", slots=2)
-    remote = _bunsan(hosts, tmp_path, "run", "--hostfile", str(hostfile), "--tag-output", str(script),
-                     str(tmp_path / "hosts"))
+    remote = _bunsan(
+        hosts, tmp_path, "run", "--hostfile", str(hostfile), "--tag-output", str(script), str(tmp_path / "hosts")
+    )
     single = subprocess.Popen(  # the reference: 4 workers on one machine
         [sys.executable, "-m", "bunsan", "run", "-np", "4", str(script), str(tmp_path / "local")],
-        cwd=tmp_path, env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         out, err = remote.communicate(timeout=100)
@@ -257,8 +269,9 @@ def test_kill_9_of_a_remote_worker_ends_the_job_on_every_host(hosts, tmp_path, c
 def test_sigkill_of_the_launcher_leaves_no_remote_worker(hosts, tmp_path, capsys):
     sshd = set(hosts.processes())
     script = _write(tmp_path, "sleeper.py", _SLEEPER)
-    launcher = _bunsan(hosts, tmp_path, "run", "-H", ",".join(f"{h}:2" for h in hosts.names), str(script),
-                       str(tmp_path))
+    launcher = _bunsan(
+        hosts, tmp_path, "run", "-H", ",".join(f"{h}:2" for h in hosts.names), str(script), str(tmp_path)
+    )
     job_id = None
     try:
         _wait_for([tmp_path / f"rank{r}" for r in range(4)], launcher)
@@ -288,8 +301,23 @@ def test_cleanup_ends_only_the_given_jobs_processes_on_every_host(hosts, tmp_pat
     # and one of another job that must survive.
     def start(host: str, job: str) -> None:
         command = f"BUNSAN_JOB_ID={job} setsid sleep 1000 </dev/null >/dev/null 2>&1 &"
-        argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                "-o", "LogLevel=ERROR", "-p", str(hosts.ssh_port), "-i", str(hosts.identity), host, command]
+        argv = [
+            "ssh",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            "-p",
+            str(hosts.ssh_port),
+            "-i",
+            str(hosts.identity),
+            host,
+            command,
+        ]
         subprocess.run(hosts.launcher(argv), check=True, timeout=30, stdin=subprocess.DEVNULL)
 
     for host in hosts.names:
@@ -374,8 +402,17 @@ def test_max_restarts_restarts_every_host_and_the_session_resumes(hosts, tmp_pat
     import torch
 
     script = _write(tmp_path, "resumable.py", _RESUMABLE)
-    launcher = _bunsan(hosts, tmp_path, "run", "-H", ",".join(f"{h}:1" for h in hosts.names), "--max-restarts",
-                       "2", "--tag-output", str(script))
+    launcher = _bunsan(
+        hosts,
+        tmp_path,
+        "run",
+        "-H",
+        ",".join(f"{h}:1" for h in hosts.names),
+        "--max-restarts",
+        "2",
+        "--tag-output",
+        str(script),
+    )
     try:
         out, err = launcher.communicate(timeout=110)
     finally:
@@ -407,8 +444,10 @@ def test_bad_hostfile_line_is_reported_with_its_line_number(hosts, tmp_path):
     launcher = _bunsan(hosts, tmp_path, "run", "--hostfile", str(hostfile), str(script))
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 2
-    assert err == f"bunsan run: error: {hostfile}:4: cannot read '{hosts.names[1]} slots=lots'; " \
-                  "expected 'HOST slots=N', e.g. 'node1 slots=4'\n"
+    assert (
+        err == f"bunsan run: error: {hostfile}:4: cannot read '{hosts.names[1]} slots=lots'; "
+        "expected 'HOST slots=N', e.g. 'node1 slots=4'\n"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -434,8 +473,9 @@ def test_doctor_finds_data_missing_on_one_host(hosts, tmp_path):
     assert "1 problem(s)" in out
 
     # Where everything is in order, the doctor says so and exits 0.
-    doctor = _bunsan(hosts, tmp_path, "doctor", "--hostfile", str(hostfile), "--data", str(hostfile),
-                     "--skip-allreduce")
+    doctor = _bunsan(
+        hosts, tmp_path, "doctor", "--hostfile", str(hostfile), "--data", str(hostfile), "--skip-allreduce"
+    )
     out, err = doctor.communicate(timeout=60)
     assert doctor.returncode == 0, out + err
     assert "all 2 host(s) ok" in out

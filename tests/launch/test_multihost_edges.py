@@ -57,8 +57,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory):
 def test_rank_0_raising_on_one_host_is_named_though_rank_1_exits_first(hosts, tmp_path):
     script = tmp_path / "raise.py"
     script.write_text(textwrap.dedent(_RAISE))
-    launcher = _bunsan(hosts, tmp_path, "run", "-x", "PYTHONPATH", "-H", ",".join(f"{h}:1" for h in hosts.names),
-                       str(script))
+    launcher = _bunsan(
+        hosts, tmp_path, "run", "-x", "PYTHONPATH", "-H", ",".join(f"{h}:1" for h in hosts.names), str(script)
+    )
     try:
         out, err = launcher.communicate(timeout=120)
     finally:

@@ -49,7 +49,8 @@ def test_every_checkpoint_damaged_raises_on_every_rank(workers, tmp_path):
 
 def test_allow_fresh_start_starts_from_scratch(workers, tmp_path):
     assert workers.run(f"{__name__}:_body_restore", directory=str(tmp_path), allow=True) == [
-        ("restored", None), ("restored", None)
+        ("restored", None),
+        ("restored", None),
     ]
 
 
@@ -67,9 +68,17 @@ def test_training_session_refuses_to_start_afresh(tmp_path):
     config.directory.mkdir(parents=True, exist_ok=True)
     config.file_for(10).write_bytes(b"junk")
     model = torch.nn.Linear(2, 2)
-    session = TrainingSession(model, torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                              "data_parallel", (torch.randn(8, 2), torch.randint(0, 2, (8,))), minibatch_size=4,
-                              max_epochs=1, checkpoint=config, progress=False)
+    session = TrainingSession(
+        model,
+        torch.nn.functional.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "data_parallel",
+        (torch.randn(8, 2), torch.randint(0, 2, (8,))),
+        minibatch_size=4,
+        max_epochs=1,
+        checkpoint=config,
+        progress=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointError, match="is damaged .* allow_fresh_start=True"):

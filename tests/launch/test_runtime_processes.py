@@ -65,9 +65,17 @@ def _start_bare(script: Path, mode: str, world_size: int = 2) -> list[subprocess
     return [
         subprocess.Popen(
             [sys.executable, str(script), mode],
-            env=_env(RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=_env(
+                RANK=str(r),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(world_size)
     ]
@@ -139,9 +147,21 @@ def test_finalize_frees_the_gloo_threads(script):
 @pytest.mark.timeout(90)
 def test_same_script_under_torchrun(script):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         str(script), "ok"],
-        env=_env(), capture_output=True, text=True, timeout=80,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+            "ok",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 of 2 done 2" in proc.stdout and "rank 1 of 2 done 2" in proc.stdout
@@ -155,12 +175,29 @@ def test_lone_process_is_a_world_of_one(script):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed (apt-get install openmpi-bin)")
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed (apt-get install openmpi-bin)"
+)
 def test_same_script_under_openmpi_mpirun(script):
     proc = subprocess.run(
-        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-         sys.executable, str(script), "ok"],
-        env=_env(), capture_output=True, text=True, timeout=80,
+        [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            "-x",
+            "PYTHONPATH",
+            "-x",
+            "OMP_NUM_THREADS",
+            sys.executable,
+            str(script),
+            "ok",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 of 2 done 2" in proc.stdout and "rank 1 of 2 done 2" in proc.stdout

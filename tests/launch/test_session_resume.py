@@ -80,7 +80,12 @@ def _run(script: Path, cwd: Path, mode: str) -> subprocess.CompletedProcess[str]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "bunsan", "run", "-np", "2", str(script), mode],
-        cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=100,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=100,
     )
 
 

@@ -10,8 +10,9 @@ from bunsan.algorithms.async_sgd import ParameterServer, _Layout
 
 def _server(kept: int) -> ParameterServer:
     layout = _Layout([("w", torch.zeros(3))])
-    return ParameterServer(layout, [0, 1], {}, staleness_bound=None, staleness_aware=False, timeout_s=5.0,
-                           arrivals_kept=kept)
+    return ParameterServer(
+        layout, [0, 1], {}, staleness_bound=None, staleness_aware=False, timeout_s=5.0, arrivals_kept=kept
+    )
 
 
 def test_arrivals_keep_the_last_k_and_counts_cover_all():

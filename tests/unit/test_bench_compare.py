@@ -12,8 +12,19 @@ from bunsan.cli import main
 # -- values and specs -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1024", 1024), ("-3", -3), ("0.5", 0.5), ("1e-3", 1e-3), ("true", True), ("False", False),
-     ("none", None), ("null", None), ("fp16", "fp16"), ("'32'", "32"), (" 7 ", 7)],
+    [
+        ("1024", 1024),
+        ("-3", -3),
+        ("0.5", 0.5),
+        ("1e-3", 1e-3),
+        ("true", True),
+        ("False", False),
+        ("none", None),
+        ("null", None),
+        ("fp16", "fp16"),
+        ("'32'", "32"),
+        (" 7 ", 7),
+    ],
 )
 def test_parse_value_reads_int_float_bool_none_and_str(text, value):
     parsed = compare.parse_value(text)
@@ -44,14 +55,16 @@ def test_spec_with_float_and_bool():
 
 @pytest.mark.parametrize(
     ("spec", "fragment"),
-    [("", "does not start with an algorithm name"),
-     (":bits=1", "does not start with an algorithm name"),
-     ("data parallel", "does not start with an algorithm name"),
-     ("data_parallel:", "nothing after ':'"),
-     ("data_parallel:bits", "is not KEY=VALUE"),
-     ("data_parallel:bits=", "is not KEY=VALUE"),
-     ("data_parallel:bits=1,,warm_start=2", "is not KEY=VALUE"),
-     ("data_parallel:bits=1,bits=2", "sets 'bits' twice")],
+    [
+        ("", "does not start with an algorithm name"),
+        (":bits=1", "does not start with an algorithm name"),
+        ("data parallel", "does not start with an algorithm name"),
+        ("data_parallel:", "nothing after ':'"),
+        ("data_parallel:bits", "is not KEY=VALUE"),
+        ("data_parallel:bits=", "is not KEY=VALUE"),
+        ("data_parallel:bits=1,,warm_start=2", "is not KEY=VALUE"),
+        ("data_parallel:bits=1,bits=2", "sets 'bits' twice"),
+    ],
 )
 def test_bad_specs_are_one_sentence(spec, fragment):
     with pytest.raises(ValueError, match=fragment) as info:
@@ -62,8 +75,9 @@ def test_bad_specs_are_one_sentence(spec, fragment):
 # -- sweeps -------------------------------------------------------------------------------
 def test_parse_sweep_with_and_without_target():
     assert compare.parse_sweep("warm_start=0,2000,8000") == Sweep("warm_start", (0, 2000, 8000), None)
-    assert compare.parse_sweep("block_momentum:block_size=256,1024") == Sweep("block_size", (256, 1024),
-                                                                              "block_momentum")
+    assert compare.parse_sweep("block_momentum:block_size=256,1024") == Sweep(
+        "block_size", (256, 1024), "block_momentum"
+    )
 
 
 @pytest.mark.parametrize("text", ["warm_start", "=1,2", "warm_start=1,,2", "warm_start=1,1", "a b:x=1"])
@@ -76,15 +90,19 @@ def test_untargeted_sweep_expands_every_setting_in_order():
     settings = [AlgorithmSetting("data_parallel", {"bits": 1}), AlgorithmSetting("model_averaging", {"block_size": 64})]
     expanded = compare.apply_sweeps(settings, [compare.parse_sweep("warm_start=0,2000")])
     assert [s.label for s in expanded] == [
-        "data_parallel:bits=1,warm_start=0", "data_parallel:bits=1,warm_start=2000",
-        "model_averaging:block_size=64,warm_start=0", "model_averaging:block_size=64,warm_start=2000",
+        "data_parallel:bits=1,warm_start=0",
+        "data_parallel:bits=1,warm_start=2000",
+        "model_averaging:block_size=64,warm_start=0",
+        "model_averaging:block_size=64,warm_start=2000",
     ]
 
 
 def test_targeted_sweeps_cross_and_leave_others_alone():
     settings = [AlgorithmSetting("data_parallel"), AlgorithmSetting("block_momentum", {"block_size": 256})]
-    sweeps = [compare.parse_sweep("block_momentum:warm_start=0,100"),
-              compare.parse_sweep("block_momentum:block_learning_rate=0.5,1.0")]
+    sweeps = [
+        compare.parse_sweep("block_momentum:warm_start=0,100"),
+        compare.parse_sweep("block_momentum:block_learning_rate=0.5,1.0"),
+    ]
     labels = [s.label for s in compare.apply_sweeps(settings, sweeps)]
     assert labels == [
         "data_parallel",
@@ -149,10 +167,24 @@ def test_speedup_vs_first_compares_settings_at_the_same_count():
 
 # -- the table ----------------------------------------------------------------------------
 def _record(label="data_parallel", workers=1, wall_s=10.0, **extra):
-    record = {"label": label, "algorithm": label.split(":")[0], "options": {}, "workers": workers, "epochs": 3,
-              "status": "ok", "wall_s": wall_s, "speed_ratio": 1.0, "test_error": 0.1234, "bits": 32,
-              "compression": None, "warm_start": 0, "block_size": None, "bytes_sent_per_sample": 12.5,
-              "samples_per_s": 1234.4, "speedup_vs_first": 1.5}
+    record = {
+        "label": label,
+        "algorithm": label.split(":")[0],
+        "options": {},
+        "workers": workers,
+        "epochs": 3,
+        "status": "ok",
+        "wall_s": wall_s,
+        "speed_ratio": 1.0,
+        "test_error": 0.1234,
+        "bits": 32,
+        "compression": None,
+        "warm_start": 0,
+        "block_size": None,
+        "bytes_sent_per_sample": 12.5,
+        "samples_per_s": 1234.4,
+        "speedup_vs_first": 1.5,
+    }
     record.update(extra)
     return record
 
@@ -193,11 +225,13 @@ def test_check_setting_describes_the_columns():
 
 @pytest.mark.parametrize(
     ("setting", "fragment"),
-    [(AlgorithmSetting("sgd_of_dreams"), "unknown algorithm 'sgd_of_dreams'; choose one of"),
-     (AlgorithmSetting("model_averaging", {"block_size": 64, "period": 2}), "has no option 'period'"),
-     (AlgorithmSetting("model_averaging", {"block_size": 64, "group": 2}), "has no option 'group'"),
-     (AlgorithmSetting("block_momentum", {"block_size": 0}), "block_size must be > 0"),
-     (AlgorithmSetting("data_parallel", {"bits": 0}), "bits")],
+    [
+        (AlgorithmSetting("sgd_of_dreams"), "unknown algorithm 'sgd_of_dreams'; choose one of"),
+        (AlgorithmSetting("model_averaging", {"block_size": 64, "period": 2}), "has no option 'period'"),
+        (AlgorithmSetting("model_averaging", {"block_size": 64, "group": 2}), "has no option 'group'"),
+        (AlgorithmSetting("block_momentum", {"block_size": 0}), "block_size must be > 0"),
+        (AlgorithmSetting("data_parallel", {"bits": 0}), "bits"),
+    ],
 )
 def test_check_setting_refuses_with_one_sentence(setting, fragment):
     with pytest.raises(ValueError, match=fragment) as info:
@@ -207,12 +241,14 @@ def test_check_setting_refuses_with_one_sentence(setting, fragment):
 
 @pytest.mark.parametrize(
     ("argv", "fragment"),
-    [(["--algorithms", "nope"], "unknown algorithm 'nope'"),
-     (["--algorithms", "data_parallel:bits"], "is not KEY=VALUE"),
-     (["-np", "1,3", "--batch", "64"], "does not split evenly over 3 workers; choose a multiple of 3"),
-     (["--model", "resnet9000"], "unknown model 'resnet9000'"),
-     (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
-     (["--epochs", "0"], "--epochs must be >= 1")],
+    [
+        (["--algorithms", "nope"], "unknown algorithm 'nope'"),
+        (["--algorithms", "data_parallel:bits"], "is not KEY=VALUE"),
+        (["-np", "1,3", "--batch", "64"], "does not split evenly over 3 workers; choose a multiple of 3"),
+        (["--model", "resnet9000"], "unknown model 'resnet9000'"),
+        (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+    ],
 )
 def test_bad_input_fails_before_any_job(argv, fragment, tmp_path, capsys):
     assert main(["bench", "compare", "--out", str(tmp_path / "out"), *argv]) == 2
@@ -227,8 +263,24 @@ def test_bench_needs_a_benchmark(capsys):
 
 
 def test_dry_run_prints_one_job_per_setting_and_count(tmp_path, capsys):
-    code = main(["bench", "compare", "--dry-run", "--dataset", "digits", "--model", "digits_cnn", "-np", "1,2",
-                 "--algorithms", "data_parallel", "model_averaging:block_size=64", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "compare",
+            "--dry-run",
+            "--dataset",
+            "digits",
+            "--model",
+            "digits_cnn",
+            "-np",
+            "1,2",
+            "--algorithms",
+            "data_parallel",
+            "model_averaging:block_size=64",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
@@ -240,8 +292,12 @@ def test_sweep_groups_hold_records_that_differ_only_in_the_key():
     records = [
         _record("block_momentum:block_size=256", 4, options={"block_size": 256}, block_size=256),
         _record("block_momentum:block_size=1024", 4, options={"block_size": 1024}, block_size=1024),
-        _record("block_momentum:block_size=1024,nesterov=false", 4,
-                options={"block_size": 1024, "nesterov": False}, block_size=1024),
+        _record(
+            "block_momentum:block_size=1024,nesterov=false",
+            4,
+            options={"block_size": 1024, "nesterov": False},
+            block_size=1024,
+        ),
         _record("data_parallel", 4),
     ]
     for r in records[:3]:
@@ -254,8 +310,9 @@ def test_sweep_groups_hold_records_that_differ_only_in_the_key():
 
 def test_plot_compare_writes_what_the_records_support(tmp_path):
     records = [_record(workers=n, wall_s=10.0 / n, test_error_curve=[0.5, 0.3]) for n in (1, 2)]
-    records += [_record(f"data_parallel:warm_start={w}", 2, options={"warm_start": w}, warm_start=w)
-                for w in (0, 100, 1000)]
+    records += [
+        _record(f"data_parallel:warm_start={w}", 2, options={"warm_start": w}, warm_start=w) for w in (0, 100, 1000)
+    ]
     written = plots.plot_compare(records, tmp_path)
     assert sorted(p.name for p in written) == ["curves.png", "scaling.png", "sweep_warm_start.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
@@ -265,14 +322,23 @@ def test_plot_compare_writes_what_the_records_support(tmp_path):
 def test_job_spec_from_json_and_flags():
     from bunsan.bench import job
 
-    spec = job.spec_from_args(["--spec", '{"model": "mlp", "dataset": "digits", "epochs": 3, "batch": 32}',
-                               "--algorithm", "block_momentum:block_size=64,nesterov=false", "--epochs", "5"])
+    spec = job.spec_from_args(
+        [
+            "--spec",
+            '{"model": "mlp", "dataset": "digits", "epochs": 3, "batch": 32}',
+            "--algorithm",
+            "block_momentum:block_size=64,nesterov=false",
+            "--epochs",
+            "5",
+        ]
+    )
     assert (spec.model, spec.dataset, spec.epochs, spec.batch) == ("mlp", "digits", 5, 32)
     assert (spec.algorithm, spec.options) == ("block_momentum", {"block_size": 64, "nesterov": False})
 
 
-@pytest.mark.parametrize("argv", [["--spec", "[1]"], ["--spec", '{"epochz": 1}'], ["--epochs", "0"],
-                                  ["--algorithm", "x:y"]])
+@pytest.mark.parametrize(
+    "argv", [["--spec", "[1]"], ["--spec", '{"epochz": 1}'], ["--epochs", "0"], ["--algorithm", "x:y"]]
+)
 def test_job_refuses_bad_specs(argv):
     from bunsan.bench import job
 
@@ -282,10 +348,12 @@ def test_job_refuses_bad_specs(argv):
 
 @pytest.mark.parametrize(
     ("name", "dataset", "shape", "arguments"),
-    [("mlp", "digits", (2, 1, 8, 8), {"in_features": 64, "out_features": 10}),
-     ("digits_cnn", "digits", (2, 1, 8, 8), {"num_classes": 10}),
-     ("mnist1d_cnn", "mnist1d", (2, 1, 40), {"num_classes": 10, "length": 40}),
-     ("mlp", "mnist1d", (2, 1, 40), {"in_features": 40, "out_features": 10})],
+    [
+        ("mlp", "digits", (2, 1, 8, 8), {"in_features": 64, "out_features": 10}),
+        ("digits_cnn", "digits", (2, 1, 8, 8), {"num_classes": 10}),
+        ("mnist1d_cnn", "mnist1d", (2, 1, 40), {"num_classes": 10, "length": 40}),
+        ("mlp", "mnist1d", (2, 1, 40), {"in_features": 40, "out_features": 10}),
+    ],
 )
 def test_build_model_sizes_the_model_for_its_data(name, dataset, shape, arguments):
     import torch

@@ -25,8 +25,23 @@ def test_global_batch_of_each_framing():
 
 
 def test_per_worker_framing_gives_each_worker_the_single_process_batch(tmp_path, capsys):
-    argv = ["bench", "compare", "--dry-run", "--dataset", "digits", "--model", "digits_cnn", "-np", "1,3",
-            "--algorithms", "data_parallel", "--batch", "32", "--out", str(tmp_path)]
+    argv = [
+        "bench",
+        "compare",
+        "--dry-run",
+        "--dataset",
+        "digits",
+        "--model",
+        "digits_cnn",
+        "-np",
+        "1,3",
+        "--algorithms",
+        "data_parallel",
+        "--batch",
+        "32",
+        "--out",
+        str(tmp_path),
+    ]
     # Global framing: 32 does not split over 3 workers, refused before anything starts.
     assert main(argv) == 2
     assert "does not split evenly over 3 workers" in capsys.readouterr().err

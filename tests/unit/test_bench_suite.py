@@ -15,8 +15,10 @@ from bunsan.cli import main
 
 
 # -- comm: sizes and bandwidth -------------------------------------------------------------------
-@pytest.mark.parametrize(("text", "size"), [("1KB", 1024), ("64MB", 64 * 2**20), ("1gb", 2**30), ("512", 512),
-                                            ("4 KiB", 4096), ("2M", 2 * 2**20), ("8B", 8)])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1KB", 1024), ("64MB", 64 * 2**20), ("1gb", 2**30), ("512", 512), ("4 KiB", 4096), ("2M", 2 * 2**20), ("8B", 8)],
+)
 def test_parse_size(text, size):
     assert comm_bench.parse_size(text) == size
 
@@ -32,8 +34,17 @@ def test_parse_sizes_ranges_and_lists():
     assert comm_bench.parse_sizes("1KB..8KB", factor=2) == [1024, 2048, 4096, 8192]
     assert comm_bench.parse_sizes("1KB..10KB") == [1024, 4096]  # stops before passing the end
     assert comm_bench.parse_sizes("1MB,16MB,1MB") == [2**20, 16 * 2**20]
-    assert [comm_bench.format_size(s) for s in comm_bench.parse_sizes("1KB..64MB")] == \
-        ["1KB", "4KB", "16KB", "64KB", "256KB", "1MB", "4MB", "16MB", "64MB"]
+    assert [comm_bench.format_size(s) for s in comm_bench.parse_sizes("1KB..64MB")] == [
+        "1KB",
+        "4KB",
+        "16KB",
+        "64KB",
+        "256KB",
+        "1MB",
+        "4MB",
+        "16MB",
+        "64MB",
+    ]
     assert comm_bench.format_size(1000) == "1000B"
     with pytest.raises(ValueError, match="larger than the last"):
         comm_bench.parse_sizes("4MB..1MB")
@@ -58,14 +69,26 @@ def test_iterations_shrink_for_large_messages():
 
 
 def test_comm_table_from_a_result():
-    result = {"workers": 2, "copies": [{"size_bytes": 2**20, "copy_s": 1e-4}],
-              "rows": [{"size_bytes": 2**20, "requested_bytes": 2**20, "op": "all_reduce", "iters": 5,
-                        "bunsan_s": 2e-3, "torch_s": 1e-3}]}
+    result = {
+        "workers": 2,
+        "copies": [{"size_bytes": 2**20, "copy_s": 1e-4}],
+        "rows": [
+            {
+                "size_bytes": 2**20,
+                "requested_bytes": 2**20,
+                "op": "all_reduce",
+                "iters": 5,
+                "bunsan_s": 2e-3,
+                "torch_s": 1e-3,
+            }
+        ],
+    }
     rows = comm_bench._rows_with_bandwidth(result)
     assert rows[0]["torch_busbw"] == pytest.approx(2**20 / 1e-3)
     assert rows[0]["time_ratio"] == pytest.approx(2.0)
-    assert comm_bench.table_rows(rows) == [["1MB", "all_reduce", "5", "2.000", "0.524", "1.000", "1.049", "2.00",
-                                            "10.49"]]
+    assert comm_bench.table_rows(rows) == [
+        ["1MB", "all_reduce", "5", "2.000", "0.524", "1.000", "1.049", "2.00", "10.49"]
+    ]
 
 
 # -- throughput: statistics and models ------------------------------------------------------------
@@ -94,9 +117,18 @@ def test_scaling_efficiency():
 
 
 def test_finish_adds_efficiency_and_vs_first():
-    records = [{"label": a, "workers": n, "status": "ok", "total_mean": t, "total_spread": 1.0,
-                "per_worker_mean": t / n, "per_worker_spread": 0.5}
-               for a, n, t in [("dp", 1, 100.0), ("dp", 2, 150.0), ("q", 1, 100.0), ("q", 2, 190.0)]]
+    records = [
+        {
+            "label": a,
+            "workers": n,
+            "status": "ok",
+            "total_mean": t,
+            "total_spread": 1.0,
+            "per_worker_mean": t / n,
+            "per_worker_spread": 0.5,
+        }
+        for a, n, t in [("dp", 1, 100.0), ("dp", 2, 150.0), ("q", 1, 100.0), ("q", 2, 190.0)]
+    ]
     records.append({"label": "q", "workers": 4, "status": "failed"})
     assert throughput._finish(records, [1, 2, 4], "dp") == 1
     assert [r.get("efficiency") for r in records] == pytest.approx([1.0, 0.75, 1.0, 0.95, None])
@@ -130,8 +162,9 @@ def test_model_inputs_refuses_sizes_a_model_cannot_take():
 
 
 # -- the shaped network: pure parts --------------------------------------------------------------
-@pytest.mark.parametrize(("text", "bits"), [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 2_500_000_000),
-                                            ("64kbit", 64_000)])
+@pytest.mark.parametrize(
+    ("text", "bits"), [("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 2_500_000_000), ("64kbit", 64_000)]
+)
 def test_parse_rate(text, bits):
     assert netns.parse_rate(text) == bits
 
@@ -149,15 +182,18 @@ def test_parse_network():
     assert netns.parse_network(" rate = 100mbit , burst=64kb ").burst_bytes == 65536
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("rate=1gbit,delay=10ms", "delay cannot be emulated: that needs tc's netem"),
-    ("rate=1gbit,loss=1%", "loss cannot be emulated"),
-    ("burst=64kb", "no rate"),
-    ("1gbit", "not KEY=VALUE"),
-    ("rate=1gbit,mtu=9000", "unknown key 'mtu'"),
-    ("rate=1gbit,rate=2gbit", "twice"),
-    ("rate=1gbit,burst=1kb", "at least 2kb"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("rate=1gbit,delay=10ms", "delay cannot be emulated: that needs tc's netem"),
+        ("rate=1gbit,loss=1%", "loss cannot be emulated"),
+        ("burst=64kb", "no rate"),
+        ("1gbit", "not KEY=VALUE"),
+        ("rate=1gbit,mtu=9000", "unknown key 'mtu'"),
+        ("rate=1gbit,rate=2gbit", "twice"),
+        ("rate=1gbit,burst=1kb", "at least 2kb"),
+    ],
+)
 def test_parse_network_refuses(text, match):
     with pytest.raises(ValueError, match=match):
         netns.parse_network(text)
@@ -166,8 +202,13 @@ def test_parse_network_refuses(text, match):
 def test_topology_names_and_addresses():
     topology = netns.plan_topology(3, prefix="bunsan-42")
     assert topology.namespaces == ["bunsan-42-br", "bunsan-42-w0", "bunsan-42-w1", "bunsan-42-w2"]
-    assert [topology.address(r) for r in (0, 1, 254, 255, 300)] == \
-        ["10.213.0.1", "10.213.0.2", "10.213.0.255", "10.213.1.0", "10.213.1.45"]
+    assert [topology.address(r) for r in (0, 1, 254, 255, 300)] == [
+        "10.213.0.1",
+        "10.213.0.2",
+        "10.213.0.255",
+        "10.213.1.0",
+        "10.213.1.45",
+    ]
     assert netns.plan_topology(2).prefix == f"bunsan-{__import__('os').getpid()}"
     with pytest.raises(ValueError, match="1 to 1000 workers"):
         netns.plan_topology(0)
@@ -178,23 +219,60 @@ def test_setup_commands_shape_both_directions_of_every_link():
     commands = netns.setup_commands(topology, netns.parse_network("rate=1gbit"))
     assert commands[:3] == [["ip", "netns", "add", n] for n in topology.namespaces]
     shaped = [c for c in commands if c[0] == "tc"]
-    assert [(c[2], c[6]) for c in shaped] == [("bunsan-7-w0", "bsn0"), ("bunsan-7-br", "w0"),
-                                              ("bunsan-7-w1", "bsn0"), ("bunsan-7-br", "w1")]
+    assert [(c[2], c[6]) for c in shaped] == [
+        ("bunsan-7-w0", "bsn0"),
+        ("bunsan-7-br", "w0"),
+        ("bunsan-7-w1", "bsn0"),
+        ("bunsan-7-br", "w1"),
+    ]
     assert all(c[8:12] == ["tbf", "rate", "1000000000bit", "burst"] for c in shaped)
     # veth ends are created inside their namespaces, never in the machine's own
     veths = [c for c in commands if "veth" in c]
-    assert veths[0] == ["ip", "link", "add", "bsn0", "netns", "bunsan-7-w0", "type", "veth", "peer", "name", "w0",
-                        "netns", "bunsan-7-br"]
+    assert veths[0] == [
+        "ip",
+        "link",
+        "add",
+        "bsn0",
+        "netns",
+        "bunsan-7-w0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "w0",
+        "netns",
+        "bunsan-7-br",
+    ]
     assert not any(c[0] == "tc" for c in netns.setup_commands(topology, None))
 
 
 def test_worker_environment():
     topology = netns.plan_topology(2, prefix="bunsan-7")
     env = netns.worker_environment(topology, 1, {"PATH": "/bin", "GROUP_RANK": "5"}, "job1")
-    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                "MASTER_PORT", "BUNSAN_JOB_ID", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")} == {
-        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.213.0.1",
-        "MASTER_PORT": "29500", "BUNSAN_JOB_ID": "job1", "GLOO_SOCKET_IFNAME": "bsn0", "OMP_NUM_THREADS": "1"}
+    assert {
+        k: env[k]
+        for k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "BUNSAN_JOB_ID",
+            "GLOO_SOCKET_IFNAME",
+            "OMP_NUM_THREADS",
+        )
+    } == {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.213.0.1",
+        "MASTER_PORT": "29500",
+        "BUNSAN_JOB_ID": "job1",
+        "GLOO_SOCKET_IFNAME": "bsn0",
+        "OMP_NUM_THREADS": "1",
+    }
     assert "GROUP_RANK" not in env and env["PATH"] == "/bin"
 
 
@@ -209,8 +287,9 @@ def test_refuses_when_not_root(monkeypatch):
 
 # -- the command line ----------------------------------------------------------------------------
 def test_throughput_dry_run_prints_one_job_per_count(capsys, tmp_path):
-    assert main(["bench", "throughput", "--model", "resnet20", "-np", "1,2,4", "--dry-run",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["bench", "throughput", "--model", "resnet20", "-np", "1,2,4", "--dry-run", "--out", str(tmp_path)]) == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all("bunsan.bench.throughput --worker" in line for line in lines)
     assert [json.loads(line.split("--worker ")[1].strip("'"))["model"] for line in lines] == ["resnet20"] * 3
@@ -218,22 +297,43 @@ def test_throughput_dry_run_prints_one_job_per_count(capsys, tmp_path):
 
 def test_compare_with_network_runs_jobs_through_the_namespace_launcher(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(netns, "check_privileges", lambda: None)
-    assert main(["bench", "compare", "--dry-run", "-np", "2", "--network", "rate=1gbit", "--out", str(tmp_path),
-                 "--model", "digits_cnn", "--dataset", "digits"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                "--dry-run",
+                "-np",
+                "2",
+                "--network",
+                "rate=1gbit",
+                "--out",
+                str(tmp_path),
+                "--model",
+                "digits_cnn",
+                "--dataset",
+                "digits",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     assert "-m bunsan.bench.netns --network rate=1gbit -np 2 --" in line and "bunsan.bench.job" in line
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["bench", "throughput", "--network", "rate=1gbit,delay=5ms", "--dry-run"], "netem"),
-    (["bench", "throughput", "--model", "nope", "--dry-run"], "unknown model 'nope'"),
-    (["bench", "throughput", "--algorithm", "data_parallel:bits=0", "--dry-run"], "bits"),
-    (["bench", "throughput", "--iters", "0", "--dry-run"], "--iters must be >= 1"),
-    (["bench", "comm", "-np", "1", "--dry-run"], "needs two workers"),
-    (["bench", "comm", "--ops", "broadcast", "--dry-run"], "--ops"),
-    (["bench", "comm", "--sizes", "1XB", "--dry-run"], "size '1XB'"),
-    (["bench", "compare", "--network", "speed=1gbit", "--dry-run"], "unknown key 'speed'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "throughput", "--network", "rate=1gbit,delay=5ms", "--dry-run"], "netem"),
+        (["bench", "throughput", "--model", "nope", "--dry-run"], "unknown model 'nope'"),
+        (["bench", "throughput", "--algorithm", "data_parallel:bits=0", "--dry-run"], "bits"),
+        (["bench", "throughput", "--iters", "0", "--dry-run"], "--iters must be >= 1"),
+        (["bench", "comm", "-np", "1", "--dry-run"], "needs two workers"),
+        (["bench", "comm", "--ops", "broadcast", "--dry-run"], "--ops"),
+        (["bench", "comm", "--sizes", "1XB", "--dry-run"], "size '1XB'"),
+        (["bench", "compare", "--network", "speed=1gbit", "--dry-run"], "unknown key 'speed'"),
+    ],
+)
 def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

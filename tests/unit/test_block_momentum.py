@@ -145,13 +145,21 @@ def test_reset_momentum_buffers_drops_sgd_momentum_only():
         ({"block_size": -5}, ValueError, ["block_size must be > 0", "got -5"]),
         ({"block_size": 1.5}, TypeError, ["block_size must be an int", "1.5"]),
         ({"block_size": True}, TypeError, ["block_size must be an int"]),
-        ({"block_size": 8, "block_momentum": 1.0}, ValueError, ["block_momentum must be in [0, 1)", "got 1.0", "None means 1 - 1/world_size"]),
+        (
+            {"block_size": 8, "block_momentum": 1.0},
+            ValueError,
+            ["block_momentum must be in [0, 1)", "got 1.0", "None means 1 - 1/world_size"],
+        ),
         ({"block_size": 8, "block_momentum": -0.1}, ValueError, ["block_momentum must be in [0, 1)", "got -0.1"]),
         ({"block_size": 8, "block_momentum": float("nan")}, ValueError, ["block_momentum must be in [0, 1)", "nan"]),
         ({"block_size": 8, "block_learning_rate": 0.0}, ValueError, ["block_learning_rate must be", "> 0", "got 0.0"]),
         ({"block_size": 8, "block_learning_rate": -1.0}, ValueError, ["block_learning_rate", "got -1.0"]),
         ({"block_size": 8, "block_learning_rate": float("inf")}, ValueError, ["block_learning_rate must be a finite"]),
-        ({"block_size": 8, "warm_start": -1}, ValueError, ["warm_start must be >= 0", "got -1", "all workers together"]),
+        (
+            {"block_size": 8, "warm_start": -1},
+            ValueError,
+            ["warm_start must be >= 0", "got -1", "all workers together"],
+        ),
         ({"block_size": 8, "warm_start": 2.5}, TypeError, ["warm_start must be an int"]),
     ],
 )
@@ -179,7 +187,13 @@ def test_model_averaging_argument_errors(kwargs, error, words):
 
 def test_valid_arguments_and_names():
     bm = BlockMomentumSGD(64, block_momentum=0.0, block_learning_rate=0.5, nesterov=False, warm_start=128)
-    assert (bm.block_size, bm.block_momentum, bm.block_learning_rate, bm.nesterov, bm.warm_start) == (64, 0.0, 0.5, False, 128)
+    assert (bm.block_size, bm.block_momentum, bm.block_learning_rate, bm.nesterov, bm.warm_start) == (
+        64,
+        0.0,
+        0.5,
+        False,
+        128,
+    )
     assert BlockMomentumSGD.name == "block_momentum" and ModelAveragingSGD.name == "model_averaging"
     assert "block_size=64" in repr(bm)
     ma = ModelAveragingSGD(32, warm_start=64)

@@ -16,8 +16,15 @@ from bunsan.train.checkpoint import Checkpoint
 
 def _payload(value: float) -> dict:
     """The layout :func:`ckpt.save` writes, for a world of one."""
-    return {"format": ckpt.FORMAT, "world_size": 1, "samples": int(value), "common": {"note": ("a", 1, None)},
-            "replicated": {"weights": {"w": torch.full((3, 2), value)}}, "replicas": {}, "per_rank": [{}]}
+    return {
+        "format": ckpt.FORMAT,
+        "world_size": 1,
+        "samples": int(value),
+        "common": {"note": ("a", 1, None)},
+        "replicated": {"weights": {"w": torch.full((3, 2), value)}},
+        "replicas": {},
+        "per_rank": [{}],
+    }
 
 
 def test_file_round_trip(tmp_path):
@@ -94,8 +101,11 @@ def test_no_file_means_a_fresh_start_but_only_damaged_files_refuse_unless_allowe
     assert ckpt.restore(config) is None  # a first run: nothing to resume
     config.file_for(5).write_bytes(b"junk")
     ckpt.write_file(config.file_for(6), {"format": ckpt.FORMAT, "something": "else"})  # whole, but not a session's
-    with pytest.warns(UserWarning, match="skipping damaged"), pytest.raises(
-        CheckpointError, match=r"every one of the 2 checkpoint file\(s\) .* is damaged .*allow_fresh_start=True"
+    with (
+        pytest.warns(UserWarning, match="skipping damaged"),
+        pytest.raises(
+            CheckpointError, match=r"every one of the 2 checkpoint file\(s\) .* is damaged .*allow_fresh_start=True"
+        ),
     ):
         ckpt.restore(config)
     allowed = Checkpoint(tmp_path / "run.pt", allow_fresh_start=True)
@@ -121,7 +131,9 @@ def test_loading_runs_no_pickled_code(tmp_path):
     buffer = io.BytesIO()
     torch.save({"format": 1, "evil": print}, buffer)
     data = buffer.getvalue()
-    (tmp_path / "x.pt").write_bytes(ckpt._MAGIC + f"sha256 {hashlib.sha256(data).hexdigest()} {len(data)}\n".encode() + data)
+    (tmp_path / "x.pt").write_bytes(
+        ckpt._MAGIC + f"sha256 {hashlib.sha256(data).hexdigest()} {len(data)}\n".encode() + data
+    )
     with pytest.raises(CheckpointError, match="cannot load"):
         ckpt.read_file(tmp_path / "x.pt")
 
@@ -138,11 +150,18 @@ def test_keep_prunes_the_oldest(tmp_path):
 def test_restore_into_another_world_size_takes_rank_0_and_says_so(tmp_path):
     config = Checkpoint(tmp_path / "run.pt")
     replicas = [{"w": torch.zeros(2)}, {"w": torch.ones(2)}]
-    ckpt.write_file(config.file_for(8), {
-        "format": 1, "world_size": 2, "samples": 8, "common": {},
-        "replicated": {"model": replicas[0]}, "replicas": {"model": replicas},
-        "per_rank": [{"r": 0}, {"r": 1}],
-    })
+    ckpt.write_file(
+        config.file_for(8),
+        {
+            "format": 1,
+            "world_size": 2,
+            "samples": 8,
+            "common": {},
+            "replicated": {"model": replicas[0]},
+            "replicas": {"model": replicas},
+            "per_rank": [{"r": 0}, {"r": 1}],
+        },
+    )
     restored = ckpt.restore(config)  # a world of one
     assert torch.equal(restored.replicated["model"]["w"], torch.zeros(2))
     assert restored.per_rank is None and restored.all_per_rank == [{"r": 0}, {"r": 1}]
@@ -186,4 +205,3 @@ def test_digest_sees_values_dtypes_and_shapes():
 def test_bad_checkpoint_settings(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         Checkpoint(tmp_path / "x.pt", **kwargs)
-

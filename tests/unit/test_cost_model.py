@@ -86,8 +86,9 @@ def test_quantized_prediction_adds_the_codec():
     # 10 tensors in one bucket at 4 workers: 3 x (10 + 4) + 10 / 4 + 1 = 45.5 calls of 1e-4 s
     assert cm.codec_calls(10, 1, 4) == pytest.approx(45.5)
     calls = Profile(compute_s=1.0, params=1000, tensors=10, codec_call_s=1e-4)
-    assert cm.predict(calls, net, Candidate("data_parallel", {"bits": 1}), 4).codec_s == pytest.approx(45.5e-4,
-                                                                                                      rel=1e-3)
+    assert cm.predict(calls, net, Candidate("data_parallel", {"bits": 1}), 4).codec_s == pytest.approx(
+        45.5e-4, rel=1e-3
+    )
 
 
 def test_block_algorithms_amortize_one_allreduce():

@@ -224,8 +224,11 @@ bunsan.finalize()
 
 def test_a_lone_process_keeps_its_threads_and_bunsan_run_sets_one():
     # One subprocess for both cases: a fresh interpreter costs seconds here.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "BUNSAN_LAUNCHER", "MASTER_ADDR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "BUNSAN_LAUNCHER", "MASTER_ADDR")
+    }
     out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["3", "1"]

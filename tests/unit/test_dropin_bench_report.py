@@ -66,8 +66,19 @@ def test_commands_run_with_this_interpreter(tmp_path):
     import sys
 
     argv = report.argv_of("bunsan run -np 2 python -m bunsan.bench.ddp_overhead --json {out}/x.json", tmp_path)
-    assert argv == [sys.executable, "-m", "bunsan", "run", "-np", "2", sys.executable, "-m",
-                    "bunsan.bench.ddp_overhead", "--json", f"{tmp_path}/x.json"]
+    assert argv == [
+        sys.executable,
+        "-m",
+        "bunsan",
+        "run",
+        "-np",
+        "2",
+        sys.executable,
+        "-m",
+        "bunsan.bench.ddp_overhead",
+        "--json",
+        f"{tmp_path}/x.json",
+    ]
 
 
 def _write(path: Path, doc: dict) -> None:
@@ -77,8 +88,12 @@ def _write(path: Path, doc: dict) -> None:
 
 def test_job_table_picks_columns_and_rows(tmp_path):
     _write(tmp_path / "c.json", {"columns": ["size", "op", "x"], "table": [["1KB", "a", "1"], ["1MB", "b", "2"]]})
-    header, rows = report.job_table(tmp_path / "c.json", ["op", "size"], keep=lambda row, cells: cells["size"] == "1MB",
-                                    prefix=[("link", "1 Gbit/s")])
+    header, rows = report.job_table(
+        tmp_path / "c.json",
+        ["op", "size"],
+        keep=lambda row, cells: cells["size"] == "1MB",
+        prefix=[("link", "1 Gbit/s")],
+    )
     assert header == ["link", "op", "size"] and rows == [["1 Gbit/s", "b", "1MB"]]
     with pytest.raises(ValueError, match="no columns"):
         report.job_table(tmp_path / "c.json", ["nope"])
@@ -88,9 +103,25 @@ def test_render_only_rewrites_the_tables_with_a_stamp(tmp_path):
     # A copy of the README's structure with one block, its record fabricated in the benchmark's format.
     doc = tmp_path / "README.md"
     doc.write_text("before\n<!-- bench:ddp-overhead -->\n| stale |\n<!-- /bench:ddp-overhead -->\nafter\n")
-    _write(tmp_path / "out" / "ddp_overhead.json", {"workers": 2, "results": [
-        {"model": "resnet20", "tensors": 65, "batch": 32, "ddp_ms": 100.0, "bunsan_ms": 101.0, "ratio": 1.01,
-         "ratio_min": 0.99, "ratio_max": 1.03, "max_param_diff": 0.0}]})
+    _write(
+        tmp_path / "out" / "ddp_overhead.json",
+        {
+            "workers": 2,
+            "results": [
+                {
+                    "model": "resnet20",
+                    "tensors": 65,
+                    "batch": 32,
+                    "ddp_ms": 100.0,
+                    "bunsan_ms": 101.0,
+                    "ratio": 1.01,
+                    "ratio_min": 0.99,
+                    "ratio_max": 1.03,
+                    "max_param_diff": 0.0,
+                }
+            ],
+        },
+    )
     chosen = [b for b in report.blocks() if b.name == "ddp-overhead"]
     assert report.run(chosen, tmp_path / "out", render_only=True, timeout_s=10, root=tmp_path) == 0
     text = doc.read_text()
@@ -109,8 +140,10 @@ def test_a_block_that_cannot_render_keeps_its_table_and_fails(tmp_path):
 
 def test_accuracy_rows_in_the_readme_order(tmp_path):
     for run, (_, _, labels) in report.ACCURACY_RUNS.items():
-        configs = [{"label": label, "status": "ok", "test_error": 0.1 + i / 100, "bytes_sent_per_sample": 48.1,
-                    "wall_s": 3.0} for i, label in enumerate(labels)]
+        configs = [
+            {"label": label, "status": "ok", "test_error": 0.1 + i / 100, "bytes_sent_per_sample": 48.1, "wall_s": 3.0}
+            for i, label in enumerate(labels)
+        ]
         _write(tmp_path / run / "compare.json", {"configs": configs})
     table = report._render_accuracy(tmp_path).splitlines()
     assert len(table) == 2 + len(report.ACCURACY_ORDER) == 21

@@ -143,8 +143,9 @@ def test_pruning_in_a_lone_process():
             raise optuna.TrialPruned()
         return x
 
-    study = hpo.optimize(objective, 4, sampler=optuna.samplers.RandomSampler(seed=1),
-                         pruner=optuna.pruners.ThresholdPruner(upper=0.35))
+    study = hpo.optimize(
+        objective, 4, sampler=optuna.samplers.RandomSampler(seed=1), pruner=optuna.pruners.ThresholdPruner(upper=0.35)
+    )
     assert [t.state.name for t in study.trials] == ["PRUNED", "PRUNED", "COMPLETE", "COMPLETE"]  # x .42 .72 .00 .30
 
 
@@ -155,13 +156,25 @@ def test_a_trial_exposes_its_number_params_and_the_optuna_trial():
     def objective(trial):
         trial.suggest_int("n", 1, 4)
         trial.set_user_attr("note", "hi")
-        seen.update(number=trial.number, params=dict(trial.params), rank=trial.rank, world_size=trial.world_size,
-                    real=trial.optuna_trial is not None, study=trial.study is not None)
+        seen.update(
+            number=trial.number,
+            params=dict(trial.params),
+            rank=trial.rank,
+            world_size=trial.world_size,
+            real=trial.optuna_trial is not None,
+            study=trial.study is not None,
+        )
         return 0.0
 
     study = hpo.optimize(objective, 1)
-    assert seen == {"number": 0, "params": study.trials[0].params, "rank": 0, "world_size": 1, "real": True,
-                    "study": True}
+    assert seen == {
+        "number": 0,
+        "params": study.trials[0].params,
+        "rank": 0,
+        "world_size": 1,
+        "real": True,
+        "study": True,
+    }
     assert study.trials[0].user_attrs == {"note": "hi"}
 
 
@@ -197,8 +210,14 @@ def test_suggest_algorithm_gives_valid_combinations_only():
     seen = set()
     for _ in range(60):
         trial = study.ask()
-        choice = hpo.suggest_algorithm(trial, bits=(1, 8, 32), warm_start=(0, 1000), block_size=(16, 256),
-                                       block_momentum=(0.0, 0.9), compression=(None, "fp16"))
+        choice = hpo.suggest_algorithm(
+            trial,
+            bits=(1, 8, 32),
+            warm_start=(0, 1000),
+            block_size=(16, 256),
+            block_momentum=(0.0, 0.9),
+            compression=(None, "fp16"),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. warm_start with bits=32 would warn
             algorithm = choice.create()
@@ -320,13 +339,19 @@ def test_blocks_are_searched_in_whole_minibatches_when_the_minibatch_is_given():
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
     for _ in range(20):
         trial = study.ask()
-        choice = hpo.suggest_algorithm(trial, ("block_momentum", "model_averaging"), block_size=(64, 1024),
-                                       minibatch_size=96, world_size=2)
+        choice = hpo.suggest_algorithm(
+            trial, ("block_momentum", "model_averaging"), block_size=(64, 1024), minibatch_size=96, world_size=2
+        )
         assert choice.options["block_size"] % 48 == 0 and 96 <= choice.options["block_size"] <= 1008
         assert choice.options["block_size"] == 48 * trial.params["block_minibatches"]
         study.tell(trial, 0.0)
-    one = hpo.suggest_algorithm(optuna.trial.FixedTrial({"algorithm": "model_averaging"}), block_size=(8, 16),
-                                warm_start=0, minibatch_size=256, world_size=2)
+    one = hpo.suggest_algorithm(
+        optuna.trial.FixedTrial({"algorithm": "model_averaging"}),
+        block_size=(8, 16),
+        warm_start=0,
+        minibatch_size=256,
+        world_size=2,
+    )
     assert one.options["block_size"] == 128  # at least one minibatch
     with pytest.raises(ValueError, match="minibatch_size must be a global minibatch >= the 2 worker"):
         hpo.suggest_algorithm(_Fixed(), minibatch_size=1, world_size=2)

@@ -39,8 +39,10 @@ def test_mnist_idx_reads_images_and_labels(tmp_path, gz, split):
     assert torch.equal(y, labels.long())
 
 
-@pytest.mark.parametrize(("dtype", "value"), [(torch.int16, 258), (torch.int32, -70000), (torch.float32, 1.5),
-                                              (torch.float64, -2.25), (torch.int8, -3)])
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(torch.int16, 258), (torch.int32, -70000), (torch.float32, 1.5), (torch.float64, -2.25), (torch.int8, -3)],
+)
 def test_other_types_are_big_endian(tmp_path, dtype, value):
     tensor = torch.tensor([[value, 0], [1, value]], dtype=dtype)
     path = write_idx(tmp_path / "t.idx", tensor)

@@ -63,8 +63,10 @@ def test_a_rank_in_finalize_gets_the_forgotten_join_sentence():
     a = [["world", 12, "all_reduce [1 x float32]", 8]]
     b = [["world", 12, "all_reduce [20 x float32]", -1]]
     text = inspector.describe_mismatch({0: a, 1: b}, {0: _state(), 1: _state(inspector.FINALIZE_JOIN)})
-    assert text == ("rank 1 finished its data and called finalize() while rank 0 was still training: "
-                    "call optimizer.join() on every rank after the loop")
+    assert text == (
+        "rank 1 finished its data and called finalize() while rank 0 was still training: "
+        "call optimizer.join() on every rank after the loop"
+    )
 
 
 def test_collectives_are_numbered_per_group_and_tagged_with_steps():

@@ -103,8 +103,9 @@ def test_an_address_of_another_host_falls_back_to_every_interface_with_a_warning
 def test_descendants_and_marks_and_ending_them(tmp_path):
     tag = f"t{os.getpid()}.{time.time_ns()}"
     child = subprocess.Popen(["sleep", "1000"], env={**os.environ, treewatch.TREE_VARIABLE: tag})
-    detached = subprocess.Popen(["sleep", "1000"], start_new_session=True,
-                                env={**os.environ, treewatch.TREE_VARIABLE: tag})
+    detached = subprocess.Popen(
+        ["sleep", "1000"], start_new_session=True, env={**os.environ, treewatch.TREE_VARIABLE: tag}
+    )
     unmarked = subprocess.Popen(["sleep", "1000"])
     try:
         assert {child.pid, detached.pid, unmarked.pid} <= set(treewatch.descendants(os.getpid()))

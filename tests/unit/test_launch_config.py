@@ -48,9 +48,7 @@ def test_double_dash_separates_the_command():
 
 
 def test_hosts_hostfile_and_master_options():
-    config = parse_run_args(
-        ["-H", "a:2,b:2", "--master-addr", "a", "--dry-run", "t.py"], environ={}
-    )
+    config = parse_run_args(["-H", "a:2,b:2", "--master-addr", "a", "--dry-run", "t.py"], environ={})
     assert (config.hosts, config.master_addr, config.dry_run) == ("a:2,b:2", "a", True)
     assert parse_run_args(["--hostfile", "hosts", "t.py"], environ={}).hostfile == "hosts"
 
@@ -201,10 +199,35 @@ def test_is_job_environ_matches_whole_entries():
 
 def test_multihost_options():
     config = parse_run_args(
-        ["--hostfile", "hosts", "--ssh-port", "2222", "--ssh-identity", "/k/id", "--ssh-host-key-checking", "no",
-         "--ssh-option", "ConnectionAttempts=3", "-x", "NCCL_DEBUG=INFO", "-x", "HOME", "--env-file", "vars",
-         "--remote-python", "/opt/venv/bin/python", "--remote-cwd", "/work", "--max-restarts", "2",
-         "--job-id", "exp-7", "train.py", "-x", "1"],
+        [
+            "--hostfile",
+            "hosts",
+            "--ssh-port",
+            "2222",
+            "--ssh-identity",
+            "/k/id",
+            "--ssh-host-key-checking",
+            "no",
+            "--ssh-option",
+            "ConnectionAttempts=3",
+            "-x",
+            "NCCL_DEBUG=INFO",
+            "-x",
+            "HOME",
+            "--env-file",
+            "vars",
+            "--remote-python",
+            "/opt/venv/bin/python",
+            "--remote-cwd",
+            "/work",
+            "--max-restarts",
+            "2",
+            "--job-id",
+            "exp-7",
+            "train.py",
+            "-x",
+            "1",
+        ],
         environ={},
     )
     assert (config.ssh_port, config.ssh_identity, config.ssh_host_key_checking) == (2222, "/k/id", "no")
@@ -216,8 +239,13 @@ def test_multihost_options():
 
 
 def test_multihost_environment_fallbacks_and_none_for_job_id_or_cleanup():
-    environ = {"BUNSAN_SSH_PORT": "2200", "BUNSAN_REMOTE_PYTHON": "/p/python", "BUNSAN_MAX_RESTARTS": "1",
-               "BUNSAN_JOB_ID": "the-workers-own", "BUNSAN_CLEANUP": "1"}
+    environ = {
+        "BUNSAN_SSH_PORT": "2200",
+        "BUNSAN_REMOTE_PYTHON": "/p/python",
+        "BUNSAN_MAX_RESTARTS": "1",
+        "BUNSAN_JOB_ID": "the-workers-own",
+        "BUNSAN_CLEANUP": "1",
+    }
     config = parse_run_args(["t.py"], environ=environ)
     assert (config.ssh_port, config.remote_python, config.max_restarts) == (2200, "/p/python", 1)
     assert config.job_id is None and not config.cleanup
@@ -253,8 +281,14 @@ def test_env_file_and_exports():
     file_env = parse_env_file(text, "vars")
     assert file_env == {"A": "1", "B": "two words", "C": "quoted # not a comment", "D": ""}
     env = resolve_exports(["A=override", "HOME", "E=x=y"], {"HOME": "/root"}, file_env)
-    assert env == {"A": "override", "B": "two words", "C": "quoted # not a comment", "D": "", "HOME": "/root",
-                   "E": "x=y"}
+    assert env == {
+        "A": "override",
+        "B": "two words",
+        "C": "quoted # not a comment",
+        "D": "",
+        "HOME": "/root",
+        "E": "x=y",
+    }
     with pytest.raises(ValueError, match="^vars:2: cannot read 'oops'; expected VAR=value$"):
         parse_env_file("A=1\noops\n", "vars")
     with pytest.raises(UsageError, match="-x MISSING: MISSING is not set in this environment"):
@@ -281,8 +315,9 @@ def test_run_attempts_restarts_failures_only_and_logs_each_cause():
     seen, log, attempt = attempts(failed, JobOutcome(255, "lost", cause="lost host b"), JobOutcome(0, "ok"))
     assert run_attempts(attempt, 2, log.append).code == 0
     assert seen == [0, 1, 2]
-    assert log[0] == ("restart 1 of 2 after: rank 3 exited with code 1 on host b; "
-                      "starting every worker again (BUNSAN_RESTART=1)")
+    assert log[0] == (
+        "restart 1 of 2 after: rank 3 exited with code 1 on host b; starting every worker again (BUNSAN_RESTART=1)"
+    )
     assert log[1].startswith("restart 2 of 2 after: lost host b;")
     assert log[2] == "the job succeeded after 2 restart(s)"
 

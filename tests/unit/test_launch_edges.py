@@ -52,8 +52,12 @@ def test_long_host_names_and_other_inputs_are_cut():
     with pytest.raises(ValueError) as caught:
         parse_env_file("NOT VALID " * 100_000)
     assert len(str(caught.value)) < 300
-    for argv in (["-np", "9" * 10 + "x" * 1_000_000, "t.py"], ["--job-id", "/" * 1_000_000, "t.py"],
-                 ["--ssh-option", "y" * 1_000_000, "t.py"], ["-x", "1" * 1_000_000, "t.py"]):
+    for argv in (
+        ["-np", "9" * 10 + "x" * 1_000_000, "t.py"],
+        ["--job-id", "/" * 1_000_000, "t.py"],
+        ["--ssh-option", "y" * 1_000_000, "t.py"],
+        ["-x", "1" * 1_000_000, "t.py"],
+    ):
         with pytest.raises(UsageError) as caught:
             parse_run_args(argv, environ={})
         assert len(str(caught.value)) < 400, argv[0]
@@ -69,8 +73,11 @@ def test_oversubscription_warns_then_refuses_unless_allowed():
     assert "--oversubscribe" in warning and "\n" not in warning
     assert check_oversubscription(OVERSUBSCRIBE_LIMIT * 2, 2, "localhost", allowed=False) is not None  # still a warning
     for workers in (OVERSUBSCRIBE_LIMIT * 2 + 1, 100_000):
-        with pytest.raises(ValueError, match=f"{workers} workers on 'n1', which has 2 CPU core\\(s\\), is more than "
-                                             f"{OVERSUBSCRIBE_LIMIT} per core; .* --oversubscribe"):
+        with pytest.raises(
+            ValueError,
+            match=f"{workers} workers on 'n1', which has 2 CPU core\\(s\\), is more than "
+            f"{OVERSUBSCRIBE_LIMIT} per core; .* --oversubscribe",
+        ):
             check_oversubscription(workers, 2, "n1", allowed=False)
     assert check_oversubscription(100_000, 2, "n1", allowed=True) is None
     assert 1 <= usable_cores() <= (os.cpu_count() or 1)
@@ -107,9 +114,11 @@ def test_bunsan_run_warns_about_oversubscription_in_one_line(tmp_path, capfd):
     assert main(["run", "-np", str(workers), str(script)]) == 0
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if "warning" in line]
-    assert lines == [f"bunsan run: warning: {workers} workers on 'localhost', which has {usable_cores()} CPU core(s), "
-                     "oversubscribe it and each will run slower; lower -np or the slots to the core count, "
-                     "or pass --oversubscribe to silence this"]
+    assert lines == [
+        f"bunsan run: warning: {workers} workers on 'localhost', which has {usable_cores()} CPU core(s), "
+        "oversubscribe it and each will run slower; lower -np or the slots to the core count, "
+        "or pass --oversubscribe to silence this"
+    ]
     assert main(["run", "--oversubscribe", "-np", str(workers), str(script)]) == 0
     assert "warning" not in capfd.readouterr().err
 
@@ -147,12 +156,28 @@ def _own_start() -> str:
 
 def test_cleanup_names_unreachable_hosts_and_keeps_only_them(tmp_path):
     environ = {"XDG_CACHE_HOME": str(tmp_path)}
-    record = JobRecord("j7", ["here", "nowhere.invalid"], ["here"], {"connect_timeout_s": 3}, "/py",
-                       launcher_pid=2**22 + 1, launcher_start="1", started=time.time() - 60)
+    record = JobRecord(
+        "j7",
+        ["here", "nowhere.invalid"],
+        ["here"],
+        {"connect_timeout_s": 3},
+        "/py",
+        launcher_pid=2**22 + 1,
+        launcher_start="1",
+        started=time.time() - 60,
+    )
     write_job_record(record, environ)
     out, err = io.StringIO(), io.StringIO()
-    status = run_cleanup(None, None, is_local=lambda h: h == "here", ssh=None, remote_python=None,
-                         stdout=out, stderr=err, environ=environ)
+    status = run_cleanup(
+        None,
+        None,
+        is_local=lambda h: h == "here",
+        ssh=None,
+        remote_python=None,
+        stdout=out,
+        stderr=err,
+        environ=environ,
+    )
     assert status == 1
     assert "job j7  here             nothing left" in out.getvalue()
     assert "nowhere.invalid  FAILED:" in out.getvalue()

@@ -241,10 +241,18 @@ def test_plan_hosts_groups_slots_and_resolves_commands_per_host(tmp_path, monkey
 
 
 def test_frames_survive_any_chunking():
-    stream = (encode_frame("o", 3, b"line one\nline two\n") + encode_frame("s", -1, b'{"event": "ready"}')
-              + encode_frame("e", 0, b"") + encode_frame("m", -1, "caf\u00e9".encode()))
-    expected = [Frame("o", 3, b"line one\nline two\n"), Frame("s", -1, b'{"event": "ready"}'), Frame("e", 0, b""),
-                Frame("m", -1, "caf\u00e9".encode())]
+    stream = (
+        encode_frame("o", 3, b"line one\nline two\n")
+        + encode_frame("s", -1, b'{"event": "ready"}')
+        + encode_frame("e", 0, b"")
+        + encode_frame("m", -1, "caf\u00e9".encode())
+    )
+    expected = [
+        Frame("o", 3, b"line one\nline two\n"),
+        Frame("s", -1, b'{"event": "ready"}'),
+        Frame("e", 0, b""),
+        Frame("m", -1, "caf\u00e9".encode()),
+    ]
     for size in (1, 2, 7, len(stream)):
         decoder = FrameDecoder()
         frames = [f for i in range(0, len(stream), size) for f in decoder.feed(stream[i : i + size])]
@@ -259,8 +267,18 @@ def test_frame_decoder_passes_on_what_is_not_a_frame():
 
 
 def test_agent_init_round_trip():
-    init = AgentInit(job_id="j1", group_rank=1, hosts=2, restart=3, cwd="/w", argv=["/py", "-u", "t.py"],
-                     script="t.py", env={"A": "1"}, slots=[[2, 0, 4, 2], [3, 1, 4, 2]], check_port=None)
+    init = AgentInit(
+        job_id="j1",
+        group_rank=1,
+        hosts=2,
+        restart=3,
+        cwd="/w",
+        argv=["/py", "-u", "t.py"],
+        script="t.py",
+        env={"A": "1"},
+        slots=[[2, 0, 4, 2], [3, 1, 4, 2]],
+        check_port=None,
+    )
     message = json.loads(init.to_line())
     assert message["op"] == "init"
     assert AgentInit.from_message(message) == init

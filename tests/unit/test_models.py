@@ -28,7 +28,14 @@ def test_forward_shape_and_backward(name, kwargs, input_shape):
 
 def test_registry():
     assert models.names() == [
-        "bn_inception_cifar", "cifar_convnet", "digits_cnn", "mlp", "mnist1d_cnn", "mnist_convnet", "resnet110", "resnet20",
+        "bn_inception_cifar",
+        "cifar_convnet",
+        "digits_cnn",
+        "mlp",
+        "mnist1d_cnn",
+        "mnist_convnet",
+        "resnet110",
+        "resnet20",
     ]
     assert isinstance(models.create("digits_cnn"), models.DigitsCNN)
     with pytest.raises(ValueError, match="unknown model 'resnet'"):

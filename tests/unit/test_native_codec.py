@@ -106,8 +106,9 @@ def test_native_rotated_codec_matches_the_torch_rotation(monkeypatch, numel):
     slow = codec.encode_with_feedback(x, slow_residual)
     chunks = codec.inner.num_chunks(codec.padded_numel(numel))
     assert torch.equal(fast[8 * chunks :], slow[8 * chunks :])  # the same codes
-    torch.testing.assert_close(fast[: 8 * chunks].view(torch.float32), slow[: 8 * chunks].view(torch.float32),
-                               rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(
+        fast[: 8 * chunks].view(torch.float32), slow[: 8 * chunks].view(torch.float32), rtol=2e-6, atol=1e-7
+    )
 
 
 @needs_compiler

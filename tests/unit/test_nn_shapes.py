@@ -76,8 +76,9 @@ def test_moments_of_parts_combine_to_the_whole(sizes):
 # -- SyncBatchNorm without a process group equals BatchNorm -----------------------------
 
 
-@pytest.mark.parametrize(("shape", "reference"), [((6, 3), nn.BatchNorm1d), ((6, 3, 5), nn.BatchNorm1d),
-                                                  ((4, 3, 5, 5), nn.BatchNorm2d)])
+@pytest.mark.parametrize(
+    ("shape", "reference"), [((6, 3), nn.BatchNorm1d), ((6, 3, 5), nn.BatchNorm1d), ((4, 3, 5, 5), nn.BatchNorm2d)]
+)
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_sync_batchnorm_alone_equals_batchnorm(shape, reference, momentum):
     ours, ref = SyncBatchNorm(3, momentum=momentum), reference(3, momentum=momentum)
@@ -102,8 +103,10 @@ def test_sync_batchnorm_alone_equals_batchnorm(shape, reference, momentum):
 
 
 def test_sync_batchnorm_without_affine_or_running_stats():
-    ours, ref = SyncBatchNorm(4, affine=False, track_running_stats=False), nn.BatchNorm2d(4, affine=False,
-                                                                                        track_running_stats=False)
+    ours, ref = (
+        SyncBatchNorm(4, affine=False, track_running_stats=False),
+        nn.BatchNorm2d(4, affine=False, track_running_stats=False),
+    )
     assert ours.weight is None and ours.running_mean is None
     x = torch.randn(3, 4, 2, 2)
     torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-6)

@@ -111,8 +111,9 @@ def _epoch_batches(loaders):
     return [[b[0].tolist() for b in ld] for ld in loaders]
 
 
-@pytest.mark.parametrize(("n", "w", "batch", "drop_last"), [(23, 3, 4, False), (23, 3, 4, True), (24, 4, 3, False),
-                                                             (2, 4, 3, False)])
+@pytest.mark.parametrize(
+    ("n", "w", "batch", "drop_last"), [(23, 3, 4, False), (23, 3, 4, True), (24, 4, 3, False), (2, 4, 3, False)]
+)
 def test_loader_batches_match_across_ranks_and_cover(n, w, batch, drop_last):
     data = TensorDataset(torch.arange(n))
     loaders = [loader(data, batch, seed=1, drop_last=drop_last, rank=r, world_size=w) for r in range(w)]
@@ -123,8 +124,13 @@ def test_loader_batches_match_across_ranks_and_cover(n, w, batch, drop_last):
         for t in range(len(loaders[0])):
             assert len({len(batches[t]) for batches in per_rank}) == 1  # same batch size at each step
         seen = [i for batches in per_rank for b in batches for i in b]
-        assert sorted(seen) == sorted(i for r in range(w) for i in shard_indices(
-            n, r, w, epoch=epoch, seed=1, drop_last=drop_last).tolist()[: len(loaders[0]) * batch])
+        assert sorted(seen) == sorted(
+            i
+            for r in range(w)
+            for i in shard_indices(n, r, w, epoch=epoch, seed=1, drop_last=drop_last).tolist()[
+                : len(loaders[0]) * batch
+            ]
+        )
         if not drop_last:
             assert set(seen) == set(range(n))
 

@@ -37,8 +37,25 @@ def test_parse_link_and_latency():
 
 def test_plan_prints_every_algorithm_at_every_count_and_writes_png_and_json(tmp_path, capsys):
     png, record = tmp_path / "p.png", tmp_path / "p.json"
-    code = main(["plan", "--compute-ms", "100", "--params", "25000000", "--workers", "8,256", "--link", "25gbit",
-                 "--latency", "10us", "--png", str(png), "--json", str(record)])
+    code = main(
+        [
+            "plan",
+            "--compute-ms",
+            "100",
+            "--params",
+            "25000000",
+            "--workers",
+            "8,256",
+            "--link",
+            "25gbit",
+            "--latency",
+            "10us",
+            "--png",
+            str(png),
+            "--json",
+            str(record),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -60,15 +77,18 @@ def test_plan_measures_a_model(tmp_path, capsys):
     assert "measured mnist1d_cnn" in out and "8,010 parameters" in out
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    ([], "give a profile"),
-    (["--compute-ms", "10"], "give a profile"),
-    (["--compute-ms", "10", "--params", "100", "--link", "25gbps"], "--link"),
-    (["--compute-ms", "10", "--params", "100", "--workers", "0"], "-np"),
-    (["--compute-ms", "-1", "--params", "100"], "--compute-ms"),
-    (["--published", "nope"], "unknown published"),
-    (["--compute-ms", "10", "--params", "100", "--hostfile", "h"], "--probe"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "give a profile"),
+        (["--compute-ms", "10"], "give a profile"),
+        (["--compute-ms", "10", "--params", "100", "--link", "25gbps"], "--link"),
+        (["--compute-ms", "10", "--params", "100", "--workers", "0"], "-np"),
+        (["--compute-ms", "-1", "--params", "100"], "--compute-ms"),
+        (["--published", "nope"], "unknown published"),
+        (["--compute-ms", "10", "--params", "100", "--hostfile", "h"], "--probe"),
+    ],
+)
 def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, tmp_path):
     assert main(["plan", *argv, "--png", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err

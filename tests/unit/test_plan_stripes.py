@@ -7,7 +7,9 @@ import pytest
 from bunsan.algorithms.data_parallel import plan_stripes
 
 
-@pytest.mark.parametrize(("numels", "chunk", "world"), [([32, 3072, 10], 512, 2), ([5], 512, 4), ([1000, 1, 700], 256, 3), ([4096], 512, 8)])
+@pytest.mark.parametrize(
+    ("numels", "chunk", "world"), [([32, 3072, 10], 512, 2), ([5], 512, 4), ([1000, 1, 700], 256, 3), ([4096], 512, 8)]
+)
 def test_segments_cover_every_element_once_inside_one_parameter(numels, chunk, world):
     stripes = plan_stripes(numels, chunk, world)
     assert len(stripes) == world

@@ -15,8 +15,17 @@ def test_parse_networks():
 
 
 def _row(**changes):
-    row = {"network": "loopback", "workers": 2, "model": "digits_cnn", "label": "exact", "predicted_s": 0.011,
-           "measured_s": 0.010, "error": 0.1, "predicted_bytes": 605_224.0, "measured_bytes": 605_224.0}
+    row = {
+        "network": "loopback",
+        "workers": 2,
+        "model": "digits_cnn",
+        "label": "exact",
+        "predicted_s": 0.011,
+        "measured_s": 0.010,
+        "error": 0.1,
+        "predicted_bytes": 605_224.0,
+        "measured_bytes": 605_224.0,
+    }
     row.update(changes)
     return row
 
@@ -29,12 +38,15 @@ def test_table_and_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--models", "vgg"], "--models"),
-    (["-np", "1"], "2 or more workers"),
-    (["--steps", "0"], "--steps"),
-    (["--networks", "rate=1gbit,delay=5ms"], "netem"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--models", "vgg"], "--models"),
+        (["-np", "1"], "2 or more workers"),
+        (["--steps", "0"], "--steps"),
+        (["--networks", "rate=1gbit,delay=5ms"], "netem"),
+    ],
+)
 def test_bad_input_exit_2(argv, message, capsys):
     assert main(["bench", "predict", *argv]) == 2
     err = capsys.readouterr().err
@@ -43,12 +55,37 @@ def test_bad_input_exit_2(argv, message, capsys):
 
 @pytest.mark.slow
 def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
-    code = main(["bench", "predict", "--models", "mnist1d_cnn", "-np", "2", "--steps", "2", "--rounds", "1",
-                 "--compute-steps", "3", "--block-size", "64", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "predict",
+            "--models",
+            "mnist1d_cnn",
+            "-np",
+            "2",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+            "--compute-steps",
+            "3",
+            "--block-size",
+            "64",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0, capsys.readouterr()
     rows = json.loads((tmp_path / "predict.json").read_text())["rows"]
-    assert {r["label"] for r in rows} == {"exact", "fp16", "8-bit", "1-bit", "block_momentum:64",
-                                          "model_averaging:64", "async"}
+    assert {r["label"] for r in rows} == {
+        "exact",
+        "fp16",
+        "8-bit",
+        "1-bit",
+        "block_momentum:64",
+        "model_averaging:64",
+        "async",
+    }
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
         # bytes: counted by the algorithm, predicted by the arithmetic; exact but for the quantized
@@ -67,12 +104,20 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     assert tta.time_to_error([0.5, 0.3], [1.0, 2.0], 0.2) is None
 
     def config(label, curve, ends, workers=2):
-        return {"status": "ok", "label": label, "workers": workers, "test_error": curve[-1],
-                "test_error_curve": curve, "epoch_end_s": ends}
+        return {
+            "status": "ok",
+            "label": label,
+            "workers": workers,
+            "test_error": curve[-1],
+            "test_error_curve": curve,
+            "epoch_end_s": ends,
+        }
 
-    configs = [config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0]),  # target 0.10 + 0.01
-               config("data_parallel:bits=2", [0.30, 0.11, 0.10], [1.5, 3.0, 4.5]),
-               config("auto:risk=high", [0.30, 0.12, 0.105], [1.6, 3.2, 4.8])]
+    configs = [
+        config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0]),  # target 0.10 + 0.01
+        config("data_parallel:bits=2", [0.30, 0.11, 0.10], [1.5, 3.0, 4.5]),
+        config("auto:risk=high", [0.30, 0.12, 0.105], [1.6, 3.2, 4.8]),
+    ]
     rows = {r["label"]: r for r in tta.tta_rows(configs, "data_parallel", 1.0)}
     assert rows["data_parallel"]["tta_s"] == 6.0 and rows["data_parallel:bits=2"]["tta_s"] == 3.0
     assert rows["auto:risk=high"]["tta_s"] == 4.8 and rows["auto:risk=high"]["vs_best"] == pytest.approx(1.6)

@@ -30,8 +30,23 @@ def test_all_names_exist_and_belong_to_bunsan(module_name):
 
 
 def test_top_level_names_of_the_contract():
-    for name in ["init", "finalize", "session", "rank", "size", "local_rank", "local_size", "is_main", "device",
-                 "distribute", "DataParallelSGD", "DistributedOptimizer", "data", "datasets", "models"]:
+    for name in [
+        "init",
+        "finalize",
+        "session",
+        "rank",
+        "size",
+        "local_rank",
+        "local_size",
+        "is_main",
+        "device",
+        "distribute",
+        "DataParallelSGD",
+        "DistributedOptimizer",
+        "data",
+        "datasets",
+        "models",
+    ]:
         assert name in bunsan.__all__
 
 
@@ -68,15 +83,33 @@ def _imports_of(path) -> set[str]:
 # DESIGN.md: comm <- compression/algorithms/nn/parallel/data <- optim <- train <- bench/cli;
 # launch/ imports nothing of the training side.
 _FORBIDDEN = {
-    "comm": ("bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench", "bunsan.runtime", "bunsan.data", "bunsan.nn"),
+    "comm": (
+        "bunsan.algorithms",
+        "bunsan.optim",
+        "bunsan.train",
+        "bunsan.bench",
+        "bunsan.runtime",
+        "bunsan.data",
+        "bunsan.nn",
+    ),
     "compression": ("bunsan.comm", "bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench"),
     "algorithms": ("bunsan.optim", "bunsan.train", "bunsan.bench", "bunsan.cli", "bunsan.hpo"),
     "data": ("bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.bench"),
     "nn": ("bunsan.optim", "bunsan.train", "bunsan.bench"),
     "parallel": ("bunsan.optim", "bunsan.train", "bunsan.bench"),
     "train": ("bunsan.bench", "bunsan.cli", "bunsan.hpo"),
-    "launch": ("torch", "bunsan.comm", "bunsan.algorithms", "bunsan.optim", "bunsan.train", "bunsan.runtime",
-               "bunsan.data", "bunsan.nn", "bunsan.parallel", "bunsan.bench"),
+    "launch": (
+        "torch",
+        "bunsan.comm",
+        "bunsan.algorithms",
+        "bunsan.optim",
+        "bunsan.train",
+        "bunsan.runtime",
+        "bunsan.data",
+        "bunsan.nn",
+        "bunsan.parallel",
+        "bunsan.bench",
+    ),
 }
 
 

@@ -78,8 +78,15 @@ def test_resnet_structure():
     assert shortcut.shape == (1, 32, 4, 4) and shortcut[:, :16].eq(1).all() and shortcut[:, 16:].eq(0).all()
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"depth": 21}, "6 n \\+ 2"), ({"depth": 2}, "6 n \\+ 2"),
-                                               ({"shortcut": "C"}, "'A'"), ({"num_classes": 0}, "num_classes")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"depth": 21}, "6 n \\+ 2"),
+        ({"depth": 2}, "6 n \\+ 2"),
+        ({"shortcut": "C"}, "'A'"),
+        ({"num_classes": 0}, "num_classes"),
+    ],
+)
 def test_resnet_refuses_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         reference.CIFARResNet(**kwargs)
@@ -97,15 +104,28 @@ def test_mnist_convnet_layers_are_those_of_the_cntk_example():
     assert reference.MNISTConvNet(28).classifier[0].in_features == 1024
     assert reference.MNISTConvNet(8).classifier[0].in_features == 256
     keys = list(reference.MNISTConvNet(8).state_dict())
-    assert keys == ["features.0.weight", "features.0.bias", "features.3.weight", "features.3.bias",
-                    "features.6.weight", "features.6.bias", "classifier.0.weight", "classifier.0.bias",
-                    "classifier.3.weight", "classifier.3.bias"]
+    assert keys == [
+        "features.0.weight",
+        "features.0.bias",
+        "features.3.weight",
+        "features.3.bias",
+        "features.6.weight",
+        "features.6.bias",
+        "classifier.0.weight",
+        "classifier.0.bias",
+        "classifier.3.weight",
+        "classifier.3.bias",
+    ]
 
 
 def test_registry_has_the_benchmark_models():
-    for name, cls in [("cifar_convnet", reference.CIFARConvNet), ("resnet20", reference.ResNet20),
-                      ("resnet110", reference.ResNet110), ("bn_inception_cifar", reference.BNInceptionCIFAR),
-                      ("mnist_convnet", reference.MNISTConvNet)]:
+    for name, cls in [
+        ("cifar_convnet", reference.CIFARConvNet),
+        ("resnet20", reference.ResNet20),
+        ("resnet110", reference.ResNet110),
+        ("bn_inception_cifar", reference.BNInceptionCIFAR),
+        ("mnist_convnet", reference.MNISTConvNet),
+    ]:
         assert name in models.names()
         assert type(models.create(name)) is cls
     assert models.create("resnet110").depth == 110
