@@ -126,3 +126,77 @@ def test_lower_layers_never_import_higher_ones(package):
             elif any(name == bad or name.startswith(bad + ".") for bad in _FORBIDDEN[package]):
                 offenders.append(f"{path.name}: {name}")
     assert not offenders, f"bunsan.{package} imports a higher layer:\n" + "\n".join(offenders)
+
+
+def _bunsan_imports(path, module: str, known: set[str]) -> set[str]:
+    """bunsan modules that ``module`` imports anywhere (functions included; not under TYPE_CHECKING).
+
+    Imports inside functions count: deferring an import hides a cycle from Python, not from
+    the design (issue 18: bench/job.py and bench/compare.py imported each other that way).
+    """
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+            elif isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+            else:
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    children = getattr(node, field, None)
+                    if isinstance(children, list):
+                        visit(children)
+
+    visit(ast.parse(path.read_text()).body)
+    return {name for name in found if name in known and name != module}
+
+
+def test_no_import_cycle_between_bunsan_modules():
+    """bunsan's modules import each other as a DAG: no module reaches itself again through imports.
+
+    A package's ``__init__`` re-exporting its submodules is an edge like any other, so a
+    submodule must import its siblings directly, not through its own package.
+    """
+    import pathlib
+
+    root = pathlib.Path(bunsan.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        paths[name] = path
+    known = set(paths)
+    graph = {name: _bunsan_imports(path, name, known) for name, path in paths.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def walk(name: str, stack: list[str]) -> None:
+        state[name] = 1
+        stack.append(name)
+        for child in sorted(graph[name]):
+            if state.get(child) == 1:
+                cycles.append([*stack[stack.index(child) :], child])
+            elif child not in state:
+                walk(child, stack)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [])
+    assert not cycles, "import cycles among bunsan modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
