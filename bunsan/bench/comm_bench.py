@@ -49,7 +49,21 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bunsan.bench import compare, netns, write_json
+from bunsan._table import format_table
+from bunsan._validate import check_int
+from bunsan.bench import netns, write_json
+from bunsan.bench._common import (
+    check_at_least,
+    check_positive,
+    command_main,
+    job_command,
+    job_environment,
+    load_average,
+    record_header,
+    refuse,
+    run_job,
+    tail,
+)
 
 __all__ = [
     "COLUMNS",
@@ -69,6 +83,7 @@ __all__ = [
 ]
 
 PROG = "bunsan bench comm"
+WORKER_MODULE = "bunsan.bench.comm_bench"  # this module is also the job every worker runs
 OPS = ("all_reduce", "all_gather")
 BYTES_PER_MEASUREMENT = 256 * 2**20  # fewer iterations for large messages: one measurement moves <= ~256 MB
 FLOAT_BYTES = 4
@@ -396,19 +411,14 @@ def _spec(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     unknown = [op for op in ops if op not in OPS]
     if unknown or not ops:
         raise ValueError(f"--ops {args.ops!r}: choose from {', '.join(OPS)}")
-    for name, value, low in (
-        ("-np", args.workers, 2),
+    check_int("-np", args.workers, minimum=2, hint="a collective needs two workers")
+    check_at_least(
         ("--iters", args.iters, 1),
         ("--warmup", args.warmup, 0),
         ("--rounds", args.rounds, 1),
         ("--threads", args.threads, 1),
-    ):
-        if value < low:
-            raise ValueError(
-                f"{name} must be >= {low}, got {value}" + ("; a collective needs two workers" if name == "-np" else "")
-            )
-    if not args.timeout_s > 0:
-        raise ValueError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    )
+    check_positive("--timeout-s", args.timeout_s)
     refusal = netns.check_network_argument(args)
     if refusal is not None:
         raise ValueError(refusal)
@@ -422,13 +432,6 @@ def _spec(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
 
 
-def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
-    worker = [sys.executable, "-u", "-m", "bunsan.bench.comm_bench", "--worker", json.dumps(spec)]
-    if network is not None:
-        return netns.launcher_command(network, workers, worker)
-    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
-
-
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     """``bunsan bench comm``: run the job, print the table, write JSON and the plot.
 
@@ -439,17 +442,16 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     result_path = out / "result.json"
     try:
         spec = _spec(args, result_path.resolve())
-    except ValueError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    command = _command(args.workers, spec, args.network)
+    except (TypeError, ValueError) as err:
+        return refuse(PROG, err)
+    command = job_command(WORKER_MODULE, "--worker", spec, args.workers, args.network)
     if args.dry_run:
         say(shlex.join(command))
         return 0
     result_path.unlink(missing_ok=True)
-    load_before = compare._load_average()
+    load_before = load_average()
     try:
-        status, code, total_s = compare.run_job(command, out, args.timeout_s, compare._job_environment(args.threads))
+        status, code, total_s = run_job(command, out, args.timeout_s, job_environment(args.threads))
     except KeyboardInterrupt:
         say("interrupted; the job was stopped")
         return 130
@@ -460,7 +462,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             status = f"failed (no result file: {err})"
     if status != "ok":
         say(f"{PROG}: the job {status} after {total_s:.1f} s (exit {code}); last lines of {out}/stderr.txt:")
-        say("\n".join("    " + line for line in (compare._tail(out / "stderr.txt") or "(empty)").splitlines()[-12:]))
+        say("\n".join("    " + line for line in (tail(out / "stderr.txt") or "(empty)").splitlines()[-12:]))
         return 1
 
     rows = _rows_with_bandwidth(result)
@@ -471,19 +473,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         f"copy = local tensor.copy_ on rank 0; job {total_s:.1f} s"
     )
     cells = table_rows(rows)
-    say(compare.format_table(COLUMNS, cells, right=_RIGHT))
+    say(format_table(COLUMNS, cells, right=_RIGHT))
     json_path = Path(args.json) if args.json else out / "comm.json"
     document = {
-        "benchmark": "comm",
-        "command": shlex.join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
-        "machine": {
-            **compare._machine(args.threads),
-            "load_average_before": load_before,
-            "load_average_after": compare._load_average(),
-        },
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "duration_s": time.time() - started,
+        **record_header("comm", args, load_before, started),
         "workers": result["workers"],
         "network": args.network,
         "columns": list(COLUMNS),
@@ -502,18 +495,15 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.comm_bench``: the same as ``bunsan bench comm``; ``--worker SPEC`` runs a worker."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--worker"]:
-        return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(
+    return command_main(
+        argv,
         prog=PROG,
         description=DESCRIPTION,
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        add_arguments=add_arguments,
+        run=run,
+        worker=_worker,
     )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -59,24 +59,50 @@ its command-line parser from it without importing torch.
 from __future__ import annotations
 
 import argparse
-import inspect
-import itertools
 import json
 import math
-import os
-import platform
-import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bunsan._table import format_table, format_transposed
+from bunsan.bench._common import (
+    Refused,
+    check_at_least,
+    check_positive,
+    command_main,
+    job_command,
+    job_environment,
+    load_average,
+    record_document,
+    refuse,
+    report_failures,
+    run_job,
+    run_recorded_job,
+    slug,
+)
+from bunsan.bench.specs import (
+    AlgorithmSetting,
+    Sweep,
+    apply_sweeps,
+    check_setting,
+    format_value,
+    parse_algorithm_spec,
+    parse_sweep,
+    parse_value,
+    parse_workers,
+    per_worker_batch,
+    reference_workers,
+)
+
+# The parsing (bunsan.bench.specs), the job running (bunsan.bench._common) and the table
+# formatter (bunsan._table) were this module's; their names stay importable from here.
 __all__ = [
+    "COLUMNS",
     "DESCRIPTION",
     "EPILOG",
     "AlgorithmSetting",
@@ -87,6 +113,7 @@ __all__ = [
     "format_table",
     "format_transposed",
     "format_value",
+    "global_batch",
     "main",
     "parse_algorithm_spec",
     "parse_sweep",
@@ -105,8 +132,7 @@ __all__ = [
 ]
 
 PROG = "bunsan bench compare"
-STDERR_TAIL_LINES = 30  # kept in the JSON record of a failed job
-STOP_GRACE_S = 10.0  # after SIGTERM to a timed-out job's launcher, before SIGKILL
+JOB_MODULE = "bunsan.bench.job"  # what every worker of a job runs
 
 DESCRIPTION = """\
 Train every algorithm setting at every worker count, one `bunsan run -np N`
@@ -135,196 +161,6 @@ examples:
   bunsan bench compare --algorithms "block_momentum:block_size=256" -np 4 --sweep block_size=256,1024,4096
   bunsan bench compare --algorithms "model_averaging:block_size=512" -np 4 \\
       --sweep model_averaging:warm_start=0,2000,8000 --json warm.json --plots plots/"""
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_INT = re.compile(r"[+-]?\d+")
-
-
-# -- pure parsing --------------------------------------------------------------------
-def parse_value(text: str) -> Any:
-    """Read an option value: int, float, bool (``true``/``false``), ``None`` (``none``/``null``), else a string.
-
-    Quotes around a string are dropped, so ``"'32'"`` stays the string ``'32'``.
-    """
-    stripped = text.strip()
-    lowered = stripped.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    if _INT.fullmatch(stripped):
-        return int(stripped)
-    try:
-        return float(stripped)
-    except ValueError:
-        pass
-    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
-        return stripped[1:-1]
-    return stripped
-
-
-def format_value(value: Any) -> str:
-    """The inverse of :func:`parse_value` for the values it returns."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str) and parse_value(value) != value:
-        return repr(value)  # a string that would read back as a number, a bool or None
-    return str(value)
-
-
-@dataclass(frozen=True)
-class AlgorithmSetting:
-    """An algorithm name and its constructor options, as written ``NAME[:KEY=VALUE,...]``."""
-
-    name: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """The spec written back, options in their given order: ``block_momentum:block_size=1024``."""
-        if not self.options:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={format_value(v)}" for k, v in self.options.items())
-
-    def __hash__(self) -> int:
-        return hash(self.label)
-
-
-def parse_algorithm_spec(text: str) -> AlgorithmSetting:
-    """Parse ``NAME[:KEY=VALUE,...]`` (e.g. ``data_parallel:bits=1,warm_start=8000``).
-
-    Only the syntax is checked here; whether the algorithm exists and takes
-    these options is for :func:`check_setting`.
-
-    Raises:
-        ValueError: one sentence naming the spec and what is wrong with it.
-    """
-    name, colon, rest = text.strip().partition(":")
-    name = name.strip()
-    if not _NAME.fullmatch(name):
-        raise ValueError(
-            f"algorithm spec {text!r} does not start with an algorithm name; "
-            "write NAME or NAME:KEY=VALUE,..., e.g. block_momentum:block_size=1024"
-        )
-    options: dict[str, Any] = {}
-    if colon and not rest.strip():
-        raise ValueError(f"algorithm spec {text!r} has nothing after ':'; drop the ':' or add KEY=VALUE")
-    for item in rest.split(",") if colon else []:
-        key, equals, value = item.partition("=")
-        key = key.strip()
-        if not equals or not _NAME.fullmatch(key) or not value.strip():
-            raise ValueError(
-                f"option {item.strip()!r} of algorithm spec {text!r} is not KEY=VALUE; "
-                "separate options with commas, e.g. data_parallel:bits=1,warm_start=8000"
-            )
-        if key in options:
-            raise ValueError(f"algorithm spec {text!r} sets {key!r} twice")
-        options[key] = parse_value(value)
-    return AlgorithmSetting(name, options)
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """``--sweep [NAME:]KEY=V1,V2,...``: one setting per value; ``target`` limits it to one algorithm name."""
-
-    key: str
-    values: tuple[Any, ...]
-    target: str | None = None
-
-
-def parse_sweep(text: str) -> Sweep:
-    """Parse ``[NAME:]KEY=V1,V2,...`` (e.g. ``warm_start=0,2000,8000``).
-
-    Raises:
-        ValueError: one sentence naming the sweep and what is wrong with it.
-    """
-    head, equals, values = text.partition("=")
-    target, colon, key = head.rpartition(":")
-    key, target = key.strip(), target.strip() if colon else None
-    if not equals or not _NAME.fullmatch(key) or (target is not None and not _NAME.fullmatch(target)):
-        raise ValueError(f"--sweep {text!r} is not [ALGORITHM:]KEY=V1,V2,...; e.g. --sweep warm_start=0,2000,8000")
-    items = [v.strip() for v in values.split(",")]
-    if not all(items):
-        raise ValueError(f"--sweep {text!r} has an empty value; separate the values with single commas")
-    parsed = tuple(parse_value(v) for v in items)
-    if len(set(map(format_value, parsed))) != len(parsed):
-        raise ValueError(f"--sweep {text!r} lists a value twice")
-    return Sweep(key, parsed, target)
-
-
-def apply_sweeps(settings: Sequence[AlgorithmSetting], sweeps: Sequence[Sweep]) -> list[AlgorithmSetting]:
-    """Expand each setting by the sweeps that apply to it (all sweeps' values, crossed).
-
-    A sweep without a target applies to every setting; with one, to the
-    settings of that algorithm name. Settings that come out equal are kept once.
-
-    Raises:
-        ValueError: a targeted sweep matches no setting, or a setting already
-            fixes the swept key.
-    """
-    for sweep in sweeps:
-        if sweep.target is not None and not any(s.name == sweep.target for s in settings):
-            raise ValueError(
-                f"--sweep {sweep.target}:{sweep.key}=... names algorithm {sweep.target!r}, "
-                f"which is not in --algorithms ({', '.join(s.label for s in settings)})"
-            )
-    expanded: list[AlgorithmSetting] = []
-    for setting in settings:
-        mine = [s for s in sweeps if s.target in (None, setting.name)]
-        for sweep in mine:
-            if sweep.key in setting.options:
-                raise ValueError(
-                    f"--sweep {sweep.key}=... and algorithm spec {setting.label!r} both set "
-                    f"{sweep.key!r}; drop it from one of them"
-                )
-        if len({s.key for s in mine}) != len(mine):
-            raise ValueError(f"two --sweep options vary {setting.name}'s same option; merge their values into one")
-        for values in itertools.product(*(s.values for s in mine)):
-            options = dict(setting.options)
-            options.update({s.key: v for s, v in zip(mine, values)})
-            candidate = AlgorithmSetting(setting.name, options)
-            if candidate not in expanded:
-                expanded.append(candidate)
-    return expanded
-
-
-def parse_workers(text: str) -> list[int]:
-    """Parse ``-np 1,2,4`` into worker counts, in the given order, each once.
-
-    Raises:
-        ValueError: a count is not a whole number >= 1.
-    """
-    counts: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item.isdigit() or int(item) < 1:
-            raise ValueError(f"-np {text!r}: {item!r} is not a worker count >= 1; write e.g. -np 1,2,4")
-        if int(item) not in counts:
-            counts.append(int(item))
-    return counts
-
-
-def per_worker_batch(batch: int, workers: int) -> int:
-    """The minibatch of each of ``workers`` workers when the global minibatch is ``batch``.
-
-    Raises:
-        ValueError: ``batch`` does not divide evenly (or is smaller than ``workers``).
-    """
-    if batch < 1 or workers < 1:
-        raise ValueError(f"need batch >= 1 and workers >= 1, got batch={batch}, workers={workers}")
-    if batch % workers:
-        raise ValueError(
-            f"the global minibatch --batch {batch} does not split evenly over {workers} workers; "
-            f"choose a multiple of {workers}"
-        )
-    return batch // workers
-
-
-def reference_workers(workers: Sequence[int]) -> int:
-    """The worker count that speed ratios are relative to: 1 if present, else the first given."""
-    return 1 if 1 in workers else workers[0]
 
 
 def speed_ratios(rows: Sequence[tuple[str, int, float | None]], reference: int) -> list[float | None]:
@@ -405,80 +241,14 @@ def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Iterable[str] = ()) -> str:
-    """Align ``rows`` under ``header``; columns named in ``right`` are right-aligned."""
-    right = set(right)
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if h in right else c.ljust(w) for c, w, h in zip(cells, widths, header)).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(row) for row in rows)])
-
-
-def format_transposed(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """The CNTK article's layout: one column per run, one line per quantity (the first is the header)."""
-    lines = [[name, *(row[i] for row in rows)] for i, name in enumerate(header)]
-    return format_table(lines[0], lines[1:], right=lines[0][1:])
-
-
 # -- validation and the jobs -----------------------------------------------------------
-class _Refused(ValueError):
-    """Bad input found before any job started."""
-
-
-def check_setting(setting: AlgorithmSetting) -> dict[str, Any]:
-    """Build the algorithm (no process group needed) and return what the table shows of it.
-
-    Raises:
-        ValueError: unknown algorithm or option, or an option out of range: one sentence.
-    """
-    from bunsan import algorithms
-
-    if setting.name not in algorithms.names():
-        raise ValueError(
-            f"algorithm spec {setting.label!r}: unknown algorithm {setting.name!r}; "
-            f"choose one of {', '.join(algorithms.names())}"
-        )
-    classes = [getattr(algorithms, n) for n in algorithms.__all__]
-    cls = next((c for c in classes if inspect.isclass(c) and getattr(c, "name", None) == setting.name), None)
-    if cls is not None:
-        parameters = inspect.signature(cls).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        accepted = [n for n in parameters if n not in ("self", "group")]
-        unknown = [k for k in setting.options if k not in accepted or k == "group"]
-        if unknown and not takes_any:
-            raise ValueError(
-                f"algorithm spec {setting.label!r}: {setting.name} has no option {unknown[0]!r}; "
-                f"its options are {', '.join(accepted)}"
-            )
-    try:
-        algorithm = algorithms.create(setting.name, **setting.options)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"algorithm spec {setting.label!r}: {err}") from None
-    except RuntimeError as err:  # a constructor that wants a process group: a bug to report
-        raise ValueError(
-            f"algorithm spec {setting.label!r} cannot be checked before the jobs start, because "
-            f"building {setting.name} outside a job failed: {err}"
-        ) from None
-    return {
-        "algorithm": setting.name,
-        "options": dict(setting.options),
-        "algorithm_repr": repr(algorithm),
-        "bits": getattr(algorithm, "bits", None),
-        "compression": getattr(algorithm, "compression", None),
-        "warm_start": getattr(algorithm, "warm_start", None),
-        "block_size": getattr(algorithm, "block_size", None),
-    }
-
-
 def _check_model_and_data(model: str, dataset: str) -> None:
     from bunsan import datasets, models
 
     if dataset not in datasets.names():
-        raise _Refused(f"unknown data set {dataset!r}; choose one of {', '.join(datasets.names())}")
+        raise Refused(f"unknown data set {dataset!r}; choose one of {', '.join(datasets.names())}")
     if model not in models.names():
-        raise _Refused(f"unknown model {model!r}; choose one of {', '.join(models.names())}")
+        raise Refused(f"unknown model {model!r}; choose one of {', '.join(models.names())}")
     from bunsan.bench.job import build_model
 
     try:
@@ -486,86 +256,7 @@ def _check_model_and_data(model: str, dataset: str) -> None:
         # Generated once here (and cached on disk), not by every rank of the first job at once.
         datasets.load(dataset, "train")
     except (TypeError, ValueError, ImportError) as err:
-        raise _Refused(f"model {model!r} on data set {dataset!r}: {err}") from None
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
-
-
-def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _job_environment(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)  # one intra-op thread per worker unless told otherwise
-    env["MKL_NUM_THREADS"] = str(threads)
-    for name in ("BUNSAN_NPROC", "BUNSAN_HOSTS", "BUNSAN_HOSTFILE"):  # -np is ours to decide
-        env.pop(name, None)
-    return env
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the launcher we started (it forwards to its workers and sweeps them), then SIGKILL."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def run_job(
-    command: Sequence[str], directory: Path, timeout_s: float, env: dict[str, str]
-) -> tuple[str, int | None, float]:
-    """Run one job, output to ``directory``; return ``(status, exit code, seconds)``.
-
-    ``status`` is ``"ok"``, ``"failed"`` or ``"timeout"``.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "command.txt").write_text(shlex.join(command) + "\n")
-    start = time.perf_counter()
-    with open(directory / "stdout.txt", "wb") as out, open(directory / "stderr.txt", "wb") as err:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
-        try:
-            code: int | None = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(process)
-            return "timeout", None, time.perf_counter() - start
-        except BaseException:  # Ctrl-C: do not leave the job behind
-            _stop(process)
-            raise
-    return ("ok" if code == 0 else "failed"), code, time.perf_counter() - start
-
-
-def _machine(threads: int) -> dict[str, Any]:
-    import torch
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable,
-        "threads_per_worker": threads,
-        "cuda": torch.cuda.is_available(),
-    }
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+        raise Refused(f"model {model!r} on data set {dataset!r}: {err}") from None
 
 
 # -- the command -------------------------------------------------------------------------
@@ -642,30 +333,19 @@ def _plan(args: argparse.Namespace) -> _Plan:
         settings = apply_sweeps(
             [parse_algorithm_spec(s) for s in args.algorithms], [parse_sweep(s) for s in args.sweep]
         )
-    except ValueError as err:
-        raise _Refused(str(err)) from None
-    if args.batch < 1:
-        raise _Refused(f"--batch must be >= 1, got {args.batch}")
-    uneven = [] if getattr(args, "batch_per_worker", False) else [n for n in workers if args.batch % n]
-    if uneven:
-        raise _Refused(
-            f"the global minibatch --batch {args.batch} does not split evenly over {uneven[0]} workers; "
-            f"choose a multiple of {math.lcm(*workers)} for -np {args.workers}"
-        )
-    for name, value, low in (("--epochs", args.epochs, 1), ("--threads", args.threads, 1)):
-        if value < low:
-            raise _Refused(f"{name} must be >= {low}, got {value}")
-    if not args.lr > 0:
-        raise _Refused(f"--lr must be > 0, got {args.lr}")
-    if not args.timeout_s > 0:
-        raise _Refused(f"--timeout-s must be > 0, got {args.timeout_s}")
-    checked = []
-    for setting in settings:
-        try:
-            checked.append((setting, check_setting(setting)))
-        except ValueError as err:
-            raise _Refused(str(err)) from None
-    return _Plan(checked, workers)
+        check_at_least(("--batch", args.batch, 1))
+        uneven = [] if getattr(args, "batch_per_worker", False) else [n for n in workers if args.batch % n]
+        if uneven:
+            raise ValueError(
+                f"the global minibatch --batch {args.batch} does not split evenly over {uneven[0]} workers; "
+                f"choose a multiple of {math.lcm(*workers)} for -np {args.workers}"
+            )
+        check_at_least(("--epochs", args.epochs, 1), ("--threads", args.threads, 1))
+        check_positive("--lr", args.lr)
+        check_positive("--timeout-s", args.timeout_s)
+        return _Plan([(setting, check_setting(setting)) for setting in settings], workers)
+    except (TypeError, ValueError) as err:
+        raise Refused(str(err)) from None
 
 
 def global_batch(batch: int, workers: int, batch_per_worker: bool) -> int:
@@ -689,16 +369,6 @@ def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path, wo
         "out": str(out),
         "curves": not args.no_curves,
     }
-
-
-def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
-    # The launcher and the workers both run with this Python (and so this environment).
-    worker = [sys.executable, "-u", "-m", "bunsan.bench.job", "--spec", json.dumps(spec)]
-    if network is not None:  # workers in network namespaces joined by shaped links
-        from bunsan.bench import netns
-
-        return netns.launcher_command(network, workers, worker)
-    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
 
 
 def _record(
@@ -742,32 +412,32 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
         refusal = netns.check_network_argument(args)
         if refusal is not None:
-            print(f"{PROG}: error: {refusal}", file=sys.stderr)
-            return 2
+            return refuse(PROG, refusal)
     try:
         plan = _plan(args)
         _check_model_and_data(args.model, args.dataset)
-    except _Refused as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+    except Refused as err:
+        return refuse(PROG, err)
     out = Path(args.out)
     configs = [(n, s, d) for n in plan.workers for s, d in plan.settings]  # all settings at N, then the next N
-    env = _job_environment(args.threads)
+    env = job_environment(args.threads)
     if args.dry_run:
         for n, setting, _ in configs:
-            spec = _job_spec(args, setting, out / f"np{n}-{_slug(setting.label)}" / "result.json", n)
-            say(shlex.join(_command(n, spec, getattr(args, "network", None))))
+            spec = _job_spec(args, setting, out / f"np{n}-{slug(setting.label)}" / "result.json", n)
+            say(shlex.join(job_command(JOB_MODULE, "--spec", spec, n, getattr(args, "network", None))))
         return 0
 
-    load_before = _load_average()
+    load_before = load_average()
     records: list[dict[str, Any]] = []
     interrupted = False
     for index, (n, setting, described) in enumerate(configs, start=1):
-        directory = out / f"np{n}-{_slug(setting.label)}"
+        directory = out / f"np{n}-{slug(setting.label)}"
         result_path = directory / "result.json"
         result_path.unlink(missing_ok=True)  # never report a previous run's result
         record = _record(setting, described, n, args, directory)
-        command = _command(n, _job_spec(args, setting, result_path.resolve(), n), getattr(args, "network", None))
+        command = job_command(
+            JOB_MODULE, "--spec", _job_spec(args, setting, result_path.resolve(), n), n, getattr(args, "network", None)
+        )
         try:
             result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
         except KeyboardInterrupt:  # run_job has stopped the job; report what finished
@@ -842,82 +512,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     return 1 if failed else 0
 
 
-def run_recorded_job(
-    command: Sequence[str],
-    directory: Path,
-    result_path: Path,
-    record: dict[str, Any],
-    timeout_s: float,
-    env: dict[str, str],
-) -> dict[str, Any] | None:
-    """Run one benchmark job and note in ``record`` how it went.
-
-    Returns the job's result file (written by rank 0) when the job succeeded and
-    left one; otherwise None, with the status and the stderr tail in ``record``.
-    KeyboardInterrupt passes through (``run_job`` has stopped the job by then).
-    """
-    status, code, total_s = run_job(list(command), directory, timeout_s, env)
-    record.update(status=status, exit_code=code, total_s=total_s)
-    result = None
-    if status == "ok":
-        try:
-            result = json.loads(result_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            record.update(status="failed", error=f"no result file: {err}")
-    if record["status"] != "ok":
-        record["stderr_tail"] = _tail(directory / "stderr.txt")
-    return result
-
-
-def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Say which jobs failed, with the last lines of their stderr; return those records."""
-    failed = [r for r in records if r["status"] != "ok"]
-    for r in failed:
-        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
-        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
-    return failed
-
-
-def record_document(
-    benchmark: str,
-    args: argparse.Namespace,
-    reference: int,
-    load_before: Any,
-    started: float,
-    columns: Sequence[str],
-    rows: Any,
-    records: Sequence[dict[str, Any]],
-) -> dict[str, Any]:
-    """The JSON record every job-running benchmark writes: what ran, where, when, and its table."""
-    return {
-        "benchmark": benchmark,
-        "command": shlex.join(sys.argv),
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
-        "reference_workers": reference,
-        "machine": {
-            **_machine(args.threads),
-            "load_average_before": load_before,
-            "load_average_after": _load_average(),
-        },
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "duration_s": time.time() - started,
-        "columns": list(columns),
-        "table": rows,
-        "configs": list(records),
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.compare``: the same as ``bunsan bench compare``."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return command_main(argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG, add_arguments=add_arguments, run=run)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ from torch.utils.data import Dataset  # noqa: E402
 
 import bunsan  # noqa: E402
 from bunsan import algorithms, comm, datasets, models  # noqa: E402
-from bunsan.bench.compare import parse_algorithm_spec, per_worker_batch  # noqa: E402
+from bunsan._validate import check_int, check_number, check_type  # noqa: E402
+from bunsan.bench.specs import parse_algorithm_spec, per_worker_batch  # noqa: E402
 
 __all__ = ["JobSpec", "build_model", "evaluate", "main", "spec_from_args", "train"]
 
@@ -98,14 +99,10 @@ class JobSpec:
     curves: bool = True
 
     def __post_init__(self) -> None:
-        if self.epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
-        if self.batch < 1:
-            raise ValueError(f"batch (the global minibatch) must be >= 1, got {self.batch}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not isinstance(self.options, dict):
-            raise ValueError(f"options must be a JSON object of the algorithm's arguments, got {self.options!r}")
+        check_int("epochs", self.epochs, minimum=1)
+        check_int("batch", self.batch, minimum=1, hint="the global minibatch")
+        check_number("lr", self.lr, minimum=0, min_inclusive=False)
+        check_type("options", self.options, dict, hint="a JSON object of the algorithm's arguments")
 
 
 def spec_from_args(argv: list[str] | None = None) -> JobSpec:

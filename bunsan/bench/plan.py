@@ -22,6 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bunsan._table import format_table
+from bunsan._validate import check_number
+from bunsan.bench._common import check_at_least, check_positive, command_main, refuse
+from bunsan.bench.specs import parse_workers
+
 __all__ = [
     "DESCRIPTION",
     "EPILOG",
@@ -202,8 +207,6 @@ COLUMNS = (
 
 def format_plan(predictions: Sequence[Any]) -> str:
     """One row per (worker count, algorithm); ``*`` marks the fastest algorithm at each worker count."""
-    from bunsan.bench.compare import format_table
-
     best: dict[int, float] = {}
     for p in predictions:
         best[p.workers] = min(best.get(p.workers, float("inf")), p.step_s)
@@ -301,11 +304,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="also write the predictions to this file")
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _probe(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``python -m bunsan.bench.measure`` as a job; return rank 0's JSON line."""
     command = [sys.executable, "-m", "bunsan", "run"]
@@ -348,13 +346,12 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     """``bunsan plan``: predictions table, PNG and optional JSON. 0 on success, 2 on bad input."""
     from bunsan.algorithms import cost_model as cm
-    from bunsan.bench.compare import parse_workers
 
     if args.published is not None:
         try:
             case, predictions = plan_published(args.published)
         except ValueError as err:
-            return _fail(str(err))
+            return refuse(PROG, str(err))
         say(
             f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
             f"{case.latency}; {case.network_note}"
@@ -369,13 +366,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         return 0
     given = args.compute_ms is not None or args.params is not None
     if (args.model is None) == (not given) or (given and (args.compute_ms is None or args.params is None)):
-        return _fail("give a profile: --model NAME, or both --compute-ms and --params, or --published NAME")
+        return refuse(PROG, "give a profile: --model NAME, or both --compute-ms and --params, or --published NAME")
     try:
         workers = parse_workers(args.workers)
-        if args.batch < 1:
-            raise ValueError(f"--batch must be >= 1, got {args.batch}")
-        if args.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
+        check_at_least(("--batch", args.batch, 1), ("--block-size", args.block_size, 1))
         if args.probe:
             measured_net = _probe(args)
             network = cm.Network(
@@ -414,17 +408,15 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
             )
         else:
-            if not args.compute_ms > 0:
-                raise ValueError(f"--compute-ms must be > 0, got {args.compute_ms}")
+            check_positive("--compute-ms", args.compute_ms)
             compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
-            if not args.codec_ns >= 0:
-                raise ValueError(f"--codec-ns must be >= 0, got {args.codec_ns}")
+            check_number("--codec-ns", args.codec_ns, minimum=0)
             extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
         if args.backward_fraction is not None:
             backward = args.backward_fraction
         profile = cm.Profile(compute_s=compute_s, params=params, batch=args.batch, backward_fraction=backward, **extra)
     except (ValueError, TypeError) as err:
-        return _fail(str(err))
+        return refuse(PROG, str(err))
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
@@ -455,11 +447,15 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.plan``: the same as ``bunsan plan``."""
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    return command_main(
+        argv,
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        add_arguments=add_arguments,
+        run=run,
+        allow_abbrev=True,
     )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

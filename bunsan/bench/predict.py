@@ -35,7 +35,6 @@ the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -43,7 +42,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bunsan.bench import compare, write_json
+from bunsan._table import format_table
+from bunsan.bench import write_json
+from bunsan.bench._common import (
+    check_at_least,
+    command_main,
+    job_command,
+    job_environment,
+    load_average,
+    refuse,
+    report_failures,
+    run_recorded_job,
+)
+from bunsan.bench.specs import parse_workers
 
 __all__ = [
     "DESCRIPTION",
@@ -312,36 +323,30 @@ def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     """``bunsan bench predict``: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
-    import os
-    import sys as _sys
-
     try:
-        workers = compare.parse_workers(args.workers)
+        workers = parse_workers(args.workers)
         networks = parse_networks(args.networks)
         names = [m.strip() for m in args.models.split(",") if m.strip()]
         unknown = [m for m in names if m not in MODELS]
         if unknown:
             raise ValueError(f"--models: {unknown[0]!r} is not one of {', '.join(MODELS)}")
-        for name, value in (
-            ("--batch", args.batch),
-            ("--block-size", args.block_size),
-            ("--steps", args.steps),
-            ("--rounds", args.rounds),
-            ("--compute-steps", args.compute_steps),
-        ):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_at_least(
+            ("--batch", args.batch, 1),
+            ("--block-size", args.block_size, 1),
+            ("--steps", args.steps, 1),
+            ("--rounds", args.rounds, 1),
+            ("--compute-steps", args.compute_steps, 1),
+        )
         if any(w < 2 for w in workers):
             raise ValueError("-np: predictions are checked at 2 or more workers")
         if any(networks):
             from bunsan.bench import netns
 
             netns.check_privileges()
-    except (ValueError, PermissionError, FileNotFoundError) as err:
-        print(f"{PROG}: error: {err}", file=_sys.stderr)
-        return 2
+    except (TypeError, ValueError, PermissionError, FileNotFoundError) as err:
+        return refuse(PROG, err)
     out = Path(args.out)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = job_environment(1)
     rows: list[dict[str, Any]] = []
     failed = 0
     for network in networks:
@@ -361,18 +366,12 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "timeout_s": min(args.timeout_s, 300.0),
                 "result": str(result),
             }
-            worker = [_sys.executable, "-u", "-m", "bunsan.bench.predict", "--worker", json.dumps(spec)]
-            if network is None:
-                command = [_sys.executable, "-m", "bunsan", "run", "-np", str(n), "--", *worker]
-            else:
-                from bunsan.bench import netns
-
-                command = netns.launcher_command(network, n, worker)
+            command = job_command("bunsan.bench.predict", "--worker", spec, n, network)
             record: dict[str, Any] = {"label": slug, "workers": n, "dir": str(directory)}
-            job = compare.run_recorded_job(command, directory, result, record, args.timeout_s, env)
+            job = run_recorded_job(command, directory, result, record, args.timeout_s, env)
             if job is None:
                 failed += 1
-                compare.report_failures([record], say)
+                report_failures([record], say)
                 continue
             say(
                 f"{slug}: latency {job['network']['latency_s'] * 1e6:.1f} us, bandwidth "
@@ -380,7 +379,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             )
             rows += job["rows"]
     if rows:
-        say(compare.format_table(COLUMNS, table_rows(rows), right=set(COLUMNS) - {"network", "model", "algorithm"}))
+        say(format_table(COLUMNS, table_rows(rows), right=set(COLUMNS) - {"network", "model", "algorithm"}))
         worst = max(rows, key=lambda r: abs(r["error"]))
         within = sum(abs(r["error"]) <= 0.20 for r in rows)
         say(
@@ -391,7 +390,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             str(out / "predict.json"),
             {
                 "arguments": {k: v for k, v in vars(args).items() if k != "handler"},
-                "load_average": os.getloadavg(),
+                "load_average": load_average(),
                 "rows": rows,
             },
         )
@@ -401,15 +400,16 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.predict`` (or ``--worker SPEC`` inside a job)."""
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["--worker"]:
-        return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    return command_main(
+        argv,
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        add_arguments=add_arguments,
+        run=run,
+        worker=_worker,
+        allow_abbrev=True,
     )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -49,7 +48,24 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bunsan.bench import compare, netns, write_json
+from bunsan._table import format_table
+from bunsan.bench import netns, write_json
+from bunsan.bench._common import (
+    Refused,
+    check_at_least,
+    check_positive,
+    command_main,
+    job_command,
+    job_environment,
+    load_average,
+    record_document,
+    refuse,
+    report_failures,
+    run_recorded_job,
+    slug,
+    usable_cores,
+)
+from bunsan.bench.specs import AlgorithmSetting, check_setting, parse_algorithm_spec, parse_workers, reference_workers
 
 __all__ = [
     "COLUMNS",
@@ -68,6 +84,7 @@ __all__ = [
 ]
 
 PROG = "bunsan bench throughput"
+WORKER_MODULE = "bunsan.bench.throughput"  # this module is also the job every worker runs
 
 DESCRIPTION = """\
 Horovod-style synthetic benchmark: train MODEL on a fixed random batch per
@@ -152,13 +169,6 @@ def scaling_efficiency(total: float, workers: int, reference_total: float, refer
 def oversubscribed(workers: int, threads: int, cores: int) -> bool:
     """Whether ``workers x threads`` intra-op threads exceed the ``cores`` this process may use."""
     return workers * threads > cores
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 COLUMNS = (
@@ -330,51 +340,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     netns.add_arguments(parser)
 
 
-class _Refused(ValueError):
-    """Bad input found before any job started."""
-
-
-def _check(args: argparse.Namespace) -> tuple[list[int], list[tuple[compare.AlgorithmSetting, dict[str, Any]]]]:
+def _check(args: argparse.Namespace) -> tuple[list[int], list[tuple[AlgorithmSetting, dict[str, Any]]]]:
     try:
-        workers = compare.parse_workers(args.workers)
-        settings = [compare.parse_algorithm_spec(s) for s in args.algorithms]
-    except ValueError as err:
-        raise _Refused(str(err)) from None
-    if len({s.label for s in settings}) != len(settings):
-        raise _Refused("an --algorithm setting is given twice")
-    for name, value, low in (
-        ("--batch", args.batch, 1),
-        ("--warmup", args.warmup, 0),
-        ("--iters", args.iters, 1),
-        ("--batches-per-iter", args.batches_per_iter, 1),
-        ("--threads", args.threads, 1),
-        ("--num-classes", args.num_classes, 1),
-    ):
-        if value < low:
-            raise _Refused(f"{name} must be >= {low}, got {value}")
-    if not args.timeout_s > 0:
-        raise _Refused(f"--timeout-s must be > 0, got {args.timeout_s}")
-    from bunsan import models
+        workers = parse_workers(args.workers)
+        settings = [parse_algorithm_spec(s) for s in args.algorithms]
+        if len({s.label for s in settings}) != len(settings):
+            raise ValueError("an --algorithm setting is given twice")
+        check_at_least(
+            ("--batch", args.batch, 1),
+            ("--warmup", args.warmup, 0),
+            ("--iters", args.iters, 1),
+            ("--batches-per-iter", args.batches_per_iter, 1),
+            ("--threads", args.threads, 1),
+            ("--num-classes", args.num_classes, 1),
+        )
+        check_positive("--timeout-s", args.timeout_s)
+        from bunsan import models
 
-    if args.model not in models.names():
-        raise _Refused(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
-    try:
+        if args.model not in models.names():
+            raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
         model_inputs(args.model, args.image_size, args.num_classes)
-    except ValueError as err:
-        raise _Refused(str(err)) from None
-    refusal = netns.check_network_argument(args)
-    if refusal is not None:
-        raise _Refused(refusal)
-    checked = []
-    for setting in settings:
-        try:
-            checked.append((setting, compare.check_setting(setting)))
-        except ValueError as err:
-            raise _Refused(str(err)) from None
-    return workers, checked
+        refusal = netns.check_network_argument(args)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return workers, [(setting, check_setting(setting)) for setting in settings]
+    except (TypeError, ValueError) as err:
+        raise Refused(str(err)) from None
 
 
-def _spec(args: argparse.Namespace, setting: compare.AlgorithmSetting, out: Path) -> dict[str, Any]:
+def _spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path) -> dict[str, Any]:
     return {
         "model": args.model,
         "algorithm": setting.name,
@@ -392,16 +386,9 @@ def _spec(args: argparse.Namespace, setting: compare.AlgorithmSetting, out: Path
     }
 
 
-def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
-    worker = [sys.executable, "-u", "-m", "bunsan.bench.throughput", "--worker", json.dumps(spec)]
-    if network is not None:
-        return netns.launcher_command(network, workers, worker)
-    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
-
-
 def _finish(records: list[dict[str, Any]], workers: list[int], first_label: str) -> int:
     """Add efficiency and ``vs first`` to the records; return the reference worker count."""
-    reference = compare.reference_workers(workers)
+    reference = reference_workers(workers)
     base = {r["label"]: r["total_mean"] for r in records if r["status"] == "ok" and r["workers"] == reference}
     first = {r["workers"]: r["total_mean"] for r in records if r["status"] == "ok" and r["label"] == first_label}
     for r in records:
@@ -423,24 +410,23 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     started = time.time()
     try:
         workers, settings = _check(args)
-    except _Refused as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+    except Refused as err:
+        return refuse(PROG, err)
     out = Path(args.out)
-    cores = _usable_cores()
-    env = compare._job_environment(args.threads)
+    cores = usable_cores()
+    env = job_environment(args.threads)
     configs = [(setting, described, n) for setting, described in settings for n in workers]
     if args.dry_run:
         for setting, _, n in configs:
-            spec = _spec(args, setting, out / f"np{n}-{compare._slug(setting.label)}" / "result.json")
-            say(shlex.join(_command(n, spec, args.network)))
+            spec = _spec(args, setting, out / f"np{n}-{slug(setting.label)}" / "result.json")
+            say(shlex.join(job_command(WORKER_MODULE, "--worker", spec, n, args.network)))
         return 0
 
-    load_before = compare._load_average()
+    load_before = load_average()
     records: list[dict[str, Any]] = []
     interrupted = False
     for index, (setting, described, n) in enumerate(configs, start=1):
-        directory = out / f"np{n}-{compare._slug(setting.label)}"
+        directory = out / f"np{n}-{slug(setting.label)}"
         result_path = directory / "result.json"
         result_path.unlink(missing_ok=True)
         record: dict[str, Any] = {
@@ -452,9 +438,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         }
         if oversubscribed(n, args.threads, cores):
             record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
-        command = _command(n, _spec(args, setting, result_path.resolve()), args.network)
+        command = job_command(WORKER_MODULE, "--worker", _spec(args, setting, result_path.resolve()), n, args.network)
         try:
-            result = compare.run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
+            result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
         except KeyboardInterrupt:
             say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
             interrupted = True
@@ -491,11 +477,11 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         f"efficiency = total(N) / (N / {reference} x total({reference}))"
     )
     rows = table_rows(records)
-    say(compare.format_table(COLUMNS, rows, right=_RIGHT))
-    failed = compare.report_failures(records, say)
+    say(format_table(COLUMNS, rows, right=_RIGHT))
+    failed = report_failures(records, say)
 
     json_path = Path(args.json) if args.json else out / "throughput.json"
-    document = compare.record_document("throughput", args, reference, load_before, started, COLUMNS, rows, records)
+    document = record_document("throughput", args, reference, load_before, started, COLUMNS, rows, records)
     write_json(str(json_path), document)
     say(f"JSON: {json_path}")
     if not args.no_plots:
@@ -551,18 +537,15 @@ def plot_throughput(records: Sequence[dict[str, Any]], directory: Path, model: s
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.throughput``: the same as ``bunsan bench throughput``; ``--worker SPEC`` runs one job's worker."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--worker"]:
-        return _worker(json.loads(argv[1]))
-    parser = argparse.ArgumentParser(
+    return command_main(
+        argv,
         prog=PROG,
         description=DESCRIPTION,
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        add_arguments=add_arguments,
+        run=run,
+        worker=_worker,
     )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bunsan._table import format_table
+
 __all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "run", "time_to_error", "tta_rows"]
 
 PROG = "bunsan bench tta"
@@ -90,8 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     """Print the table; 0 on success, 2 on bad input."""
-    from bunsan.bench.compare import format_table
-
     try:
         document = json.loads(Path(args.record).read_text())
         rows = tta_rows(document["configs"], args.reference, args.points)

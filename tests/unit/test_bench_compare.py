@@ -247,7 +247,7 @@ def test_check_setting_refuses_with_one_sentence(setting, fragment):
         (["-np", "1,3", "--batch", "64"], "does not split evenly over 3 workers; choose a multiple of 3"),
         (["--model", "resnet9000"], "unknown model 'resnet9000'"),
         (["--dataset", "imagenet"], "unknown data set 'imagenet'"),
-        (["--epochs", "0"], "--epochs must be >= 1"),
+        (["--epochs", "0"], "--epochs must be an int >= 1"),
     ],
 )
 def test_bad_input_fails_before_any_job(argv, fragment, tmp_path, capsys):

@@ -327,7 +327,7 @@ def test_compare_with_network_runs_jobs_through_the_namespace_launcher(capsys, m
         (["bench", "throughput", "--network", "rate=1gbit,delay=5ms", "--dry-run"], "netem"),
         (["bench", "throughput", "--model", "nope", "--dry-run"], "unknown model 'nope'"),
         (["bench", "throughput", "--algorithm", "data_parallel:bits=0", "--dry-run"], "bits"),
-        (["bench", "throughput", "--iters", "0", "--dry-run"], "--iters must be >= 1"),
+        (["bench", "throughput", "--iters", "0", "--dry-run"], "--iters must be an int >= 1"),
         (["bench", "comm", "-np", "1", "--dry-run"], "needs two workers"),
         (["bench", "comm", "--ops", "broadcast", "--dry-run"], "--ops"),
         (["bench", "comm", "--sizes", "1XB", "--dry-run"], "size '1XB'"),

@@ -1,0 +1,281 @@
+"""What every job-running benchmark shares: starting a job, noting how it went, the machine, the record.
+
+A benchmark runs its measurements as ``bunsan run -np N`` jobs (or in shaped network
+namespaces, :mod:`bunsan.bench.netns`), one after another, each with a timeout
+(:func:`run_job`); a job that fails or times out becomes a ``failed`` record with its
+stderr tail kept (:func:`run_recorded_job`) and the others go on. Every JSON record
+names the command, the machine and the load average before and after
+(:func:`record_document`), since timings on a shared machine are only comparable
+side by side.
+
+This module imports only the standard library at the top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bunsan._validate import check_int, check_number
+
+__all__ = [
+    "Refused",
+    "check_at_least",
+    "check_positive",
+    "command_main",
+    "job_command",
+    "job_environment",
+    "load_average",
+    "machine_info",
+    "record_document",
+    "record_header",
+    "refuse",
+    "report_failures",
+    "run_job",
+    "run_recorded_job",
+    "slug",
+    "tail",
+    "usable_cores",
+]
+
+STDERR_TAIL_LINES = 30  # kept in the JSON record of a failed job
+STOP_GRACE_S = 10.0  # after SIGTERM to a timed-out job's launcher, before SIGKILL
+
+
+class Refused(ValueError):
+    """Bad input found before any job started."""
+
+
+def refuse(prog: str, message: object) -> int:
+    """Say ``PROG: error: MESSAGE`` on stderr and return 2, the exit code of bad input."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_at_least(*checks: tuple[str, Any, int]) -> None:
+    """Check that each ``(option, value, minimum)`` is an int >= minimum.
+
+    Raises:
+        TypeError: a value is not an int.
+        ValueError: a value is below its minimum.
+    """
+    for name, value, minimum in checks:
+        check_int(name, value, minimum=minimum)
+
+
+def check_positive(name: str, value: Any) -> None:
+    """Check that ``value`` is a number > 0 (a timeout, a learning rate); TypeError or ValueError."""
+    check_number(name, value, minimum=0, min_inclusive=False)
+
+
+# -- one job ------------------------------------------------------------------------------
+def job_command(module: str, flag: str, spec: dict[str, Any], workers: int, network: str | None = None) -> list[str]:
+    """``bunsan run -np WORKERS -- python -m MODULE FLAG SPEC``, or the shaped-network launcher's equivalent.
+
+    The launcher and the workers both run with this Python (and so this environment).
+    """
+    worker = [sys.executable, "-u", "-m", module, flag, json.dumps(spec)]
+    if network is not None:  # workers in network namespaces joined by shaped links
+        from bunsan.bench import netns
+
+        return netns.launcher_command(network, workers, worker)
+    return [sys.executable, "-m", "bunsan", "run", "-np", str(workers), "--", *worker]
+
+
+def slug(text: str) -> str:
+    """``block_momentum:block_size=1024`` -> ``block_momentum_block_size_1024``: a directory name."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a text file; empty if it cannot be read."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def job_environment(threads: int) -> dict[str, str]:
+    """This environment with ``threads`` intra-op threads per worker and no worker count of its own."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)  # one intra-op thread per worker unless told otherwise
+    env["MKL_NUM_THREADS"] = str(threads)
+    for name in ("BUNSAN_NPROC", "BUNSAN_HOSTS", "BUNSAN_HOSTFILE"):  # -np is ours to decide
+        env.pop(name, None)
+    return env
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the launcher we started (it forwards to its workers and sweeps them), then SIGKILL."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def run_job(
+    command: Sequence[str], directory: Path, timeout_s: float, env: dict[str, str]
+) -> tuple[str, int | None, float]:
+    """Run one job, output to ``directory``; return ``(status, exit code, seconds)``.
+
+    ``status`` is ``"ok"``, ``"failed"`` or ``"timeout"``.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "command.txt").write_text(shlex.join(command) + "\n")
+    start = time.perf_counter()
+    with open(directory / "stdout.txt", "wb") as out, open(directory / "stderr.txt", "wb") as err:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
+        try:
+            code: int | None = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            return "timeout", None, time.perf_counter() - start
+        except BaseException:  # Ctrl-C: do not leave the job behind
+            _stop(process)
+            raise
+    return ("ok" if code == 0 else "failed"), code, time.perf_counter() - start
+
+
+def run_recorded_job(
+    command: Sequence[str],
+    directory: Path,
+    result_path: Path,
+    record: dict[str, Any],
+    timeout_s: float,
+    env: dict[str, str],
+) -> dict[str, Any] | None:
+    """Run one benchmark job and note in ``record`` how it went.
+
+    Returns the job's result file (written by rank 0) when the job succeeded and
+    left one; otherwise None, with the status and the stderr tail in ``record``.
+    KeyboardInterrupt passes through (``run_job`` has stopped the job by then).
+    """
+    status, code, total_s = run_job(list(command), directory, timeout_s, env)
+    record.update(status=status, exit_code=code, total_s=total_s)
+    result = None
+    if status == "ok":
+        try:
+            result = json.loads(result_path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            record.update(status="failed", error=f"no result file: {err}")
+    if record["status"] != "ok":
+        record["stderr_tail"] = tail(directory / "stderr.txt")
+    return result
+
+
+def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Say which jobs failed, with the last lines of their stderr; return those records."""
+    failed = [r for r in records if r["status"] != "ok"]
+    for r in failed:
+        say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
+        say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
+    return failed
+
+
+def record_header(benchmark: str, args: argparse.Namespace, load_before: Any, started: float) -> dict[str, Any]:
+    """The head of every benchmark's JSON record: what ran, with which arguments, on which machine, when."""
+    return {
+        "benchmark": benchmark,
+        "command": shlex.join(sys.argv),
+        "arguments": {k: v for k, v in vars(args).items() if k not in ("handler", "subcommand", "benchmark")},
+        "machine": {
+            **machine_info(args.threads),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+        },
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "duration_s": time.time() - started,
+    }
+
+
+def record_document(
+    benchmark: str,
+    args: argparse.Namespace,
+    reference: int,
+    load_before: Any,
+    started: float,
+    columns: Sequence[str],
+    rows: Any,
+    records: Sequence[dict[str, Any]],
+) -> dict[str, Any]:
+    """The JSON record of a benchmark that runs one job per configuration: its head, its table, its records."""
+    return {
+        **record_header(benchmark, args, load_before, started),
+        "reference_workers": reference,
+        "columns": list(columns),
+        "table": rows,
+        "configs": list(records),
+    }
+
+
+# -- the machine---------------------------------------------------------------------------
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else all of the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    """The machine a benchmark ran on, for its JSON record (imports torch)."""
+    import torch
+
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "threads_per_worker": threads,
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded; None where the system has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# -- the command --------------------------------------------------------------------------
+def command_main(
+    argv: Sequence[str] | None,
+    *,
+    prog: str,
+    description: str,
+    epilog: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    worker: Callable[[dict[str, Any]], int] | None = None,
+    allow_abbrev: bool = False,
+) -> int:
+    """A benchmark's ``python -m`` entry: ``--worker SPEC`` runs one job's worker, else parse and ``run``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if worker is not None and argv[:1] == ["--worker"]:
+        return worker(json.loads(argv[1]))
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=allow_abbrev,
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
