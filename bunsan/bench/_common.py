@@ -31,10 +31,12 @@ from bunsan._validate import check_int, check_number
 
 __all__ = [
     "Refused",
+    "add_job_arguments",
     "check_at_least",
     "check_positive",
     "command_main",
     "job_command",
+    "job_directory",
     "job_environment",
     "load_average",
     "machine_info",
@@ -43,6 +45,7 @@ __all__ = [
     "refuse",
     "report_failures",
     "run_job",
+    "run_jobs",
     "run_recorded_job",
     "slug",
     "tail",
@@ -176,6 +179,49 @@ def run_recorded_job(
     return result
 
 
+def run_jobs(
+    jobs: Sequence[tuple[dict[str, Any], Callable[[Path], list[str]]]],
+    timeout_s: float,
+    env: dict[str, str],
+    *,
+    on_result: Callable[[dict[str, Any], dict[str, Any]], None],
+    progress: Callable[[dict[str, Any]], str],
+    say: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], bool]:
+    """Run ``jobs`` one after another (jobs at once would share the cores and spoil each other's times).
+
+    Each job is ``(record, command)``: ``record`` has the ``label``, ``workers`` and
+    ``dir`` of the job; ``command(result_path)`` is the job's command line. A job's
+    result goes through ``on_result(record, result)``; a failed job keeps its status
+    and stderr tail in its record and the others go on. After each job,
+    ``[i/n] LABEL -np N: progress(record)`` is said.
+
+    Returns:
+        The records of the jobs that ran, and whether Ctrl-C stopped the run (the job
+        running then was stopped and has no record).
+    """
+    records: list[dict[str, Any]] = []
+    for index, (record, command) in enumerate(jobs, start=1):
+        directory = Path(record["dir"])
+        result_path = directory / "result.json"
+        result_path.unlink(missing_ok=True)  # never report a previous run's result
+        try:
+            result = run_recorded_job(command(result_path.resolve()), directory, result_path, record, timeout_s, env)
+        except KeyboardInterrupt:  # run_job has stopped the job; report what finished
+            say(f"interrupted during job {index} of {len(jobs)}; the table holds the jobs that finished")
+            return records, True
+        if result is not None:
+            on_result(record, result)
+        records.append(record)
+        say(f"[{index}/{len(jobs)}] {record['label']} -np {record['workers']}: {progress(record)}")
+    return records, False
+
+
+def job_directory(out: Path, workers: int, label: str) -> Path:
+    """Where the job of setting ``label`` at ``workers`` workers writes: ``OUT/npN-LABEL``."""
+    return out / f"np{workers}-{slug(label)}"
+
+
 def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Say which jobs failed, with the last lines of their stderr; return those records."""
     failed = [r for r in records if r["status"] != "ok"]
@@ -255,14 +301,30 @@ def load_average() -> list[float] | None:
 
 
 # -- the command --------------------------------------------------------------------------
+def add_job_arguments(parser: argparse.ArgumentParser, benchmark: str, timeout_s: float, one_job: bool = False) -> None:
+    """Add ``--threads --timeout-s --out --json --plots --no-plots``, the options of every job-running benchmark."""
+    plot, output = ("plot", "job's output") if one_job else ("plots", "jobs' outputs")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=timeout_s,
+        help=f"{'for the job' if one_job else 'per job'}; default %(default)s",
+    )
+    parser.add_argument("--out", default=f"runs/{benchmark}", help=f"directory of the {output}; default %(default)s")
+    parser.add_argument("--json", metavar="FILE", help=f"the JSON record; default OUT/{benchmark}.json")
+    parser.add_argument("--plots", metavar="DIR", help=f"PNG {plot}; default OUT/plots")
+    parser.add_argument("--no-plots", action="store_true", help=f"write no {plot}")
+
+
 def command_main(
     argv: Sequence[str] | None,
-    *,
     prog: str,
     description: str,
     epilog: str,
     add_arguments: Callable[[argparse.ArgumentParser], None],
     run: Callable[[argparse.Namespace], int],
+    *,
     worker: Callable[[dict[str, Any]], int] | None = None,
     allow_abbrev: bool = False,
 ) -> int:

@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from bunsan._table import format_table
 from bunsan._validate import check_int
 from bunsan.bench import netns, write_json
 from bunsan.bench._common import (
+    add_job_arguments,
     check_at_least,
     check_positive,
     command_main,
@@ -61,8 +63,8 @@ from bunsan.bench._common import (
     load_average,
     record_header,
     refuse,
-    run_job,
-    tail,
+    report_failures,
+    run_recorded_job,
 )
 
 __all__ = [
@@ -195,7 +197,7 @@ def _worker(spec: dict[str, Any]) -> int:
     n, rank = bunsan.size(), bunsan.rank()
     slowest = torch.zeros(1, dtype=torch.float64)
 
-    def measure(call: Callable[[], None], iters: int, barrier: Callable[[], None]) -> float:
+    def measure(call: Callable[[], object], iters: int, barrier: Callable[[], None]) -> float:
         """Seconds per call on the slowest rank. Collective."""
         barrier()
         start = time.perf_counter()
@@ -213,18 +215,16 @@ def _worker(spec: dict[str, Any]) -> int:
             count = _elements(op, size, n)
             tensor = torch.full((count,), float(rank + 1))
             output = torch.empty(count * n if op == "all_gather" else 0)
-            if op == "all_reduce":
-                paths = {
-                    "bunsan": lambda t=tensor: comm.all_reduce(t),
-                    "torch": lambda t=tensor: bench_raw.raw_all_reduce(t),
+            paths: dict[str, Callable[[], object]] = (
+                {"bunsan": partial(comm.all_reduce, tensor), "torch": partial(bench_raw.raw_all_reduce, tensor)}
+                if op == "all_reduce"
+                else {
+                    "bunsan": partial(comm.all_gather_into, output, tensor),
+                    "torch": partial(bench_raw.raw_all_gather_into, output, tensor),
                 }
-            else:
-                paths = {
-                    "bunsan": lambda o=output, t=tensor: comm.all_gather_into(o, t),
-                    "torch": lambda o=output, t=tensor: bench_raw.raw_all_gather_into(o, t),
-                }
+            )
             barriers = {"bunsan": comm.barrier, "torch": bench_raw.raw_barrier}
-            for path, call in paths.items():
+            for call in paths.values():
                 for _ in range(spec["warmup"]):
                     call()
             rounds: dict[str, list[float]] = {path: [] for path in paths}
@@ -340,7 +340,7 @@ def plot_comm(rows: Sequence[dict[str, Any]], path: Path, workers: int, network:
 
     if not rows:
         return None
-    figure, (axes,) = plots._new_figure(1)
+    figure, (axes,) = plots.new_figure(1)
     for op in OPS:
         mine = [r for r in rows if r["op"] == op]
         if not mine:
@@ -372,7 +372,7 @@ def plot_comm(rows: Sequence[dict[str, Any]], path: Path, workers: int, network:
     axes.grid(alpha=0.3, which="both")
     axes.legend(fontsize="small")
     figure.suptitle(f"collectives on {workers} workers, {network}")
-    return plots._save(figure, path)
+    return plots.save_figure(figure, path)
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -396,12 +396,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="alternating rounds per path, median reported; default %(default)s"
     )
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="for the job; default %(default)s")
-    parser.add_argument("--out", default="runs/comm", help="directory of the job's output; default %(default)s")
-    parser.add_argument("--json", metavar="FILE", help="the JSON record; default OUT/comm.json")
-    parser.add_argument("--plots", metavar="DIR", help="PNG plot; default OUT/plots")
-    parser.add_argument("--no-plots", action="store_true", help="write no plot")
+    add_job_arguments(parser, "comm", timeout_s=600.0, one_job=True)
     parser.add_argument("--dry-run", action="store_true", help="check the input and print the job, start nothing")
     netns.add_arguments(parser)
 
@@ -450,20 +445,16 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         return 0
     result_path.unlink(missing_ok=True)
     load_before = load_average()
+    job: dict[str, Any] = {"label": PROG, "workers": args.workers, "dir": str(out)}
     try:
-        status, code, total_s = run_job(command, out, args.timeout_s, job_environment(args.threads))
+        result = run_recorded_job(command, out, result_path, job, args.timeout_s, job_environment(args.threads))
     except KeyboardInterrupt:
         say("interrupted; the job was stopped")
         return 130
-    if status == "ok":
-        try:
-            result = json.loads(result_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            status = f"failed (no result file: {err})"
-    if status != "ok":
-        say(f"{PROG}: the job {status} after {total_s:.1f} s (exit {code}); last lines of {out}/stderr.txt:")
-        say("\n".join("    " + line for line in (tail(out / "stderr.txt") or "(empty)").splitlines()[-12:]))
+    if result is None:
+        report_failures([job], say)
         return 1
+    total_s = job["total_s"]
 
     rows = _rows_with_bandwidth(result)
     network = f"links shaped to {netns.parse_network(args.network).label}" if args.network else "Gloo over loopback"
@@ -495,15 +486,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.comm_bench``: the same as ``bunsan bench comm``; ``--worker SPEC`` runs a worker."""
-    return command_main(
-        argv,
-        prog=PROG,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        add_arguments=add_arguments,
-        run=run,
-        worker=_worker,
-    )
+    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, worker=_worker)
 
 
 if __name__ == "__main__":

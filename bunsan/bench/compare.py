@@ -35,13 +35,10 @@ What is held fixed across worker counts, so that the rows compare:
   No rescaling with N: the global minibatch does not change.
 * At 1 worker there is nobody to exchange with: exact ``data_parallel``,
   ``model_averaging`` and ``block_momentum`` with ``reset_local_momentum=false``
-  and ``block_learning_rate=1`` are all plain SGD with the same local
-  optimizer, equal up to floating-point rounding (which 30 epochs amplify to
-  a few tenths of a point of test error); only the counted bytes differ.
-  ``block_momentum``'s defaults still reset the local momentum after every
-  block, and a quantized ``data_parallel`` still quantizes its own gradient,
-  so those differ from plain SGD even alone. The 1-worker rows are run
-  anyway: they are the reference of the speed ratio.
+  and ``block_learning_rate=1`` are plain SGD with the same local optimizer
+  (equal up to rounding; only the counted bytes differ), while default
+  ``block_momentum`` and a quantized ``data_parallel`` differ from plain SGD
+  even alone. The 1-worker rows are the reference of the speed ratio.
 
 Columns: ``time`` is the training wall time (from a barrier after start-up to
 a barrier after ``optimizer.join()``); ``speed`` is ``time(1 worker) /
@@ -65,25 +62,27 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table, format_transposed
 from bunsan.bench._common import (
     Refused,
+    add_job_arguments,
     check_at_least,
     check_positive,
     command_main,
     job_command,
+    job_directory,
     job_environment,
     load_average,
     record_document,
     refuse,
     report_failures,
     run_job,
+    run_jobs,
     run_recorded_job,
-    slug,
 )
 from bunsan.bench.specs import (
     AlgorithmSetting,
@@ -242,23 +241,6 @@ def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
 
 
 # -- validation and the jobs -----------------------------------------------------------
-def _check_model_and_data(model: str, dataset: str) -> None:
-    from bunsan import datasets, models
-
-    if dataset not in datasets.names():
-        raise Refused(f"unknown data set {dataset!r}; choose one of {', '.join(datasets.names())}")
-    if model not in models.names():
-        raise Refused(f"unknown model {model!r}; choose one of {', '.join(models.names())}")
-    from bunsan.bench.job import build_model
-
-    try:
-        build_model(model, datasets.info(dataset))
-        # Generated once here (and cached on disk), not by every rank of the first job at once.
-        datasets.load(dataset, "train")
-    except (TypeError, ValueError, ImportError) as err:
-        raise Refused(f"model {model!r} on data set {dataset!r}: {err}") from None
-
-
 # -- the command -------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench compare`` to ``parser``."""
@@ -305,12 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum; default %(default)s")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay; default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="initial model and data order; default %(default)s")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
-    parser.add_argument("--out", default="runs/compare", help="directory of the jobs' outputs; default %(default)s")
-    parser.add_argument("--json", metavar="FILE", help="the JSON record; default OUT/compare.json")
-    parser.add_argument("--plots", metavar="DIR", help="PNG plots; default OUT/plots")
-    parser.add_argument("--no-plots", action="store_true", help="write no plots")
+    add_job_arguments(parser, "compare", timeout_s=1800.0)
     parser.add_argument("--no-curves", action="store_true", help="skip per-epoch test errors (no model copies)")
     parser.add_argument(
         "--layout",
@@ -321,13 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="check the input and print the jobs, start nothing")
 
 
-@dataclass
-class _Plan:
-    settings: list[tuple[AlgorithmSetting, dict[str, Any]]]
-    workers: list[int]
-
-
-def _plan(args: argparse.Namespace) -> _Plan:
+def _plan(args: argparse.Namespace) -> tuple[list[tuple[AlgorithmSetting, dict[str, Any]]], list[int]]:
+    """The checked settings (with what the table shows of each) and the worker counts; Refused on bad input."""
     try:
         workers = parse_workers(args.workers)
         settings = apply_sweeps(
@@ -343,7 +315,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         check_at_least(("--epochs", args.epochs, 1), ("--threads", args.threads, 1))
         check_positive("--lr", args.lr)
         check_positive("--timeout-s", args.timeout_s)
-        return _Plan([(setting, check_setting(setting)) for setting in settings], workers)
+        return [(setting, check_setting(setting)) for setting in settings], workers
     except (TypeError, ValueError) as err:
         raise Refused(str(err)) from None
 
@@ -386,16 +358,45 @@ def _record(
     }
 
 
-def _progress(index: int, total: int, record: dict[str, Any]) -> str:
-    head = f"[{index}/{total}] {record['label']} -np {record['workers']}:"
+def _command(
+    args: argparse.Namespace, setting: AlgorithmSetting, n: int, network: str | None, result: Path
+) -> list[str]:
+    return job_command(JOB_MODULE, "--spec", _job_spec(args, setting, result, n), n, network)
+
+
+# what the table and the plots take from a job's result file
+_RESULT_KEYS = (
+    "wall_s",
+    "startup_s",
+    "test_error",
+    "test_loss",
+    "train_loss",
+    "test_error_curve",
+    "epoch_end_s",
+    "samples",
+    "samples_per_s",
+    "steps",
+    "bytes_sent_per_sample",
+    "bytes_sent_per_step",
+    "replicas_equal",
+    "threads",
+    "stats",
+)
+
+
+def _take_result(record: dict[str, Any], result: dict[str, Any]) -> None:
+    record.update({key: result.get(key) for key in _RESULT_KEYS})
+
+
+def _progress(record: dict[str, Any]) -> str:
     if record["status"] != "ok":
         return (
-            f"{head} {record['status'].upper()} after {record['total_s']:.1f} s (exit {record.get('exit_code')}); "
+            f"{record['status'].upper()} after {record['total_s']:.1f} s (exit {record.get('exit_code')}); "
             f"see {record['dir']}/stderr.txt"
         )
     equal = "" if record.get("replicas_equal", True) else "  WARNING: replicas differ after join()"
     return (
-        f"{head} {record['wall_s']:.1f} s training ({record['total_s']:.1f} s in all), "
+        f"{record['wall_s']:.1f} s training ({record['total_s']:.1f} s in all), "
         f"test error {100 * record['test_error']:.2f}%{equal}"
     )
 
@@ -414,63 +415,35 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         if refusal is not None:
             return refuse(PROG, refusal)
     try:
-        plan = _plan(args)
-        _check_model_and_data(args.model, args.dataset)
-    except Refused as err:
+        settings, workers = _plan(args)
+        from bunsan.bench.job import check_model_and_data
+
+        check_model_and_data(args.model, args.dataset)
+    except ValueError as err:  # Refused, or a model the data set cannot feed
         return refuse(PROG, err)
     out = Path(args.out)
-    configs = [(n, s, d) for n in plan.workers for s, d in plan.settings]  # all settings at N, then the next N
-    env = job_environment(args.threads)
+    network = getattr(args, "network", None)
+    jobs = [
+        (
+            _record(setting, described, n, args, job_directory(out, n, setting.label)),
+            partial(_command, args, setting, n, network),
+        )
+        for n in workers  # all settings at N, then the next N
+        for setting, described in settings
+    ]
     if args.dry_run:
-        for n, setting, _ in configs:
-            spec = _job_spec(args, setting, out / f"np{n}-{slug(setting.label)}" / "result.json", n)
-            say(shlex.join(job_command(JOB_MODULE, "--spec", spec, n, getattr(args, "network", None))))
+        for record, command in jobs:
+            say(shlex.join(command(Path(record["dir"]) / "result.json")))
         return 0
 
     load_before = load_average()
-    records: list[dict[str, Any]] = []
-    interrupted = False
-    for index, (n, setting, described) in enumerate(configs, start=1):
-        directory = out / f"np{n}-{slug(setting.label)}"
-        result_path = directory / "result.json"
-        result_path.unlink(missing_ok=True)  # never report a previous run's result
-        record = _record(setting, described, n, args, directory)
-        command = job_command(
-            JOB_MODULE, "--spec", _job_spec(args, setting, result_path.resolve(), n), n, getattr(args, "network", None)
-        )
-        try:
-            result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
-        except KeyboardInterrupt:  # run_job has stopped the job; report what finished
-            say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
-            interrupted = True
-            break
-        if result is not None:
-            for key in (
-                "wall_s",
-                "startup_s",
-                "test_error",
-                "test_loss",
-                "train_loss",
-                "test_error_curve",
-                "epoch_end_s",
-                "samples",
-                "samples_per_s",
-                "steps",
-                "bytes_sent_per_sample",
-                "bytes_sent_per_step",
-                "replicas_equal",
-                "threads",
-                "stats",
-            ):
-                record[key] = result.get(key)
-        records.append(record)
-        say(_progress(index, len(configs), record))
-
-    reference = reference_workers(plan.workers)
-    ratios = speed_ratios([(r["label"], r["workers"], r.get("wall_s")) for r in records], reference)
-    speedups = speedups_vs_first(
-        [(r["label"], r["workers"], r.get("wall_s")) for r in records], plan.settings[0][0].label
+    records, interrupted = run_jobs(
+        jobs, args.timeout_s, job_environment(args.threads), on_result=_take_result, progress=_progress, say=say
     )
+
+    reference = reference_workers(workers)
+    ratios = speed_ratios([(r["label"], r["workers"], r.get("wall_s")) for r in records], reference)
+    speedups = speedups_vs_first([(r["label"], r["workers"], r.get("wall_s")) for r in records], settings[0][0].label)
     for record, ratio, speedup in zip(records, ratios, speedups):
         record["speed_ratio"] = ratio
         record["speedup_vs_first"] = speedup
@@ -488,7 +461,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         f"{args.model} on {args.dataset}, {args.epochs} epochs, {framing}, lr {args.lr}, "
         f"momentum {args.momentum}, seed {args.seed}, {args.threads} thread(s) per worker; "
         f"speed = time({reference} worker{'s' if reference > 1 else ''}) / time(N) of the same setting; "
-        f"vs first = time({plan.settings[0][0].label}) / time(setting) at the same N"
+        f"vs first = time({settings[0][0].label}) / time(setting) at the same N"
     )
     if args.layout in ("rows", "both"):
         say(format_table(COLUMNS, rows, right=_RIGHT))
@@ -514,7 +487,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.compare``: the same as ``bunsan bench compare``."""
-    return command_main(argv, prog=PROG, description=DESCRIPTION, epilog=EPILOG, add_arguments=add_arguments, run=run)
+    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from bunsan import algorithms, comm, datasets, models  # noqa: E402
 from bunsan._validate import check_int, check_number, check_type  # noqa: E402
 from bunsan.bench.specs import parse_algorithm_spec, per_worker_batch  # noqa: E402
 
-__all__ = ["JobSpec", "build_model", "evaluate", "main", "spec_from_args", "train"]
+__all__ = ["JobSpec", "build_model", "check_model_and_data", "evaluate", "main", "spec_from_args", "train"]
 
 EVAL_BATCH = 1000  # evaluation batch: memory only, no effect on the result
 
@@ -151,6 +151,25 @@ def spec_from_args(argv: list[str] | None = None) -> JobSpec:
         return JobSpec(**values)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
+
+
+def check_model_and_data(model: str, dataset: str) -> None:
+    """Refuse, before any job starts, a model or data set that does not exist or do not fit together.
+
+    Also generates the data set once (it is cached on disk), not by every rank of the first job at once.
+
+    Raises:
+        ValueError: one sentence naming the model or data set and what is wrong.
+    """
+    if dataset not in datasets.names():
+        raise ValueError(f"unknown data set {dataset!r}; choose one of {', '.join(datasets.names())}")
+    if model not in models.names():
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(models.names())}")
+    try:
+        build_model(model, datasets.info(dataset))
+        datasets.load(dataset, "train")
+    except (TypeError, ValueError, ImportError) as err:
+        raise ValueError(f"model {model!r} on data set {dataset!r}: {err}") from None
 
 
 def build_model(name: str, info: datasets.DatasetInfo) -> nn.Module:

@@ -229,12 +229,9 @@ def format_plan(predictions: Sequence[Any]) -> str:
 
 def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
     """PNG of predicted efficiency (and step time) against workers, one line per algorithm."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from bunsan.bench.plots import new_figure, save_figure
 
-    figure = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(figure)
-    efficiency_axes, step_axes = figure.subplots(1, 2)
+    figure, (efficiency_axes, step_axes) = new_figure(2)
     labels = list(dict.fromkeys(p.label for p in predictions))
     for label in labels:
         mine = sorted((p for p in predictions if p.label == label), key=lambda p: p.workers)
@@ -251,9 +248,7 @@ def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
     efficiency_axes.legend(fontsize="small")
     if title:
         figure.suptitle(title, fontsize="medium")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    return save_figure(figure, path)
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -328,7 +323,7 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
 
     from bunsan import models
     from bunsan.bench.measure import measure_codec, measure_compute
-    from bunsan.bench.throughput import model_inputs
+    from bunsan.bench.synthetic import model_inputs
 
     if args.model not in models.names():
         raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
@@ -447,15 +442,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.plan``: the same as ``bunsan plan``."""
-    return command_main(
-        argv,
-        prog=PROG,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        add_arguments=add_arguments,
-        run=run,
-        allow_abbrev=True,
-    )
+    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, allow_abbrev=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""PNG plots of ``bunsan bench compare`` records: whichever comparisons the records hold.
+"""PNG plots of ``bunsan bench compare`` records, and the figure helpers of every benchmark's plots.
 
 * ``scaling.png``: wall time and test error against the worker count, one
   line per algorithm setting (when a setting ran at two or more counts).
@@ -22,7 +22,16 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["SWEPT_KEYS", "plot_compare", "plot_curves", "plot_scaling", "plot_sweep", "sweep_groups"]
+__all__ = [
+    "SWEPT_KEYS",
+    "new_figure",
+    "plot_compare",
+    "plot_curves",
+    "plot_scaling",
+    "plot_sweep",
+    "save_figure",
+    "sweep_groups",
+]
 
 SWEPT_KEYS = ("warm_start", "block_size")  # record keys that have a sweep plot
 
@@ -31,14 +40,16 @@ def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("status") == "ok" and r.get("wall_s") is not None]
 
 
-def _new_figure(panels: int) -> tuple[Figure, list[Any]]:
-    figure = Figure(figsize=(5.5 * panels, 4.2), layout="constrained")
+def new_figure(panels: int, size: tuple[float, float] | None = None) -> tuple[Figure, list[Any]]:
+    """A figure of ``panels`` axes side by side (5.5 x 4.2 inches each unless ``size`` is given), on the Agg canvas."""
+    figure = Figure(figsize=size or (5.5 * panels, 4.2), layout="constrained")
     FigureCanvasAgg(figure)  # the PNG renderer, attached to this figure only
     axes = figure.subplots(1, panels, squeeze=False)[0]
     return figure, list(axes)
 
 
-def _save(figure: Figure, path: Path) -> Path:
+def save_figure(figure: Figure, path: Path) -> Path:
+    """Write ``figure`` as a PNG to ``path`` (creating its directory); return ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     return path
@@ -52,7 +63,7 @@ def plot_scaling(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     lines = {label: sorted(rs, key=lambda r: r["workers"]) for label, rs in by_label.items() if len(rs) >= 2}
     if not lines:
         return None
-    figure, (time_axes, error_axes) = _new_figure(2)
+    figure, (time_axes, error_axes) = new_figure(2)
     counts = sorted({r["workers"] for rs in lines.values() for r in rs})
     for label, rs in lines.items():
         x = [r["workers"] for r in rs]
@@ -66,7 +77,7 @@ def plot_scaling(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     time_axes.set_ylim(bottom=0)
     error_axes.legend(fontsize="small")
     figure.suptitle("time and error against the number of workers")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def sweep_groups(records: Sequence[dict[str, Any]], key: str) -> dict[str, list[dict[str, Any]]]:
@@ -96,7 +107,7 @@ def plot_sweep(records: Sequence[dict[str, Any]], key: str, path: Path) -> Path 
     groups = sweep_groups(records, key)
     if not groups:
         return None
-    figure, (error_axes, time_axes) = _new_figure(2)
+    figure, (error_axes, time_axes) = new_figure(2)
     values = sorted({r[key] for rs in groups.values() for r in rs})
     for label, rs in groups.items():
         x = [r[key] for r in rs]
@@ -121,7 +132,7 @@ def plot_sweep(records: Sequence[dict[str, Any]], key: str, path: Path) -> Path 
     time_axes.set_ylim(bottom=0)
     error_axes.legend(fontsize="small")
     figure.suptitle(f"test error and time against the {key.replace('_', ' ')}")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
@@ -130,7 +141,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
     if not with_curves:
         return None
     counts = sorted({r["workers"] for r in with_curves})
-    figure, panels = _new_figure(len(counts))
+    figure, panels = new_figure(len(counts))
     for axes, n in zip(panels, counts):
         for r in (r for r in with_curves if r["workers"] == n):
             curve = r["test_error_curve"]
@@ -140,7 +151,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
         axes.set_ylabel("test error (%), rank 0's replica")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_compare(records: Sequence[dict[str, Any]], directory: Path) -> list[Path]:

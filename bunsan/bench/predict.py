@@ -135,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _build(name: str) -> tuple[Any, tuple[int, ...]]:
     from bunsan import models
     from bunsan.bench.quantized import MODELS as BENCH_MODELS
-    from bunsan.bench.throughput import model_inputs
+    from bunsan.bench.synthetic import model_inputs
 
     if name in BENCH_MODELS:  # the communication-heavy 10.5M MLP of bench.quantized
         return BENCH_MODELS[name]()
@@ -297,12 +297,9 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Predicted against measured step time, log-log, with the +-20% band; one marker per network."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from bunsan.bench.plots import new_figure, save_figure
 
-    figure = Figure(figsize=(6, 5.5), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots()
+    figure, (axes,) = new_figure(1, size=(6, 5.5))
     for network in dict.fromkeys(r["network"] for r in rows):
         mine = [r for r in rows if r["network"] == network]
         axes.scatter([r["measured_s"] * 1e3 for r in mine], [r["predicted_s"] * 1e3 for r in mine], s=18, label=network)
@@ -316,9 +313,7 @@ def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     axes.set_ylabel("predicted step (ms)")
     axes.legend(fontsize="small")
     axes.grid(True, alpha=0.3, which="both")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    return path
+    return save_figure(figure, path)
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
@@ -400,16 +395,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.predict`` (or ``--worker SPEC`` inside a job)."""
-    return command_main(
-        argv,
-        prog=PROG,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        add_arguments=add_arguments,
-        run=run,
-        worker=_worker,
-        allow_abbrev=True,
-    )
+    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, worker=_worker, allow_abbrev=True)
 
 
 if __name__ == "__main__":

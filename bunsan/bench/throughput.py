@@ -38,13 +38,12 @@ the job every worker runs (``python -m bunsan.bench.throughput --worker SPEC``).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +51,22 @@ from bunsan._table import format_table
 from bunsan.bench import netns, write_json
 from bunsan.bench._common import (
     Refused,
+    add_job_arguments,
     check_at_least,
     check_positive,
     command_main,
     job_command,
+    job_directory,
     job_environment,
     load_average,
     record_document,
     refuse,
     report_failures,
-    run_recorded_job,
-    slug,
+    run_jobs,
     usable_cores,
 )
 from bunsan.bench.specs import AlgorithmSetting, check_setting, parse_algorithm_spec, parse_workers, reference_workers
+from bunsan.bench.synthetic import model_inputs, train_timed
 
 __all__ = [
     "COLUMNS",
@@ -103,45 +104,8 @@ examples:
   bunsan bench throughput --model cifar_convnet -np 1,2 --network rate=100mbit \\
       --algorithm data_parallel data_parallel:bits=1"""
 
-# model name -> (default input shape, which constructor argument takes the image side)
-_INPUTS: dict[str, tuple[tuple[int, ...], str | None]] = {
-    "cifar_convnet": ((3, 32, 32), "image_size"),
-    "resnet20": ((3, 32, 32), None),
-    "resnet110": ((3, 32, 32), None),
-    "bn_inception_cifar": ((3, 32, 32), None),
-    "mnist_convnet": ((1, 28, 28), "image_size"),
-    "digits_cnn": ((1, 8, 8), "fixed"),
-    "mnist1d_cnn": ((1, 40), "length"),
-    "mlp": ((1, 28, 28), "in_features"),
-}
-
 
 # -- pure ----------------------------------------------------------------------------------
-def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[dict[str, Any], tuple[int, ...]]:
-    """Constructor arguments of model ``name`` and the shape of one input, for images of side ``image_size``.
-
-    ``None`` keeps the model's own size (32 for the CIFAR models, 28 for
-    ``mnist_convnet`` and ``mlp``, 8 for ``digits_cnn``, 40 for ``mnist1d_cnn``).
-    A model not listed here gets ``num_classes`` and 3-channel square images.
-
-    Raises:
-        ValueError: a size the model cannot take.
-    """
-    shape, takes = _INPUTS.get(name, ((3, 32, 32), None))
-    if image_size is not None:
-        if image_size < 4:
-            raise ValueError(f"--image-size must be >= 4, got {image_size}")
-        if takes == "fixed" and image_size != shape[-1]:
-            raise ValueError(f"model {name} takes {shape[-1]}x{shape[-1]} images only; drop --image-size")
-        shape = (*shape[:-2], image_size, image_size) if len(shape) == 3 else (*shape[:-1], image_size)
-    if takes == "in_features":
-        return {"in_features": math.prod(shape), "out_features": num_classes}, shape
-    kwargs: dict[str, Any] = {"num_classes": num_classes}
-    if takes in ("image_size", "length"):
-        kwargs[takes] = shape[-1]
-    return kwargs, shape
-
-
 def summarize(values: Sequence[float]) -> tuple[float, float]:
     """``(mean, 1.96 x standard deviation)`` of ``values`` (population deviation, as Horovod's numpy)."""
     if not values:
@@ -231,68 +195,6 @@ def table_rows(records: Iterable[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-# -- the job on every worker ---------------------------------------------------------------
-def _worker(spec: dict[str, Any]) -> int:
-    """Run the timed loop on this worker; rank 0 writes the result to ``spec["out"]``. Collective."""
-    import torch
-    import torch.nn.functional as F
-
-    import bunsan
-    from bunsan import algorithms, comm, models
-
-    bunsan.init()
-    rank = bunsan.rank()
-    kwargs, shape = model_inputs(spec["model"], spec["image_size"], spec["num_classes"])
-    torch.manual_seed(spec["seed"])
-    model = models.create(spec["model"], **kwargs)
-    parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
-    algorithm = algorithms.create(spec["algorithm"], **spec["options"])
-    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
-    generator = torch.Generator().manual_seed(spec["seed"] + rank)  # each worker its own batch, as with real data
-    x = torch.randn(spec["batch"], *shape, generator=generator)
-    y = torch.randint(spec["num_classes"], (spec["batch"],), generator=generator)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    for _ in range(spec["warmup"]):
-        step()
-    comm.barrier()  # the timed iterations start together
-    before = algorithm.stats()
-    times: list[float] = []
-    for _ in range(spec["iters"]):
-        start = time.perf_counter()
-        for _ in range(spec["batches_per_iter"]):
-            step()
-        times.append(time.perf_counter() - start)
-    after = algorithm.stats()
-    optimizer.join()  # block algorithms end their last block; not timed
-    steps = max(after["steps"] - before["steps"], 1)
-    mine = {
-        "times": times,
-        "bytes_per_step": (after["bytes_sent"] - before["bytes_sent"]) / steps,
-        "threads": torch.get_num_threads(),
-    }
-    everyone = comm.all_gather_object(mine)
-    if rank == 0:
-        result = {
-            "workers": bunsan.size(),
-            "times_s": [r["times"] for r in everyone],
-            "bytes_sent_per_step": statistics.fmean(r["bytes_per_step"] for r in everyone),
-            "threads": everyone[0]["threads"],
-            "parameters": parameters,
-            "input_shape": list(shape),
-            "algorithm_repr": repr(algorithm),
-            "torch": torch.__version__,
-        }
-        Path(spec["out"]).write_text(json.dumps(result, indent=1))
-    bunsan.finalize()
-    return 0
-
-
 # -- the command ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan bench throughput`` to ``parser``."""
@@ -330,12 +232,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate; default %(default)s")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum; default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="model and data; default %(default)s")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker; default %(default)s")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="per job; default %(default)s")
-    parser.add_argument("--out", default="runs/throughput", help="directory of the jobs' outputs; default %(default)s")
-    parser.add_argument("--json", metavar="FILE", help="the JSON record; default OUT/throughput.json")
-    parser.add_argument("--plots", metavar="DIR", help="PNG plots; default OUT/plots")
-    parser.add_argument("--no-plots", action="store_true", help="write no plots")
+    add_job_arguments(parser, "throughput", timeout_s=900.0)
     parser.add_argument("--dry-run", action="store_true", help="check the input and print the jobs, start nothing")
     netns.add_arguments(parser)
 
@@ -386,6 +283,36 @@ def _spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path) -> dic
     }
 
 
+def _command(args: argparse.Namespace, setting: AlgorithmSetting, n: int, result: Path) -> list[str]:
+    return job_command(WORKER_MODULE, "--worker", _spec(args, setting, result), n, args.network)
+
+
+def _record(
+    args: argparse.Namespace, setting: AlgorithmSetting, described: dict[str, Any], n: int, out: Path, cores: int
+) -> dict[str, Any]:
+    directory = job_directory(out, n, setting.label)
+    record = {"label": setting.label, "workers": n, "batch": args.batch, "dir": str(directory), **described}
+    if oversubscribed(n, args.threads, cores):
+        record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
+    return record
+
+
+def _take_result(args: argparse.Namespace, record: dict[str, Any], result: dict[str, Any]) -> None:
+    per_worker, total = throughputs(result["times_s"], args.batch * args.batches_per_iter)
+    record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
+    record["total_mean"], record["total_spread"] = summarize(total)
+    record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) / args.batches_per_iter
+    record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
+    for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape", "algorithm_repr"):
+        record[key] = result.get(key)
+
+
+def _progress(record: dict[str, Any]) -> str:
+    if record["status"] == "ok":
+        return f"{record['total_mean']:.1f} img/s in total ({record['total_s']:.1f} s in all)"
+    return f"{record['status'].upper()}; see {record['dir']}/stderr.txt ({record['total_s']:.1f} s in all)"
+
+
 def _finish(records: list[dict[str, Any]], workers: list[int], first_label: str) -> int:
     """Add efficiency and ``vs first`` to the records; return the reference worker count."""
     reference = reference_workers(workers)
@@ -414,54 +341,25 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         return refuse(PROG, err)
     out = Path(args.out)
     cores = usable_cores()
-    env = job_environment(args.threads)
-    configs = [(setting, described, n) for setting, described in settings for n in workers]
+    jobs = [
+        (_record(args, setting, described, n, out, cores), partial(_command, args, setting, n))
+        for setting, described in settings
+        for n in workers
+    ]
     if args.dry_run:
-        for setting, _, n in configs:
-            spec = _spec(args, setting, out / f"np{n}-{slug(setting.label)}" / "result.json")
-            say(shlex.join(job_command(WORKER_MODULE, "--worker", spec, n, args.network)))
+        for record, command in jobs:
+            say(shlex.join(command(Path(record["dir"]) / "result.json")))
         return 0
 
     load_before = load_average()
-    records: list[dict[str, Any]] = []
-    interrupted = False
-    for index, (setting, described, n) in enumerate(configs, start=1):
-        directory = out / f"np{n}-{slug(setting.label)}"
-        result_path = directory / "result.json"
-        result_path.unlink(missing_ok=True)
-        record: dict[str, Any] = {
-            "label": setting.label,
-            "workers": n,
-            "batch": args.batch,
-            "dir": str(directory),
-            **described,
-        }
-        if oversubscribed(n, args.threads, cores):
-            record["note"] = f"oversubscribed: {n} x {args.threads} threads on {cores} cores"
-        command = job_command(WORKER_MODULE, "--worker", _spec(args, setting, result_path.resolve()), n, args.network)
-        try:
-            result = run_recorded_job(command, directory, result_path, record, args.timeout_s, env)
-        except KeyboardInterrupt:
-            say(f"interrupted during job {index} of {len(configs)}; the table holds the jobs that finished")
-            interrupted = True
-            break
-        if result is not None:
-            images = args.batch * args.batches_per_iter
-            per_worker, total = throughputs(result["times_s"], images)
-            record["per_worker_mean"], record["per_worker_spread"] = summarize(per_worker)
-            record["total_mean"], record["total_spread"] = summarize(total)
-            record["step_ms"] = 1000 * statistics.fmean(t for w in result["times_s"] for t in w) / args.batches_per_iter
-            record["per_worker_per_iter"], record["total_per_iter"] = per_worker, total
-            for key in ("times_s", "bytes_sent_per_step", "threads", "parameters", "input_shape", "algorithm_repr"):
-                record[key] = result.get(key)
-        records.append(record)
-        done = (
-            f"{record['total_mean']:.1f} img/s in total"
-            if record["status"] == "ok"
-            else f"{record['status'].upper()}; see {directory}/stderr.txt"
-        )
-        say(f"[{index}/{len(configs)}] {setting.label} -np {n}: {done} ({record['total_s']:.1f} s in all)")
-
+    records, interrupted = run_jobs(
+        jobs,
+        args.timeout_s,
+        job_environment(args.threads),
+        on_result=partial(_take_result, args),
+        progress=_progress,
+        say=say,
+    )
     reference = _finish(records, workers, settings[0][0].label)
     shape = "x".join(map(str, model_inputs(args.model, args.image_size, args.num_classes)[1]))
     network = (
@@ -500,7 +398,7 @@ def plot_throughput(records: Sequence[dict[str, Any]], directory: Path, model: s
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         return None
-    figure, (rate_axes, efficiency_axes) = plots._new_figure(2)
+    figure, (rate_axes, efficiency_axes) = plots.new_figure(2)
     counts = sorted({r["workers"] for r in ok})
     for label in dict.fromkeys(r["label"] for r in ok):
         rs = sorted((r for r in ok if r["label"] == label), key=lambda r: r["workers"])
@@ -532,20 +430,12 @@ def plot_throughput(records: Sequence[dict[str, Any]], directory: Path, model: s
         axes.legend(fontsize="small")
     rate_axes.set_ylim(bottom=0)
     figure.suptitle(f"{model}: synthetic-data throughput")
-    return plots._save(figure, Path(directory) / "throughput.png")
+    return plots.save_figure(figure, Path(directory) / "throughput.png")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.throughput``: the same as ``bunsan bench throughput``; ``--worker SPEC`` runs one job's worker."""
-    return command_main(
-        argv,
-        prog=PROG,
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        add_arguments=add_arguments,
-        run=run,
-        worker=_worker,
-    )
+    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, worker=train_timed)
 
 
 if __name__ == "__main__":
