@@ -56,12 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import bunsan
-from bunsan import comm, datasets
+from bunsan import _table, comm, datasets
 from bunsan.algorithms import Algorithm, BlockMomentumSGD, DataParallelSGD
 from bunsan.algorithms.async_sgd import AsyncSGD
 from bunsan.models import MNIST1DCNN
 
-__all__ = ["format_table", "main", "train_one"]
+__all__ = ["COLUMNS", "format_table", "main", "train_one"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -199,22 +199,27 @@ def train_one(name: str, situation: str, args: argparse.Namespace) -> dict[str, 
     return row
 
 
+COLUMNS = ("situation", "algorithm", "lr", "time s", "speed", "acc %", "bytes/sample", "samples", "samples per worker")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a text table, with each time's speed relative to DataParallelSGD in its situation."""
     reference = {r["situation"]: r["time_s"] for r in rows if r["algorithm"] == "data_parallel"}
-    header = (
-        f"{'situation':<10} {'algorithm':<15} {'lr':>8} {'time s':>8} {'speed':>6} {'acc %':>6} "
-        f"{'bytes/sample':>12} {'samples':>8}  samples per worker"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        speed = reference.get(r["situation"])
-        speed_text = f"{speed / r['time_s']:.2f}" if speed else "-"
-        lines.append(
-            f"{r['situation']:<10} {r['algorithm']:<15} {r['lr']:>8.4f} {r['time_s']:>8.1f} {speed_text:>6} "
-            f"{100 * r['accuracy']:>6.1f} {r['bytes_per_sample']:>12.0f} {r['samples']:>8}  {r['samples_per_worker']}"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            r["situation"],
+            r["algorithm"],
+            f"{r['lr']:.4f}",
+            f"{r['time_s']:.1f}",
+            f"{reference[r['situation']] / r['time_s']:.2f}" if reference.get(r["situation"]) else "-",
+            f"{100 * r['accuracy']:.1f}",
+            f"{r['bytes_per_sample']:.0f}",
+            str(r["samples"]),
+            str(r["samples_per_worker"]),
+        ]
+        for r in rows
+    ]
+    return _table.format_table(COLUMNS, cells, right=COLUMNS[2:8])
 
 
 def _warm_up() -> None:

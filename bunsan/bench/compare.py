@@ -358,10 +358,14 @@ def _record(
     }
 
 
-def _command(
+def _command(workers: int, spec: dict[str, Any], network: str | None = None) -> list[str]:
+    return job_command(JOB_MODULE, "--spec", spec, workers, network)
+
+
+def _setting_command(
     args: argparse.Namespace, setting: AlgorithmSetting, n: int, network: str | None, result: Path
 ) -> list[str]:
-    return job_command(JOB_MODULE, "--spec", _job_spec(args, setting, result, n), n, network)
+    return _command(n, _job_spec(args, setting, result, n), network)
 
 
 # what the table and the plots take from a job's result file
@@ -426,7 +430,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     jobs = [
         (
             _record(setting, described, n, args, job_directory(out, n, setting.label)),
-            partial(_command, args, setting, n, network),
+            partial(_setting_command, args, setting, n, network),
         )
         for n in workers  # all settings at N, then the next N
         for setting, described in settings

@@ -115,7 +115,7 @@ def _pair(
 
 def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dict[str, float | int | str]:
     """Step times of DDP and of bunsan's DataParallelSGD on model ``name``, alternating. Collective."""
-    ddp, ddp_opt, ours, our_opt, batches, case = _pair(name, batch, steps)
+    ddp, ddp_opt, ours, our_opt, batches, _ = _pair(name, batch, steps)
     _train_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
     _train_steps(ours, our_opt, batches[:3])
     ddp_times, our_times = [], []

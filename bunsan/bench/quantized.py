@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -162,8 +163,8 @@ def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[di
         codec = RotatedQuantizer(bits, ROTATED_CHUNK_SIZE) if rotate else Quantizer(bits)  # DataParallelSGD's
         residual = torch.zeros(numel)
         payload = torch.empty(codec.payload_bytes(numel), dtype=torch.uint8)
-        encode_ms = _best_ms(lambda: codec.encode_with_feedback(x, residual, out=payload), repeats)
-        decode_ms = _best_ms(lambda: codec.decode(payload, numel, out=target), repeats)
+        encode_ms = _best_ms(partial(codec.encode_with_feedback, x, residual, out=payload), repeats)
+        decode_ms = _best_ms(partial(codec.decode, payload, numel, out=target), repeats)
         rows.append(
             {
                 "bits": label,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bunsan.bench import report
+from bunsan.bench import doc_tables, report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +88,7 @@ def _write(path: Path, doc: dict) -> None:
 
 def test_job_table_picks_columns_and_rows(tmp_path):
     _write(tmp_path / "c.json", {"columns": ["size", "op", "x"], "table": [["1KB", "a", "1"], ["1MB", "b", "2"]]})
-    header, rows = report.job_table(
+    header, rows = doc_tables.job_table(
         tmp_path / "c.json",
         ["op", "size"],
         keep=lambda row, cells: cells["size"] == "1MB",
@@ -96,7 +96,7 @@ def test_job_table_picks_columns_and_rows(tmp_path):
     )
     assert header == ["link", "op", "size"] and rows == [["1 Gbit/s", "b", "1MB"]]
     with pytest.raises(ValueError, match="no columns"):
-        report.job_table(tmp_path / "c.json", ["nope"])
+        doc_tables.job_table(tmp_path / "c.json", ["nope"])
 
 
 def test_render_only_rewrites_the_tables_with_a_stamp(tmp_path):
@@ -139,16 +139,16 @@ def test_a_block_that_cannot_render_keeps_its_table_and_fails(tmp_path):
 
 
 def test_accuracy_rows_in_the_readme_order(tmp_path):
-    for run, (_, _, labels) in report.ACCURACY_RUNS.items():
+    for run, (_, _, labels) in doc_tables.ACCURACY_RUNS.items():
         configs = [
             {"label": label, "status": "ok", "test_error": 0.1 + i / 100, "bytes_sent_per_sample": 48.1, "wall_s": 3.0}
             for i, label in enumerate(labels)
         ]
         _write(tmp_path / run / "compare.json", {"configs": configs})
-    table = report._render_accuracy(tmp_path).splitlines()
-    assert len(table) == 2 + len(report.ACCURACY_ORDER) == 21
+    table = doc_tables.render_accuracy(tmp_path).splitlines()
+    assert len(table) == 2 + len(doc_tables.ACCURACY_ORDER) == 21
     assert table[2] == "| data_parallel | 0.05, 0.9 | 10.0% | 48.1 | 3.0 s |"
     assert table[3].startswith("| block_momentum block 256, ζ=0.5 | 0.05, 0.9 |")
     assert table[-1].startswith("| data_parallel bits=1, rotate, warm start 40,000 | 0.05, 0.9 | 11.0% |")
-    covered = {(run, i) for run, i in report.ACCURACY_ORDER}
-    assert covered == {(run, i) for run, (_, _, labels) in report.ACCURACY_RUNS.items() for i in range(len(labels))}
+    covered = {(run, i) for run, i in doc_tables.ACCURACY_ORDER}
+    assert covered == {(run, i) for run, (_, _, labels) in doc_tables.ACCURACY_RUNS.items() for i in range(len(labels))}
