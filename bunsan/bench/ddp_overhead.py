@@ -32,16 +32,15 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import bunsan
 from bunsan.bench import write_json
+from bunsan.bench.synthetic import time_steps
 
 __all__ = ["ModelCase", "cases", "main", "measure", "profile"]
 
@@ -83,15 +82,6 @@ def cases() -> dict[str, ModelCase]:
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches) -> float:
-    start = time.perf_counter()
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return (time.perf_counter() - start) / len(batches)
-
-
 def _pair(
     name: str, batch: int | None, steps: int | None
 ) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer, Batches, ModelCase]:
@@ -116,16 +106,16 @@ def _pair(
 def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dict[str, float | int | str]:
     """Step times of DDP and of bunsan's DataParallelSGD on model ``name``, alternating. Collective."""
     ddp, ddp_opt, ours, our_opt, batches, _ = _pair(name, batch, steps)
-    _train_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
-    _train_steps(ours, our_opt, batches[:3])
+    time_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
+    time_steps(ours, our_opt, batches[:3])
     ddp_times, our_times = [], []
     for r in range(rounds):
         if r % 2 == 0:
-            ddp_times.append(_train_steps(ddp, ddp_opt, batches))
-            our_times.append(_train_steps(ours, our_opt, batches))
+            ddp_times.append(time_steps(ddp, ddp_opt, batches))
+            our_times.append(time_steps(ours, our_opt, batches))
         else:
-            our_times.append(_train_steps(ours, our_opt, batches))
-            ddp_times.append(_train_steps(ddp, ddp_opt, batches))
+            our_times.append(time_steps(ours, our_opt, batches))
+            ddp_times.append(time_steps(ddp, ddp_opt, batches))
     ratios = [o / d for o, d in zip(our_times, ddp_times, strict=True)]
     with torch.no_grad():
         pairs = zip(ddp.module.parameters(), ours.parameters(), strict=True)
@@ -149,13 +139,13 @@ def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dic
 def profile(name: str, batch: int | None, steps: int, top: int = 25) -> str:
     """cProfile of ``steps`` steps of each trainer (rank 0's view), most own time first. Collective."""
     ddp, ddp_opt, ours, our_opt, batches, _ = _pair(name, batch, steps)
-    _train_steps(ddp, ddp_opt, batches[:3])
-    _train_steps(ours, our_opt, batches[:3])
+    time_steps(ddp, ddp_opt, batches[:3])
+    time_steps(ours, our_opt, batches[:3])
     report = io.StringIO()
     for label, model, optimizer in (("DDP", ddp, ddp_opt), ("bunsan", ours, our_opt)):
         profiler = cProfile.Profile()
         profiler.enable()
-        seconds = _train_steps(model, optimizer, batches)
+        seconds = time_steps(model, optimizer, batches)
         profiler.disable()
         report.write(
             f"\n=== {label} on {name}: {seconds * 1e3:.3f} ms/step over {len(batches)} steps (under the profiler) ===\n"

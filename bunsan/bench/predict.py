@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from bunsan.bench._common import (
     run_recorded_job,
 )
 from bunsan.bench.specs import parse_workers
+from bunsan.bench.synthetic import time_steps
 
 __all__ = [
     "DESCRIPTION",
@@ -150,18 +150,6 @@ def _algorithm(candidate: Any) -> Any:
     return algorithms.create(candidate.algorithm, **options)
 
 
-def _steps(model: Any, optimizer: Any, x: Any, y: Any, count: int) -> float:
-    """Seconds per training step over ``count`` steps on one fixed batch."""
-    import torch.nn.functional as F
-
-    start = time.perf_counter()
-    for _ in range(count):
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return (time.perf_counter() - start) / count
-
-
 def _worker(spec: dict[str, Any]) -> int:
     import torch
 
@@ -192,17 +180,17 @@ def _worker(spec: dict[str, Any]) -> int:
             copy, _ = _build(name)
             optimizer = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
             copy, optimizer = bunsan.distribute(copy, optimizer, _algorithm(candidate))
-            _steps(copy, optimizer, x, y, 2)  # warm up (buffers, first-step allocations)
+            time_steps(copy, optimizer, [(x, y)] * 2)  # warm up (buffers, first-step allocations)
             trainers.append((candidate, copy, optimizer, optimizer.algorithm.stats(), []))
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
         per_round = max(1, spec["compute_steps"] // spec["rounds"])
         for _ in range(spec["rounds"]):
             comm.barrier()
-            local_times += [_steps(model, local, x, y, 1) for _ in range(per_round)]
+            local_times += [time_steps(model, local, [(x, y)]) for _ in range(per_round)]
             for _, copy, optimizer, _, times in trainers:
                 comm.barrier()
-                times.append(_steps(copy, optimizer, x, y, spec["steps"]))
+                times.append(time_steps(copy, optimizer, [(x, y)] * spec["steps"]))
         mine = torch.tensor(local_times, dtype=torch.float64)
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)

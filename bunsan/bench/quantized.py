@@ -26,12 +26,12 @@ import time
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import bunsan
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.bench import write_json
+from bunsan.bench.synthetic import time_steps
 from bunsan.compression import Quantizer, RotatedQuantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE
 
@@ -69,17 +69,6 @@ def _cnn() -> tuple[nn.Module, tuple[int, ...]]:
 MODELS = {"mlp-10m": _mlp, "cnn": _cnn}
 
 
-def _steps(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> float:
-    start = time.perf_counter()
-    for x, y in batches:
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    return (time.perf_counter() - start) / len(batches)
-
-
 def parse_setting(label: str) -> tuple[int, bool]:
     """``"8"`` -> 8 bits, unrotated; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``,
     the default at 1 bit)."""
@@ -108,14 +97,14 @@ def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int
         (torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(steps)
     ]
     for _, model, optimizer, algorithm in trainers:  # warm up, then count from zero
-        _steps(model, optimizer, batches[:2])
+        time_steps(model, optimizer, batches[:2])
         algorithm.traffic.reset()
         algorithm.step = algorithm.local_samples = 0
         algorithm._encode_s = algorithm._decode_s = 0.0
     times: dict[str, list[float]] = {label: [] for label in bits_list}
     for _ in range(rounds):
         for bits, model, optimizer, _ in trainers:
-            times[bits].append(_steps(model, optimizer, batches))
+            times[bits].append(time_steps(model, optimizer, batches))
     base = statistics.median(times["32"]) if "32" in times else None
     rows = []
     for bits, _, _, algorithm in trainers:

@@ -17,10 +17,11 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["model_inputs", "train_timed"]
+__all__ = ["model_inputs", "time_steps", "train_timed"]
 
 # model name -> (default input shape, which constructor argument takes the image side)
 _INPUTS: dict[str, tuple[tuple[int, ...], str | None]] = {
@@ -58,6 +59,18 @@ def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[d
     if takes in ("image_size", "length"):
         kwargs[takes] = shape[-1]
     return kwargs, shape
+
+
+def time_steps(model: Any, optimizer: Any, batches: Sequence[tuple[Any, Any]]) -> float:
+    """Seconds per training step (zero_grad, cross-entropy forward and backward, ``optimizer.step()``) over ``batches``."""
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    for x, y in batches:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / len(batches)
 
 
 def train_timed(spec: dict[str, Any]) -> int:
