@@ -133,10 +133,10 @@ def train_one(name: str, situation: str, args: argparse.Namespace) -> dict[str, 
     local_batch = args.batch // world_size
     train_set, test_set = datasets.load("mnist1d", "train"), datasets.load("mnist1d", "test")
     torch.manual_seed(args.seed)
-    model = MNIST1DCNN()
+    model: nn.Module = MNIST1DCNN()
     algorithm, lr, momentum = _make(name, args, local_batch, world_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    model, optimizer = bunsan.distribute(model, sgd, algorithm)
     budget = args.epochs * len(train_set)  # samples, all workers together
     straggler = situation == "straggler" and rank == world_size - 1
     is_async = isinstance(algorithm, AsyncSGD)

@@ -84,7 +84,9 @@ Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def _pair(
     name: str, batch: int | None, steps: int | None
-) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer, Batches, ModelCase]:
+) -> tuple[
+    nn.parallel.DistributedDataParallel, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer, Batches, ModelCase
+]:
     case = cases()[name]
     batch = batch or case.batch
     steps = steps or case.steps

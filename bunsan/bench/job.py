@@ -52,14 +52,14 @@ from typing import Any
 _STARTED = time.perf_counter()  # before `import torch`: start-up counts from here
 
 import torch  # noqa: E402 - imported after the start-up clock on purpose
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import torch.nn.functional as F  # noqa: E402 - after the start-up clock
+from torch import nn  # noqa: E402 - after the start-up clock
+from torch.utils.data import TensorDataset  # noqa: E402 - after the start-up clock
 
-import bunsan  # noqa: E402
-from bunsan import algorithms, comm, datasets, models  # noqa: E402
-from bunsan._validate import check_int, check_number, check_type  # noqa: E402
-from bunsan.bench.specs import parse_algorithm_spec, per_worker_batch  # noqa: E402
+import bunsan  # noqa: E402 - after the start-up clock
+from bunsan import algorithms, comm, datasets, models  # noqa: E402 - after the start-up clock
+from bunsan._validate import check_int, check_number, check_type  # noqa: E402 - after the start-up clock
+from bunsan.bench.specs import parse_algorithm_spec, per_worker_batch  # noqa: E402 - after the start-up clock
 
 __all__ = ["JobSpec", "build_model", "check_model_and_data", "evaluate", "main", "spec_from_args", "train"]
 
@@ -220,12 +220,12 @@ def _warm_up(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, batch: int = EVAL_BATCH) -> tuple[float, float]:
+def evaluate(model: nn.Module, dataset: TensorDataset, batch: int = EVAL_BATCH) -> tuple[float, float]:
     """``(error, loss)`` of ``model`` on all of ``dataset``: the fraction misclassified, the mean cross entropy."""
     was_training = model.training
     model.eval()
     wrong, loss, total = 0, 0.0, 0
-    for start in range(0, len(dataset), batch):  # type: ignore[arg-type]
+    for start in range(0, len(dataset), batch):
         x, y = dataset[start : start + batch]  # a TensorDataset slices into whole tensors
         logits = model(x)
         wrong += int((logits.argmax(dim=1) != y).sum())
@@ -252,11 +252,11 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
     train_set, test_set = datasets.load(spec.dataset, "train"), datasets.load(spec.dataset, "test")
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, info)
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    local = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     algorithm = algorithms.create(spec.algorithm, **spec.options)
     x0, y0 = train_set[:local_batch]
     _warm_up(model, x0, y0)
-    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    model, optimizer = bunsan.distribute(model, local, algorithm)
     loader = bunsan.data.loader(train_set, batch_size=local_batch, shuffle=True, seed=spec.seed)
 
     comm.barrier()  # every rank is set up: the clock starts together

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ __all__ = ["PROBE_SIZES", "main", "measure_codec", "measure_compute", "measure_n
 
 def measure_compute(
     model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int = 5, warmup: int = 2
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median seconds of a training step (forward, backward, SGD update) and of the forward alone.
 
     Returns ``{"compute_s", "forward_s", "step_times", "backward_fraction", "params", "tensors",

@@ -131,8 +131,11 @@ def measure(batch: int, channels: int, size: int, steps: int, rounds: int) -> li
         "channel": ChannelCNN(_copy(base, channels, size), traffic["channel"]),
         "spatial": SpatialCNN(_copy(base, channels, size), traffic["spatial"]),
     }
-    optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
-    models["data"], optimizers["data"] = bunsan.distribute(models["data"], optimizers["data"], bunsan.DataParallelSGD())
+    optimizers: dict[str, torch.optim.Optimizer] = {
+        name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()
+    }
+    models["data"], data_optimizer = bunsan.distribute(models["data"], optimizers["data"], bunsan.DataParallelSGD())
+    optimizers["data"] = data_optimizer
     g = torch.Generator().manual_seed(1)  # the same global batches on every rank
     batches = [
         (torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g))
@@ -157,7 +160,7 @@ def measure(batch: int, channels: int, size: int, steps: int, rounds: int) -> li
         run(name, min(3, steps))
     for t in traffic.values():
         t.reset()
-    data_traffic = optimizers["data"].algorithm.traffic  # type: ignore[attr-defined]
+    data_traffic = data_optimizer.algorithm.traffic
     data_sent_before = data_traffic.sent
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):

@@ -14,9 +14,10 @@ one switch::
 Each link direction has a token-bucket filter (``tc qdisc ... tbf``) of the
 given rate; the burst defaults to 1 ms of traffic (at least 16 KiB), so that
 short messages do not slip through at memory speed (what ``tbf`` delivers
-against the rate asked: docs/design-notes.md, "bench"). Only the rate can be
-shaped: delay, jitter and loss need ``tc qdisc ... netem``, which the kernel
-this was built on does not have, so ``delay=...`` and the like are refused.
+against the rate asked: docs/benchmarks.md and docs/design-notes.md, "bench").
+Only the rate can be shaped: delay, jitter and loss need ``tc qdisc ... netem``,
+which the kernel this was built on does not have, so ``delay=...`` and the like
+are refused.
 
 The workers are started by this module's own small launcher (``python -m
 bunsan.bench.netns``), each as ``ip netns exec <its namespace> <command>``
@@ -257,10 +258,10 @@ def run_workers(
             )
         while True:
             codes = [p.poll() for p in processes]
-            failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+            failed = next(((rank, code) for rank, code in enumerate(codes) if code is not None and code != 0), None)
             if failed is not None:
-                say(f"worker {failed} exited with code {_exit_code(codes[failed])}; stopping the others")
-                return _exit_code(codes[failed])  # type: ignore[arg-type]
+                say(f"worker {failed[0]} exited with code {_exit_code(failed[1])}; stopping the others")
+                return _exit_code(failed[1])
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(0.05)

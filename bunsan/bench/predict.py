@@ -171,15 +171,15 @@ def _worker(spec: dict[str, Any]) -> int:
         x = torch.randn(spec["batch"], *shape, generator=g)
         y = torch.randint(0, 10, (spec["batch"],), generator=g)
         measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
-        codec = measure_codec(measured["params"])
+        codec: dict[str, Any] = measure_codec(measured["params"])
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
-        trainers = []
+        trainers: list[tuple[Any, Any, Any, dict[str, Any], list[float]]] = []
         for candidate in candidates:
             torch.manual_seed(0)
             copy, _ = _build(name)
-            optimizer = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
-            copy, optimizer = bunsan.distribute(copy, optimizer, _algorithm(candidate))
+            sgd = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
+            copy, optimizer = bunsan.distribute(copy, sgd, _algorithm(candidate))
             time_steps(copy, optimizer, [(x, y)] * 2)  # warm up (buffers, first-step allocations)
             trainers.append((candidate, copy, optimizer, optimizer.algorithm.stats(), []))
         # Rounds alternate between the compute alone and every algorithm, so that the machine's

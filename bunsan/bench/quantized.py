@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ def parse_setting(label: str) -> tuple[int, bool]:
     return bits, rotate
 
 
-def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int) -> list[dict[str, float]]:
+def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int) -> list[dict[str, Any]]:
     """Collective: every rank measures every bit width; rank 0's numbers are reported."""
     trainers = []
     for label in bits_list:
@@ -103,17 +104,17 @@ def measure(name: str, bits_list: list[str], batch: int, steps: int, rounds: int
         algorithm._encode_s = algorithm._decode_s = 0.0
     times: dict[str, list[float]] = {label: [] for label in bits_list}
     for _ in range(rounds):
-        for bits, model, optimizer, _ in trainers:
-            times[bits].append(time_steps(model, optimizer, batches))
+        for label, model, optimizer, _ in trainers:
+            times[label].append(time_steps(model, optimizer, batches))
     base = statistics.median(times["32"]) if "32" in times else None
-    rows = []
-    for bits, _, _, algorithm in trainers:
+    rows: list[dict[str, Any]] = []
+    for label, _, _, algorithm in trainers:
         stats = algorithm.stats()
-        ms = statistics.median(times[bits]) * 1e3
+        ms = statistics.median(times[label]) * 1e3
         rows.append(
             {
                 "model": name,
-                "bits": bits,
+                "bits": label,
                 "ms_per_step": ms,
                 "time_ratio": ms / (base * 1e3) if base else float("nan"),
                 "bytes_per_step": stats["bytes_sent_per_step"],
@@ -138,7 +139,7 @@ def _best_ms(fn, repeats: int) -> float:
     return best * 1e3
 
 
-def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[dict[str, float]]:
+def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[dict[str, Any]]:
     """Local, one process: the codec's time on ``numel`` float32 beside a memory copy of them (min of runs)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g)

@@ -137,8 +137,8 @@ def parse_sweep(text: str) -> Sweep:
         ValueError: one sentence naming the sweep and what is wrong with it.
     """
     head, equals, values = text.partition("=")
-    target, colon, key = head.rpartition(":")
-    key, target = key.strip(), target.strip() if colon else None
+    prefix, colon, key = head.rpartition(":")
+    key, target = key.strip(), prefix.strip() if colon else None
     if not equals or not _NAME.fullmatch(key) or (target is not None and not _NAME.fullmatch(target)):
         raise ValueError(f"--sweep {text!r} is not [ALGORITHM:]KEY=V1,V2,...; e.g. --sweep warm_start=0,2000,8000")
     items = [v.strip() for v in values.split(",")]

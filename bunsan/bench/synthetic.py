@@ -87,9 +87,9 @@ def train_timed(spec: dict[str, Any]) -> int:
     torch.manual_seed(spec["seed"])
     model = models.create(spec["model"], **kwargs)
     parameters = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
+    local = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"])
     algorithm = algorithms.create(spec["algorithm"], **spec["options"])
-    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    model, optimizer = bunsan.distribute(model, local, algorithm)
     generator = torch.Generator().manual_seed(spec["seed"] + rank)  # each worker its own batch, as with real data
     x = torch.randn(spec["batch"], *shape, generator=generator)
     y = torch.randint(spec["num_classes"], (spec["batch"],), generator=generator)
