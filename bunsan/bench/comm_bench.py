@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table
-from bunsan._validate import check_int
+from bunsan._validate import check_choice, check_int, check_number
 from bunsan.bench import netns, write_json
 from bunsan.bench._common import (
     add_job_arguments,
@@ -139,8 +139,7 @@ def parse_sizes(text: str, factor: int = 4) -> list[int]:
     Raises:
         ValueError: a bad size, an empty range, or ``factor < 2``.
     """
-    if factor < 2:
-        raise ValueError(f"--factor must be >= 2, got {factor}")
+    check_int("--factor", factor, minimum=2)
     if ".." in text:
         low_text, _, high_text = text.partition("..")
         low, high = parse_size(low_text), parse_size(high_text)
@@ -163,10 +162,9 @@ def bus_bandwidth(op: str, size_bytes: int, time_s: float, world_size: int) -> t
     busbw = algbw x (n-1)/n with ``size_bytes`` the gathered output. On one
     rank nothing crosses a link: busbw is 0.
     """
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if time_s <= 0 or world_size < 1:
-        raise ValueError(f"need time_s > 0 and world_size >= 1, got {time_s}, {world_size}")
+    check_choice("op", op, OPS)
+    check_number("time_s", time_s, minimum=0, min_inclusive=False)
+    check_int("world_size", world_size, minimum=1)
     algbw = size_bytes / time_s
     n = world_size
     factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n

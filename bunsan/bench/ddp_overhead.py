@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import bunsan
+from bunsan._validate import check_int
 from bunsan.bench import write_json
 from bunsan.bench.synthetic import time_steps
 
@@ -177,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(cases()))
     if unknown:
         parser.error(f"unknown models {unknown}; choose among {sorted(cases())}")
-    if args.rounds < 1 or (args.batch is not None and args.batch < 1) or (args.steps is not None and args.steps < 1):
-        parser.error("--rounds, --batch and --steps must be >= 1")
+    try:
+        check_int("--rounds", args.rounds, minimum=1)
+        check_int("--batch", args.batch, minimum=1, allow_none=True)
+        check_int("--steps", args.steps, minimum=1, allow_none=True)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
     bunsan.init()
     results = [measure(m, args.batch, args.steps, args.rounds) for m in names]
     if bunsan.is_main():

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bunsan._validate import check_int
+
 __all__ = [
     "BRIDGE",
     "MASTER_PORT",
@@ -150,8 +152,7 @@ class Topology:
 
 def plan_topology(world_size: int, prefix: str | None = None) -> Topology:
     """The namespaces of a job of ``world_size`` workers, named after this process by default. Pure."""
-    if not 1 <= world_size <= MAX_WORKERS:
-        raise ValueError(f"a shaped network holds 1 to {MAX_WORKERS} workers, got {world_size}")
+    check_int("world_size", world_size, minimum=1, maximum=MAX_WORKERS, hint="the workers of one shaped network")
     return Topology(prefix or f"{PREFIX}-{os.getpid()}", world_size)
 
 

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bunsan._validate import check_int
+
 __all__ = ["model_inputs", "time_steps", "train_timed"]
 
 # model name -> (default input shape, which constructor argument takes the image side)
@@ -48,8 +50,7 @@ def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[d
     """
     shape, takes = _INPUTS.get(name, ((3, 32, 32), None))
     if image_size is not None:
-        if image_size < 4:
-            raise ValueError(f"--image-size must be >= 4, got {image_size}")
+        check_int("--image-size", image_size, minimum=4)
         if takes == "fixed" and image_size != shape[-1]:
             raise ValueError(f"model {name} takes {shape[-1]}x{shape[-1]} images only; drop --image-size")
         shape = (*shape[:-2], image_size, image_size) if len(shape) == 3 else (*shape[:-1], image_size)

@@ -208,7 +208,7 @@ def test_topology_names_and_addresses():
         "10.213.1.45",
     ]
     assert netns.plan_topology(2).prefix == f"bunsan-{__import__('os').getpid()}"
-    with pytest.raises(ValueError, match="1 to 1000 workers"):
+    with pytest.raises(ValueError, match="world_size must be an int >= 1 and <= 1000"):
         netns.plan_topology(0)
 
 
