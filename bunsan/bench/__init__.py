@@ -10,7 +10,7 @@ __all__ = ["write_json"]
 
 
 def write_json(path: str, record: Any) -> None:
-    """Write a benchmark's JSON record, creating the directory it goes in."""
+    """Write a benchmark's JSON record, creating the directory it goes in (what JSON cannot hold is written as text)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+        json.dump(record, f, indent=1, default=str)

@@ -56,7 +56,6 @@ its command-line parser from it without importing torch.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -67,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table, format_transposed
+from bunsan.bench import write_json
 from bunsan.bench._common import (
     Refused,
     add_job_arguments,
@@ -475,8 +475,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
     json_path = Path(args.json) if args.json else out / "compare.json"
     document = record_document("compare", args, reference, load_before, started, COLUMNS, rows, records)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(document, indent=1, default=str))
+    write_json(str(json_path), document)
     say(f"JSON: {json_path}")
     if not args.no_plots:
         from bunsan.bench import plots
