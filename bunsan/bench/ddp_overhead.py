@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 import bunsan
+from bunsan._table import format_table
 from bunsan._validate import check_int
 from bunsan.bench import write_json
 from bunsan.bench.synthetic import time_steps
@@ -191,15 +192,22 @@ def main(argv: list[str] | None = None) -> int:
             f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
             f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round"
         )
-        print(
-            f"{'model':<11} {'tensors':>7} {'batch':>5} {'DDP ms/step':>12} {'bunsan ms/step':>15} {'ratio':>6} "
-            f"{'min':>6} {'max':>6} {'param diff':>10}"
-        )
-        for r in results:
-            print(
-                f"{r['model']:<11} {r['tensors']:>7} {r['batch']:>5} {r['ddp_ms']:>12.3f} {r['bunsan_ms']:>15.3f} "
-                f"{r['ratio']:>6.3f} {r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f} {r['max_param_diff']:>10.2g}"
-            )
+        header = ("model", "tensors", "batch", "DDP ms/step", "bunsan ms/step", "ratio", "min", "max", "param diff")
+        cells = [
+            [
+                str(r["model"]),
+                str(r["tensors"]),
+                str(r["batch"]),
+                f"{r['ddp_ms']:.3f}",
+                f"{r['bunsan_ms']:.3f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_min']:.3f}",
+                f"{r['ratio_max']:.3f}",
+                f"{r['max_param_diff']:.2g}",
+            ]
+            for r in results
+        ]
+        print(format_table(header, cells, right=header[1:]))
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "threads": torch.get_num_threads(), "results": results})
     for name in names if args.profile else ():

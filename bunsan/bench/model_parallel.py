@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import bunsan
+from bunsan._table import format_table
 from bunsan.bench import write_json
 from bunsan.comm import Traffic, all_reduce, barrier
 from bunsan.nn import (
@@ -203,12 +204,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{bunsan.size()} workers x {torch.get_num_threads()} thread(s), median of {args.rounds} "
             f"alternating rounds x {args.steps} steps"
         )
-        print(f"{'variant':<8} {'ms/step':>9} {'ratio':>7} {'speed-up':>9} {'KiB sent/step':>14}")
-        for r in results:
-            print(
-                f"{r['variant']:<8} {r['ms_per_step']:>9.2f} {r['ratio']:>7.2f} {r['speedup']:>9.2f} "
-                f"{float(r['bytes_sent_per_step']) / 1024:>14.1f}"
-            )
+        header = ("variant", "ms/step", "ratio", "speed-up", "KiB sent/step")
+        cells = [
+            [
+                str(r["variant"]),
+                f"{r['ms_per_step']:.2f}",
+                f"{r['ratio']:.2f}",
+                f"{r['speedup']:.2f}",
+                f"{float(r['bytes_sent_per_step']) / 1024:.1f}",
+            ]
+            for r in results
+        ]
+        print(format_table(header, cells, right=header[1:]))
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "args": vars(args), "results": results})
     bunsan.finalize()

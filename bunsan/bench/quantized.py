@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import bunsan
+from bunsan._table import format_table
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.bench import write_json
 from bunsan.bench.synthetic import time_steps
@@ -169,16 +170,23 @@ def codec_vs_copy(numel: int, bits_list: list[str], repeats: int = 7) -> list[di
     return rows
 
 
-def print_codec_table(rows: list[dict[str, float]]) -> None:
+def print_codec_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     print(f"codec beside a memory copy of the same float32 ({rows[0]['numel']:,} elements, one thread, min of runs)")
-    print(f"{'bits':>4} {'encode+fb ms':>12} {'decode ms':>9} {'copy ms':>8} {'encode/copy':>11} {'decode/copy':>11}")
-    for r in rows:
-        print(
-            f"{r['bits']:>4} {r['encode_feedback_ms']:>12.1f} {r['decode_ms']:>9.1f} {r['copy_ms']:>8.1f} "
-            f"{r['encode_vs_copy']:>11.2f} {r['decode_vs_copy']:>11.2f}"
-        )
+    header = ("bits", "encode+fb ms", "decode ms", "copy ms", "encode/copy", "decode/copy")
+    cells = [
+        [
+            str(r["bits"]),
+            f"{r['encode_feedback_ms']:.1f}",
+            f"{r['decode_ms']:.1f}",
+            f"{r['copy_ms']:.1f}",
+            f"{r['encode_vs_copy']:.2f}",
+            f"{r['decode_vs_copy']:.2f}",
+        ]
+        for r in rows
+    ]
+    print(format_table(header, cells, right=header))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,14 +227,20 @@ def main(argv: list[str] | None = None) -> int:
             f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
             f"median of {args.rounds} alternating rounds x {args.steps} steps; ratios to bits=32"
         )
-        print(
-            f"{'model':<8} {'bits':>4} {'ms/step':>9} {'time ratio':>10} {'MB sent/step':>12} {'bytes ratio':>11} {'codec ms':>9}"
-        )
-        for r in rows:
-            print(
-                f"{r['model']:<8} {r['bits']:>4} {r['ms_per_step']:>9.1f} {r['time_ratio']:>10.3f} "
-                f"{r['bytes_per_step'] / 1e6:>12.3f} {r['bytes_ratio']:>11.4f} {r['codec_ms_per_step']:>9.1f}"
-            )
+        header = ("model", "bits", "ms/step", "time ratio", "MB sent/step", "bytes ratio", "codec ms")
+        cells = [
+            [
+                str(r["model"]),
+                str(r["bits"]),
+                f"{r['ms_per_step']:.1f}",
+                f"{r['time_ratio']:.3f}",
+                f"{r['bytes_per_step'] / 1e6:.3f}",
+                f"{r['bytes_ratio']:.4f}",
+                f"{r['codec_ms_per_step']:.1f}",
+            ]
+            for r in rows
+        ]
+        print(format_table(header, cells, right=header[1:]))
         print()
         print_codec_table(codec_rows)
         if args.json:
