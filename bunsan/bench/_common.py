@@ -27,14 +27,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bunsan._table import format_table
 from bunsan._validate import check_int, check_number
 
 __all__ = [
+    "Column",
     "Refused",
     "add_job_arguments",
     "check_at_least",
     "check_positive",
     "command_main",
+    "format_records",
     "job_command",
     "job_directory",
     "job_environment",
@@ -51,6 +54,9 @@ __all__ = [
     "tail",
     "usable_cores",
 ]
+
+# a column of format_records: its header and a str.format template over a record's keys, or a function of it
+Column = tuple[str, str | Callable[[dict[str, Any]], str]]
 
 STDERR_TAIL_LINES = 30  # kept in the JSON record of a failed job
 STOP_GRACE_S = 10.0  # after SIGTERM to a timed-out job's launcher, before SIGKILL
@@ -265,6 +271,18 @@ def record_document(
         "table": rows,
         "configs": list(records),
     }
+
+
+def format_records(records: Sequence[dict[str, Any]], columns: Sequence[Column], left: int = 1) -> str:
+    """A text table (:func:`bunsan._table.format_table`) with one row per record.
+
+    Each column is ``(header, cell)``: ``cell`` is a :meth:`str.format` template over the
+    record's keys (``"{ddp_ms:.3f}"``) or a function of the record. The first ``left``
+    columns are left-aligned (names), the others right-aligned (numbers).
+    """
+    header = [name for name, _ in columns]
+    rows = [[cell.format(**r) if isinstance(cell, str) else cell(r) for _, cell in columns] for r in records]
+    return format_table(header, rows, right=header[left:])
 
 
 # -- the machine---------------------------------------------------------------------------

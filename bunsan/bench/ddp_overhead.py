@@ -39,9 +39,9 @@ import torch
 from torch import nn
 
 import bunsan
-from bunsan._table import format_table
 from bunsan._validate import check_int
 from bunsan.bench import write_json
+from bunsan.bench._common import format_records
 from bunsan.bench.synthetic import time_steps
 
 __all__ = ["ModelCase", "cases", "main", "measure", "profile"]
@@ -192,22 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
             f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round"
         )
-        header = ("model", "tensors", "batch", "DDP ms/step", "bunsan ms/step", "ratio", "min", "max", "param diff")
-        cells = [
-            [
-                str(r["model"]),
-                str(r["tensors"]),
-                str(r["batch"]),
-                f"{r['ddp_ms']:.3f}",
-                f"{r['bunsan_ms']:.3f}",
-                f"{r['ratio']:.3f}",
-                f"{r['ratio_min']:.3f}",
-                f"{r['ratio_max']:.3f}",
-                f"{r['max_param_diff']:.2g}",
-            ]
-            for r in results
-        ]
-        print(format_table(header, cells, right=header[1:]))
+        columns = [("model", "{model}"), ("tensors", "{tensors}"), ("batch", "{batch}")]
+        columns += [("DDP ms/step", "{ddp_ms:.3f}"), ("bunsan ms/step", "{bunsan_ms:.3f}"), ("ratio", "{ratio:.3f}")]
+        columns += [("min", "{ratio_min:.3f}"), ("max", "{ratio_max:.3f}"), ("param diff", "{max_param_diff:.2g}")]
+        print(format_records(results, columns))
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "threads": torch.get_num_threads(), "results": results})
     for name in names if args.profile else ():

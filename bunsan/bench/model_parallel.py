@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import bunsan
-from bunsan._table import format_table
 from bunsan.bench import write_json
+from bunsan.bench._common import Column, format_records
 from bunsan.comm import Traffic, all_reduce, barrier
 from bunsan.nn import (
     ChannelParallelConv2d,
@@ -204,18 +204,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{bunsan.size()} workers x {torch.get_num_threads()} thread(s), median of {args.rounds} "
             f"alternating rounds x {args.steps} steps"
         )
-        header = ("variant", "ms/step", "ratio", "speed-up", "KiB sent/step")
-        cells = [
-            [
-                str(r["variant"]),
-                f"{r['ms_per_step']:.2f}",
-                f"{r['ratio']:.2f}",
-                f"{r['speedup']:.2f}",
-                f"{float(r['bytes_sent_per_step']) / 1024:.1f}",
-            ]
-            for r in results
+        columns: list[Column] = [("variant", "{variant}"), ("ms/step", "{ms_per_step:.2f}"), ("ratio", "{ratio:.2f}")]
+        columns += [
+            ("speed-up", "{speedup:.2f}"),
+            ("KiB sent/step", lambda r: f"{r['bytes_sent_per_step'] / 1024:.1f}"),
         ]
-        print(format_table(header, cells, right=header[1:]))
+        print(format_records(results, columns))
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "args": vars(args), "results": results})
     bunsan.finalize()

@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 import bunsan
-from bunsan._table import format_table
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.bench import write_json
+from bunsan.bench._common import Column, format_records
 from bunsan.bench.synthetic import time_steps
 from bunsan.compression import Quantizer, RotatedQuantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE
@@ -174,19 +174,10 @@ def print_codec_table(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     print(f"codec beside a memory copy of the same float32 ({rows[0]['numel']:,} elements, one thread, min of runs)")
-    header = ("bits", "encode+fb ms", "decode ms", "copy ms", "encode/copy", "decode/copy")
-    cells = [
-        [
-            str(r["bits"]),
-            f"{r['encode_feedback_ms']:.1f}",
-            f"{r['decode_ms']:.1f}",
-            f"{r['copy_ms']:.1f}",
-            f"{r['encode_vs_copy']:.2f}",
-            f"{r['decode_vs_copy']:.2f}",
-        ]
-        for r in rows
-    ]
-    print(format_table(header, cells, right=header))
+    columns = [("bits", "{bits}"), ("encode+fb ms", "{encode_feedback_ms:.1f}"), ("decode ms", "{decode_ms:.1f}")]
+    columns += [("copy ms", "{copy_ms:.1f}"), ("encode/copy", "{encode_vs_copy:.2f}")]
+    columns += [("decode/copy", "{decode_vs_copy:.2f}")]
+    print(format_records(rows, columns, left=0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,20 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             f"DataParallelSGD by bit width, {bunsan.size()} workers, batch {args.batch}/worker, "
             f"median of {args.rounds} alternating rounds x {args.steps} steps; ratios to bits=32"
         )
-        header = ("model", "bits", "ms/step", "time ratio", "MB sent/step", "bytes ratio", "codec ms")
-        cells = [
-            [
-                str(r["model"]),
-                str(r["bits"]),
-                f"{r['ms_per_step']:.1f}",
-                f"{r['time_ratio']:.3f}",
-                f"{r['bytes_per_step'] / 1e6:.3f}",
-                f"{r['bytes_ratio']:.4f}",
-                f"{r['codec_ms_per_step']:.1f}",
-            ]
-            for r in rows
-        ]
-        print(format_table(header, cells, right=header[1:]))
+        columns: list[Column] = [("model", "{model}"), ("bits", "{bits}"), ("ms/step", "{ms_per_step:.1f}")]
+        columns += [("time ratio", "{time_ratio:.3f}"), ("MB sent/step", lambda r: f"{r['bytes_per_step'] / 1e6:.3f}")]
+        columns += [("bytes ratio", "{bytes_ratio:.4f}"), ("codec ms", "{codec_ms_per_step:.1f}")]
+        print(format_records(rows, columns))
         print()
         print_codec_table(codec_rows)
         if args.json:
