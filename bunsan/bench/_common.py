@@ -53,6 +53,7 @@ __all__ = [
     "slug",
     "tail",
     "usable_cores",
+    "write_record",
 ]
 
 # a column of format_records: its header and a str.format template over a record's keys, or a function of it
@@ -235,6 +236,16 @@ def report_failures(records: Sequence[dict[str, Any]], say: Callable[[str], None
         say(f"{r['label']} -np {r['workers']} {r['status']}; last lines of {r['dir']}/stderr.txt:")
         say("\n".join("    " + line for line in (r.get("stderr_tail") or "(empty)").splitlines()[-8:]))
     return failed
+
+
+def write_record(args: argparse.Namespace, out: Path, document: dict[str, Any], say: Callable[[str], None]) -> Path:
+    """Write a benchmark's JSON record to ``--json``, or else ``OUT/BENCHMARK.json``, and say where."""
+    from bunsan.bench import write_json
+
+    path = Path(args.json) if args.json else out / f"{document['benchmark']}.json"
+    write_json(str(path), document)
+    say(f"JSON: {path}")
+    return path
 
 
 def record_header(benchmark: str, args: argparse.Namespace, load_before: Any, started: float) -> dict[str, Any]:

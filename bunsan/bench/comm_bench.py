@@ -52,7 +52,7 @@ from typing import Any
 
 from bunsan._table import format_table
 from bunsan._validate import check_choice, check_int, check_number
-from bunsan.bench import netns, write_json
+from bunsan.bench import netns
 from bunsan.bench._common import (
     add_job_arguments,
     check_at_least,
@@ -65,6 +65,7 @@ from bunsan.bench._common import (
     refuse,
     report_failures,
     run_recorded_job,
+    write_record,
 )
 
 __all__ = [
@@ -463,7 +464,6 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     )
     cells = table_rows(rows)
     say(format_table(COLUMNS, cells, right=_RIGHT))
-    json_path = Path(args.json) if args.json else out / "comm.json"
     document = {
         **record_header("comm", args, load_before, started),
         "workers": result["workers"],
@@ -473,8 +473,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         "rows": rows,
         "copies": result.get("copies", []),
     }
-    write_json(str(json_path), document)
-    say(f"JSON: {json_path}")
+    write_record(args, out, document, say)
     if not args.no_plots:
         path = plot_comm(rows, (Path(args.plots) if args.plots else out / "plots") / "comm.png", args.workers, network)
         if path is not None:

@@ -66,7 +66,6 @@ from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table, format_transposed
-from bunsan.bench import write_json
 from bunsan.bench._common import (
     Refused,
     add_job_arguments,
@@ -83,6 +82,7 @@ from bunsan.bench._common import (
     run_job,
     run_jobs,
     run_recorded_job,
+    write_record,
 )
 from bunsan.bench.specs import (
     AlgorithmSetting,
@@ -473,10 +473,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         say(format_transposed(COLUMNS, rows))
     failed = report_failures(records, say)
 
-    json_path = Path(args.json) if args.json else out / "compare.json"
-    document = record_document("compare", args, reference, load_before, started, COLUMNS, rows, records)
-    write_json(str(json_path), document)
-    say(f"JSON: {json_path}")
+    write_record(
+        args, out, record_document("compare", args, reference, load_before, started, COLUMNS, rows, records), say
+    )
     if not args.no_plots:
         from bunsan.bench import plots
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table
-from bunsan.bench import netns, write_json
+from bunsan.bench import netns
 from bunsan.bench._common import (
     Refused,
     add_job_arguments,
@@ -64,6 +64,7 @@ from bunsan.bench._common import (
     report_failures,
     run_jobs,
     usable_cores,
+    write_record,
 )
 from bunsan.bench.specs import AlgorithmSetting, check_setting, parse_algorithm_spec, parse_workers, reference_workers
 from bunsan.bench.synthetic import model_inputs, train_timed
@@ -378,10 +379,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     say(format_table(COLUMNS, rows, right=_RIGHT))
     failed = report_failures(records, say)
 
-    json_path = Path(args.json) if args.json else out / "throughput.json"
     document = record_document("throughput", args, reference, load_before, started, COLUMNS, rows, records)
-    write_json(str(json_path), document)
-    say(f"JSON: {json_path}")
+    write_record(args, out, document, say)
     if not args.no_plots:
         path = plot_throughput(records, Path(args.plots) if args.plots else out / "plots", args.model, reference)
         if path is not None:
