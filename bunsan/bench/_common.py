@@ -50,6 +50,7 @@ __all__ = [
     "run_job",
     "run_jobs",
     "run_recorded_job",
+    "say_jobs",
     "slug",
     "tail",
     "usable_cores",
@@ -184,6 +185,13 @@ def run_recorded_job(
     if record["status"] != "ok":
         record["stderr_tail"] = tail(directory / "stderr.txt")
     return result
+
+
+def say_jobs(jobs: Sequence[tuple[dict[str, Any], Callable[[Path], list[str]]]], say: Callable[[str], None]) -> int:
+    """``--dry-run``: say the command line of each job of :func:`run_jobs`, start nothing; return 0."""
+    for record, command in jobs:
+        say(shlex.join(command(Path(record["dir"]) / "result.json")))
+    return 0
 
 
 def run_jobs(

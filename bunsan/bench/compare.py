@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -82,6 +81,7 @@ from bunsan.bench._common import (
     run_job,
     run_jobs,
     run_recorded_job,
+    say_jobs,
     write_record,
 )
 from bunsan.bench.specs import (
@@ -436,9 +436,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         for setting, described in settings
     ]
     if args.dry_run:
-        for record, command in jobs:
-            say(shlex.join(command(Path(record["dir"]) / "result.json")))
-        return 0
+        return say_jobs(jobs, say)
 
     load_before = load_average()
     records, interrupted = run_jobs(

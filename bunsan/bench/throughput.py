@@ -38,7 +38,6 @@ the job every worker runs (``python -m bunsan.bench.throughput --worker SPEC``).
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ from bunsan.bench._common import (
     refuse,
     report_failures,
     run_jobs,
+    say_jobs,
     usable_cores,
     write_record,
 )
@@ -348,9 +348,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         for n in workers
     ]
     if args.dry_run:
-        for record, command in jobs:
-            say(shlex.join(command(Path(record["dir"]) / "result.json")))
-        return 0
+        return say_jobs(jobs, say)
 
     load_before = load_average()
     records, interrupted = run_jobs(
