@@ -6,9 +6,13 @@ namespaces, :mod:`bunsan.bench.netns`), one after another, each with a timeout
 stderr tail kept (:func:`run_recorded_job`) and the others go on. Every JSON record
 names the command, the machine and the load average before and after
 (:func:`record_document`), since timings on a shared machine are only comparable
-side by side.
+side by side. Also shared: the options every such benchmark takes
+(:func:`add_job_arguments`), their checks (one rule, :mod:`bunsan._validate`), text
+tables of records (:func:`format_records`) and the ``python -m`` entry
+(:func:`command_main`).
 
-This module imports only the standard library at the top.
+This module imports no torch at the top (``bunsan`` builds its parser from the
+benchmarks without it): the standard library, :mod:`bunsan._table`, :mod:`bunsan._validate`.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ messages so that one measurement moves at most about 256 MB. The two paths
 alternate for ``--rounds`` rounds and each reports its median round, so that
 the machine's noise hits both alike.
 
-This module imports only the standard library at the top; it is also the job
+This module imports no torch at the top; it is also the job
 every worker runs (``python -m bunsan.bench.comm_bench --worker SPEC``).
 """
 

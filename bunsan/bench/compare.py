@@ -49,7 +49,7 @@ the algorithm itself (``algorithm.stats()``); ``samples/s`` is training
 throughput of all workers together. The JSON record also holds the
 per-epoch curves, the start-up and total times and the machine.
 
-This module imports only the standard library at the top: ``bunsan`` builds
+This module imports no torch at the top: ``bunsan`` builds
 its command-line parser from it without importing torch.
 """
 

@@ -3,8 +3,7 @@
 Each ``render_*`` function reads the records a :class:`bunsan.bench.report.Block`'s
 commands wrote under ``out`` and returns the table that goes between its markers;
 :func:`job_table` picks columns of the text table that ``compare``, ``throughput``
-or ``comm`` stored in its record. Pure but for reading the records; the standard
-library only.
+or ``comm`` stored in its record. Pure but for reading the records; no torch.
 """
 
 from __future__ import annotations

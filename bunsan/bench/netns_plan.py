@@ -2,7 +2,7 @@
 
 :mod:`bunsan.bench.netns` carries these out (it needs root) and explains the
 set-up; everything here only computes names, addresses, commands and
-environments, so it is tested without privileges. Standard library only.
+environments, so it is tested without privileges. No torch.
 """
 
 from __future__ import annotations

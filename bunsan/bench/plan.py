@@ -6,7 +6,7 @@ given, or measured by a probe job over ``--hostfile``/``-H``); the arithmetic is
 :mod:`bunsan.algorithms.cost_model`. ``--published NAME`` runs one of the
 published set-ups this model was checked against (:data:`PUBLISHED`).
 
-This module imports only the standard library at the top: ``bunsan`` builds its
+This module imports no torch at the top: ``bunsan`` builds its
 command-line parser from it without importing torch.
 """
 

@@ -28,7 +28,7 @@ Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
 measured - 1, and the bytes per step predicted and counted. Timings on a
 shared machine are noisy: re-measure on an idle one.
 
-This module imports only the standard library at the top; the same module is
+This module imports no torch at the top; the same module is
 the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
 """
 

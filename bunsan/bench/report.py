@@ -26,7 +26,7 @@ Blocks that shape the network (``--network``) need root and iproute2; without
 root they are skipped and their tables left as they were (the run says so).
 A block whose command fails keeps its old table, and the command exits 1.
 
-This module imports only the standard library at the top.
+This module imports no torch at the top.
 """
 
 from __future__ import annotations

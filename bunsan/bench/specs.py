@@ -6,7 +6,7 @@
 The parsing is pure; :func:`check_setting` builds the algorithm (no process group
 needed) so that a bad option is refused before any job starts.
 
-This module imports only the standard library at the top: ``bunsan`` builds its
+This module imports no torch at the top: ``bunsan`` builds its
 command-line parser from the benchmarks without importing torch.
 """
 

@@ -8,7 +8,7 @@ iteration times and the bytes each sent per step (``algorithm.stats()``).
 :mod:`bunsan.bench.plan` and :mod:`bunsan.bench.predict` size their models with
 :func:`model_inputs`.
 
-This module imports only the standard library at the top.
+This module imports no torch at the top.
 """
 
 from __future__ import annotations

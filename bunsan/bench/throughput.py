@@ -30,7 +30,7 @@ sigma"; not a confidence interval of the mean). Then
 with N), unlike ``bunsan bench compare``, whose ``--batch`` is global. The
 learning rate does not matter for speed; the data are random.
 
-This module imports only the standard library at the top: ``bunsan`` builds
+This module imports no torch at the top: ``bunsan`` builds
 its command-line parser from it without importing torch. The same module is
 the job every worker runs (``python -m bunsan.bench.throughput --worker SPEC``).
 """

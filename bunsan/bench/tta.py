@@ -12,7 +12,7 @@ setting's time, and the ``auto`` settings' ratio to the best other setting::
         --out runs/tta
     bunsan bench tta runs/tta/compare.json
 
-This module imports only the standard library.
+This module imports no torch.
 """
 
 from __future__ import annotations
