@@ -138,6 +138,7 @@ def parse_sizes(text: str, factor: int = 4) -> list[int]:
     """``"1KB..64MB"`` -> 1 KB, 4 KB, ..., 64 MB (each ``factor`` times the last); ``"1MB,16MB"`` -> those.
 
     Raises:
+        TypeError: ``factor`` is not an int.
         ValueError: a bad size, an empty range, or ``factor < 2``.
     """
     check_int("--factor", factor, minimum=2)
@@ -162,6 +163,10 @@ def bus_bandwidth(op: str, size_bytes: int, time_s: float, world_size: int) -> t
     nccl-tests' definitions: all-reduce busbw = algbw x 2(n-1)/n; all-gather
     busbw = algbw x (n-1)/n with ``size_bytes`` the gathered output. On one
     rank nothing crosses a link: busbw is 0.
+
+    Raises:
+        TypeError: ``time_s`` is not a number or ``world_size`` not an int.
+        ValueError: an unknown ``op``, ``time_s <= 0`` or ``world_size < 1``.
     """
     check_choice("op", op, OPS)
     check_number("time_s", time_s, minimum=0, min_inclusive=False)

@@ -46,6 +46,7 @@ def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[d
     A model not listed here gets ``num_classes`` and 3-channel square images.
 
     Raises:
+        TypeError: ``image_size`` is not an int.
         ValueError: a size the model cannot take.
     """
     shape, takes = _INPUTS.get(name, ((3, 32, 32), None))
