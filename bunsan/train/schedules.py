@@ -21,7 +21,7 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, cast
 
 __all__ = [
     "Schedule",
@@ -144,7 +144,7 @@ class Schedule:
         return f"schedule({[[c, v] for c, v in self.pairs]}, epoch_size={self.epoch_size})"
 
 
-ScheduleLike = Union[Schedule, float, int, Sequence[Any]]
+ScheduleLike = Schedule | float | int | Sequence[Any]
 
 
 def _entries(values: Iterable[Any]) -> list[tuple[int, float]]:
@@ -196,7 +196,7 @@ def schedule(values: ScheduleLike, epoch_size: int | None = None) -> Schedule:
     if isinstance(values, Schedule):
         return values if epoch_size is None else Schedule(values.pairs, epoch_size)
     if isinstance(values, numbers.Real) and not isinstance(values, bool):
-        return Schedule(((1, values),), epoch_size)
+        return Schedule(((1, cast(float, values)),), epoch_size)  # an int stays an int (minibatch sizes)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise ValueError(f"schedule values must be a number or a list, got {values!r}")
     return Schedule(tuple(_entries(values)), epoch_size)
@@ -255,7 +255,7 @@ def time_constant_from_momentum(momentum: float, minibatch_samples: int) -> floa
     return -minibatch_samples / math.log(momentum)
 
 
-def local_minibatch_size(global_size: int, world_size: int) -> int:
+def local_minibatch_size(global_size: float, world_size: int) -> int:
     """Samples each worker takes from a global minibatch of ``global_size``: ``global_size // world_size``.
 
     Rounding is down, so that every worker takes the same number of samples and

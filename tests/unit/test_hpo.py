@@ -17,7 +17,7 @@ import torch
 
 import bunsan
 from bunsan import algorithms, hpo
-from bunsan.hpo.search import _as_values, _combine, _Message, _resolve
+from bunsan.hpo.protocol import _as_values, _combine, _Message, _resolve
 
 try:
     import optuna
@@ -181,9 +181,9 @@ def test_a_trial_exposes_its_number_params_and_the_optuna_trial():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"n_trials": 0}, "n_trials must be an integer >= 1"),
-        ({"timeout": -1}, "timeout must be a number of seconds > 0"),
-        ({"combine": "median"}, "combine must be 'rank0', 'mean'"),
+        ({"n_trials": 0}, "n_trials must be an int >= 1"),
+        ({"timeout": -1}, r"timeout must be a number > 0 or None \(seconds\)"),
+        ({"combine": "median"}, "combine must be one of .rank0., .mean."),
         ({"catch": "ValueError"}, "catch must be an Exception class"),
         ({"direction": "up"}, "direction must be 'minimize' or 'maximize'"),
         ({"direction": "minimize", "directions": ["minimize"]}, "not both"),
