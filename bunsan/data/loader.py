@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -88,7 +88,9 @@ class DistributedLoader:
                     "the partition decides sampling and batching; use loader(batch_size=, shuffle=, drop_last=)"
                 )
         self.partition = Partition(
-            dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+            cast(
+                Sized, dataset
+            ),  # map-style: Partition refuses a data set without a length rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         if drop_last and self.partition.shard_size < self.batch_size:
             raise ValueError(

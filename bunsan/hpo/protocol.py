@@ -163,9 +163,9 @@ def _as_values(value: Any) -> Values:
     if single is not None:
         return single
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and value:
-        several = [_as_float(v) for v in value]
-        if all(v is not None for v in several):
-            return several  # type: ignore[return-value]
+        several = [number for number in map(_as_float, value) if number is not None]
+        if len(several) == len(value):
+            return several
     raise TypeError(
         f"the objective returned {value!r} ({type(value).__name__}); return a float, "
         "or a sequence of floats for a study with several directions"

@@ -189,13 +189,11 @@ class SyncBatchNorm(_BatchNorm):
         x = input.to(compute)
         weight = None if self.weight is None else self.weight.to(compute)
         bias = None if self.bias is None else self.bias.to(compute)
-        has_running = self.running_mean is not None and self.running_var is not None
+        running_mean, running_var = self.running_mean, self.running_var
 
-        if not self.training and has_running:
+        if not self.training and running_mean is not None and running_var is not None:
             # Eval: fixed statistics, no communication.
-            out = F.batch_norm(
-                x, self.running_mean.to(compute), self.running_var.to(compute), weight, bias, False, 0.0, self.eps
-            )
+            out = F.batch_norm(x, running_mean.to(compute), running_var.to(compute), weight, bias, False, 0.0, self.eps)
             return out.to(input.dtype)
 
         stats = local_moments(x)
@@ -211,13 +209,13 @@ class SyncBatchNorm(_BatchNorm):
                 f"whole group (input shape on this rank {tuple(input.shape)}); use a larger batch"
             )
 
-        if self.training and self.track_running_stats and has_running:
+        if self.training and self.track_running_stats and running_mean is not None and running_var is not None:
             factor = self._update_factor()
             with torch.no_grad():
                 # From the group's (identical) statistics: the replicas stay equal.
                 unbiased = var.detach() * (total / (total - 1))
-                self.running_mean.mul_(1.0 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
-                self.running_var.mul_(1.0 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+                running_mean.mul_(1.0 - factor).add_(mean.detach().to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1.0 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
         shape = [1, self.num_features] + [1] * (x.dim() - 2)
         invstd = torch.rsqrt(var + self.eps)
