@@ -55,6 +55,8 @@ def test_rank_grid():
         rank_grid(4, 3)
     with pytest.raises(ValueError, match="group_size"):
         rank_grid(4, 0)
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        rank_grid(4, 2.0)
 
 
 def test_groups_without_process_group_are_the_world():
@@ -275,6 +277,9 @@ def test_one_rank_gloo_group(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     mp_group, dp_group = hybrid_groups(1)
     assert dist.get_world_size(mp_group) == 1 and dist.get_world_size(dp_group) == 1
+    # The groups are the named dimensions of a torch DeviceMesh, which gives a dimension
+    # spanning the whole world as the default group itself.
+    assert dp_group is dist.group.WORLD and dist.get_process_group_ranks(mp_group) == [0]
     torch.manual_seed(0)
     model, ref = _mlp(), _mlp()
     ref.load_state_dict(model.state_dict())
