@@ -22,18 +22,9 @@ n_r)`` in float64; then ``mean = sum n_r m_r / N`` and ``N var = sum M2_r + (sum
 n_r m_r^2 - N mean^2)``, where the second term, the spread between the ranks'
 means, is a small difference taken in float64. The textbook one-pass form
 ``E[x^2] - E[x]^2`` over float32 sums cancels catastrophically when ``|mean| >>
-std``. Measured here on float32 data ``N(mu, 1)`` of shape 16x8x8x8 and 64x8x16x16
-split over two ranks, worst relative error of the variance against float64:
-
-=========  ======================  ==============================  ================
-``mu``     float32 sum, sum of sq  same with float64 accumulation  this module
-=========  ======================  ==============================  ================
-0          8e-8 .. 1e-7            8e-10 .. 2e-9                   9e-8 .. 1e-7
-10         2e-5                    2e-8 .. 2e-7                    6e-8 .. 7e-8
-100        1.5e-3 .. 3.4e-3        5e-6 .. 2e-5                    1.3e-7 .. 1.4e-7
-1000       5e-2 .. 3e-1            2.5e-4 .. 1.2e-3                1.3e-6 .. 4e-6
-10000      15 .. 31 (wrong)        3.5e-2 .. 1.1e-1                1.3e-5 .. 2.6e-5
-=========  ======================  ==============================  ================
+std``; the combination above stays accurate where that form fails (the error
+measured per ``|mean| / std`` is in docs/design-notes.md, "nn/, parallel/:
+measurements moved from docstrings").
 
 Half-precision inputs are normalized in float32 (float64 inputs in float64) and
 the output is cast back to the input's dtype.

@@ -2,9 +2,8 @@
 
 Built on :mod:`torch.distributed.pipelining` (``PipelineStage`` with
 ``ScheduleGPipe`` or ``Schedule1F1B``), which works on Gloo and CPU in torch 2.13
-as well as on NCCL: measured here, a 2-stage pipeline on 2 Gloo ranks gives the
-single-process gradients to 1e-6 and takes 5-6 ms per step for a tiny MLP. bunsan
-adds the argument checks, a loss function that may change from step to step,
+as well as on NCCL (docs/design-notes.md, "nn/, parallel/: measurements moved from
+docstrings"). bunsan adds the argument checks, a loss function that may change from step to step,
 gradients that accumulate across steps, and the average loss on the last stage.
 
 Schedules (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks
