@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from bunsan._validate import check_int, check_number
 from bunsan.comm.autograd import all_reduce_sum
 from bunsan.comm.collectives import Traffic
 
@@ -155,12 +156,9 @@ class SyncBatchNorm(_BatchNorm):
         device: Any = None,
         dtype: Any = None,
     ) -> None:
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"num_features must be a positive int (the input's channels), got {num_features!r}")
-        if eps <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if momentum is not None and not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum must be in [0, 1] or None (cumulative average), got {momentum}")
+        check_int("num_features", num_features, minimum=1, hint="the input's channels")
+        check_number("eps", eps, minimum=0, min_inclusive=False)
+        check_number("momentum", momentum, minimum=0, maximum=1, allow_none=True, hint="None: cumulative average")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.group = group
         self.traffic = traffic

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_choice, check_int
 from bunsan.comm.collectives import get_rank, get_world_size, is_initialized
 
 __all__ = ["Pipeline", "pipeline"]
@@ -60,10 +61,8 @@ class Pipeline:
                 f"stages has {len(stages)} modules but the group has {n} ranks; pass one stage per rank "
                 "(rank r runs stages[r])"
             )
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-        if schedule not in _SCHEDULES:
-            raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+        check_int("microbatches", microbatches, minimum=1)
+        check_choice("schedule", schedule, _SCHEDULES)
         if schedule == "1f1b" and microbatches < n:
             raise ValueError(
                 f"schedule='1f1b' needs at least as many microbatches as stages ({n}), got microbatches={microbatches}; "

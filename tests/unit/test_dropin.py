@@ -174,6 +174,8 @@ def test_evaluate_refuses_bad_input():
         bunsan.evaluate("model", _dataset())
     with pytest.raises(ValueError, match="batch_size"):
         bunsan.evaluate(model, _dataset(), batch_size=0)
+    with pytest.raises(TypeError, match="batch_size must be an int"):
+        bunsan.evaluate(model, _dataset(), batch_size=2.0)
 
 
 def test_all_reduce_metrics_alone_returns_floats():

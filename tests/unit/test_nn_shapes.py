@@ -131,6 +131,8 @@ def test_sync_batchnorm_rejects_bad_input():
         SyncBatchNorm(0)
     with pytest.raises(ValueError, match="momentum"):
         SyncBatchNorm(3, momentum=1.5)
+    with pytest.raises(TypeError, match="num_features must be an int"):
+        SyncBatchNorm(3.0)
     bn = SyncBatchNorm(3)
     with pytest.raises(ValueError, match=r"num_features=3 channels but the input has 4"):
         bn(torch.randn(2, 4))
@@ -265,6 +267,8 @@ def test_pipeline_rejects_bad_arguments():
         pipeline([_mlp()], microbatches=2, schedule="zero-bubble")
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         pipeline([_mlp()], microbatches=0)
+    with pytest.raises(TypeError, match="microbatches must be an int >= 1"):
+        pipeline([_mlp()], microbatches=2.0)
     pipe = pipeline([_mlp()], microbatches=3)
     with pytest.raises(ValueError, match="no loss function"):
         pipe.step(torch.randn(6, 4), torch.randint(0, 3, (6,)))
