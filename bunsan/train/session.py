@@ -31,23 +31,23 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from bunsan import comm
 from bunsan._validate import check_int, check_type
 from bunsan.algorithms.base import Algorithm
-from bunsan.data.partition import Partition
 from bunsan.optim import DistributedOptimizer, distribute
 from bunsan.train.callbacks import Callback, standard_callbacks
 from bunsan.train.checkpoint.files import Checkpoint
 from bunsan.train.checkpoint.session_state import restore_session, save_session
 from bunsan.train.control import SessionControl
+from bunsan.train.feed import TrainFeed
 from bunsan.train.metrics import (
     Accumulator,
     CrossValidation,
@@ -56,7 +56,6 @@ from bunsan.train.metrics import (
     Test,
     as_dataset,
     evaluate,
-    fetch,
     metric_sum,
     split_batch,
     to_device,
@@ -139,6 +138,14 @@ class TrainingSession(SessionControl):
     outcome is rank 0's, broadcast (see the module docstring), and both go into
     checkpoints. ``session.extra_state`` is a dict of numbers and strings that
     a callback may keep across restarts (it is checkpointed and broadcast too).
+
+    The keyword arguments come in groups, each handled by one object: the data
+    (``train_data``, ``seed``, ``shuffle``, ``collate_fn``, ``dataloader_kwargs``:
+    :class:`~bunsan.train.feed.TrainFeed`), the schedules a callback steers
+    (``learning_rate_per_sample``, ``momentum_time_constant``, ``unit_gain``:
+    :class:`~bunsan.train.control.SessionControl`) and the reporting (``progress``,
+    ``log_csv``, ``tensorboard``, ``callbacks``:
+    :func:`~bunsan.train.callbacks.standard_callbacks`).
 
     Args:
         model: The model; :func:`bunsan.distribute` copies rank 0's parameters
@@ -244,15 +251,16 @@ class TrainingSession(SessionControl):
         self.world_size = comm.get_world_size(self.group)
         self.loss_fn = loss_fn
 
-        # drop_last: every worker gets the same number of samples, none twice.
-        self.partition = Partition(
-            len(cast(Sized, self.train_data)),
-            rank=self.rank,
-            world_size=self.world_size,
-            shuffle=shuffle,
+        self.feed = TrainFeed(
+            self.train_data,
+            self.rank,
+            self.world_size,
             seed=seed,
-            drop_last=True,
+            shuffle=shuffle,
+            collate_fn=collate_fn,
+            dataloader_kwargs=dataloader_kwargs,
         )
+        self.partition, self.seed, self.collate_fn = self.feed.partition, seed, collate_fn
         self.samples_per_epoch = self.partition.shard_size * self.world_size
         minibatches = as_schedule("minibatch_size", minibatch_size, self.samples_per_epoch)
         assert minibatches is not None  # None only for a None value, which minibatch_size is not
@@ -271,9 +279,6 @@ class TrainingSession(SessionControl):
         self.checkpoint = checkpoint
         self.cross_validation = cross_validation
         self.test = test
-        self.seed = seed
-        self.collate_fn = collate_fn
-        self.dataloader_kwargs = dict(dataloader_kwargs) if dataloader_kwargs is not None else None
         self.max_epochs, self.max_samples = max_epochs, max_samples
 
         self.callbacks = standard_callbacks(progress, log_csv, tensorboard, callbacks)
@@ -317,19 +322,6 @@ class TrainingSession(SessionControl):
         if self.max_samples is not None and (self.max_samples - self.samples) // self.world_size <= 0:
             return "max_samples"
         return None
-
-    def _batches(self, plan: Sequence[int]) -> Iterator[Any]:
-        indices = self.partition.indices(epoch=self.epoch)  # this rank's shard, fixed by (seed, epoch)
-        cuts, start = [], self.position
-        for local in plan:
-            cuts.append(indices[start : start + local])
-            start += local
-        if self.dataloader_kwargs is None:
-            return (fetch(self.train_data, cut, self.collate_fn) for cut in cuts)
-        kwargs = dict(self.dataloader_kwargs)
-        if self.collate_fn is not None:
-            kwargs.setdefault("collate_fn", self.collate_fn)
-        return iter(DataLoader(self.train_data, batch_sampler=[cut.tolist() for cut in cuts], **kwargs))
 
     def _step(self, batch: Any, local: int) -> None:
         minibatch = local * self.world_size  # the step's actual global minibatch
@@ -416,7 +408,7 @@ class TrainingSession(SessionControl):
                 self.world_size,
                 self.max_samples,
             )
-            batches = self._batches(plan)
+            batches = self.feed.batches(self.epoch, self.position, plan)
             for local in plan:
                 self._step(next(batches), local)
                 before = self.samples
