@@ -87,10 +87,9 @@ class DistributedLoader:
                     f"{name}={dataloader_kwargs[name]!r} cannot be passed to bunsan.data.loader's DataLoader: "
                     "the partition decides sampling and batching; use loader(batch_size=, shuffle=, drop_last=)"
                 )
+        sized = cast(Sized, dataset)  # map-style: Partition refuses a data set without a length
         self.partition = Partition(
-            cast(
-                Sized, dataset
-            ),  # map-style: Partition refuses a data set without a length rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+            sized, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         if drop_last and self.partition.shard_size < self.batch_size:
             raise ValueError(
