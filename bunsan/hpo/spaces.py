@@ -56,39 +56,39 @@ class AlgorithmChoice(NamedTuple):
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
+def _pair(value: Any, kind: type, message: str) -> tuple[Any, Any]:
+    """``value`` (one number of ``kind`` or a ``(low, high)`` pair of them) as a pair; TypeError otherwise. Pure."""
+    pair: Any = (value, value) if isinstance(value, kind) and not isinstance(value, bool) else value
+    if (
+        not isinstance(pair, (tuple, list))
+        or len(pair) != 2
+        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in pair)
+    ):
+        raise TypeError(message)
+    return pair[0], pair[1]
+
+
 def _int_range(argument: str, value: Any, minimum: int) -> tuple[int, int]:
     """``value`` (an int or ``(low, high)``) as ``(low, high)`` with ``minimum <= low <= high``. Pure."""
-    pair: Any = (value, value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
     message = (
         f"{argument} must be an int >= {minimum} (fixed) or a range (low, high) of ints with "
         f"{minimum} <= low <= high (searched), got {value!r}"
     )
-    if (
-        not isinstance(pair, (tuple, list))
-        or len(pair) != 2
-        or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair)
-    ):
-        raise TypeError(message)
-    if not minimum <= pair[0] <= pair[1]:
+    low, high = _pair(value, numbers.Integral, message)
+    if not minimum <= low <= high:
         raise ValueError(message)
-    return int(pair[0]), int(pair[1])
+    return int(low), int(high)
 
 
 def _float_range(argument: str, value: Any, low_ok: float, high_limit: float) -> tuple[float, float]:
     """``value`` (a number or ``(low, high)``) as ``(low, high)`` within ``[low_ok, high_limit)``. Pure."""
-    pair: Any = (value, value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
     message = (
         f"{argument} must be a number or a range (low, high) with {low_ok} <= low <= high < {high_limit}, got {value!r}"
     )
-    if (
-        not isinstance(pair, (tuple, list))
-        or len(pair) != 2
-        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in pair)
-    ):
-        raise TypeError(message)
-    if not low_ok <= pair[0] <= pair[1] < high_limit:
+    low, high = _pair(value, numbers.Real, message)
+    if not low_ok <= low <= high < high_limit:
         raise ValueError(message)
-    return float(pair[0]), float(pair[1])
+    return float(low), float(high)
 
 
 def _choices(argument: str, values: Any) -> list[Any]:
