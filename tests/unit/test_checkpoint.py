@@ -90,7 +90,7 @@ def test_a_damaged_newest_file_is_skipped_with_a_warning(tmp_path, damage):
     else:
         newest.write_bytes(b"")
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoint.*run\.000000000200\.pt"):
-        path, payload = ckpt.find_latest_valid(config)
+        path, _ = ckpt.find_latest_valid(config)
     assert path == config.file_for(100)
     with pytest.warns(UserWarning, match="skipping damaged"):
         restored = ckpt.restore(config)  # the collective version agrees (world of one)
@@ -178,7 +178,7 @@ def test_model_fit_names_the_first_mismatch():
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 2)), "c")
     with pytest.raises(CheckpointError, match=r"entry '1\.weight' that this model lacks"):
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8)), "c")
-    with pytest.raises(CheckpointError, match="torch.float64"):
+    with pytest.raises(CheckpointError, match=r"torch\.float64"):
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).double(), "c")
 
 

@@ -279,7 +279,9 @@ def test_rate_and_minibatch_suggestions():
         hpo.suggest_learning_rate_per_sample(trial, 0.0, 1.0)
     with pytest.raises(ValueError, match="low must be <= high"):
         hpo.suggest_learning_rate_per_sample(trial, 1e-2, 1e-3)
-    with pytest.raises(ValueError, match=r"choices must be an int >= 4 \(global minibatch sizes >= the 4 worker\(s\).*got 2"):
+    with pytest.raises(
+        ValueError, match=r"choices must be an int >= 4 \(global minibatch sizes >= the 4 worker\(s\).*got 2"
+    ):
         hpo.suggest_minibatch_size(trial, (2, 64), world_size=4)
 
 

@@ -176,7 +176,7 @@ def test_channel_parallel_conv_rejects_unsupported():
         ChannelParallelConv2d(4, 4, 3, groups=2)
     with pytest.raises(ValueError, match="padding_mode='zeros' only"):
         ChannelParallelConv2d(4, 4, 3, padding_mode="reflect")
-    with pytest.raises(TypeError, match="nn.Conv2d"):
+    with pytest.raises(TypeError, match=r"nn\.Conv2d"):
         ChannelParallelConv2d.from_conv(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"expects \(N, 4, H, W\)"):
         ChannelParallelConv2d(4, 4, 3)(torch.randn(1, 3, 5, 5))

@@ -67,7 +67,7 @@ def test_several_values_without_epoch_size_need_resolving():
     assert s.resolve(7)(6) == 1 and s.resolve(7)(7) == 2
     assert schedule([1, 2], epoch_size=3).resolve(7).epoch_size == 3  # an explicit size wins
     assert as_schedule("lr", None, 7) is None
-    with pytest.raises(ValueError, match="^lr: "):
+    with pytest.raises(ValueError, match=r"^lr: "):
         as_schedule("lr", [], 7)
 
 
