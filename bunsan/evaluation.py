@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from bunsan import comm
+from bunsan._validate import check_int, check_type
 from bunsan.train import metrics as _metrics
 
 __all__ = ["all_reduce_metrics", "evaluate"]
@@ -107,8 +108,7 @@ def evaluate(
         ``{"loss": ..., <metric>: ..., "samples": n}``: per-sample means, and
         the number of samples evaluated (each counted once).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, hint="a torch.nn.Module")
     if isinstance(metrics, Mapping):
         chosen = dict(metrics)
     elif isinstance(metrics, (list, tuple)):
@@ -130,8 +130,7 @@ def evaluate(
             collate_fn = loader_collate
         if batch_size is None and data.batch_size is not None:
             batch_size = data.batch_size
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size, minimum=1, allow_none=True, hint="samples per forward pass on each worker")
     global_batch = DEFAULT_BATCH if batch_size is None else batch_size * world_size
     dataset = _metrics.as_dataset(dataset, "data")
     result = _metrics.evaluate(

@@ -14,12 +14,13 @@ Megatron-LM's tensor-parallel groups (Shoeybi et al. 2019).
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import init_device_mesh
 
-from bunsan.comm.collectives import _call, get_rank, get_world_size, is_initialized
+from bunsan._validate import check_int
+from bunsan.comm.collectives import _call, get_backend, get_world_size, is_initialized
 
-__all__ = ["new_group", "new_groups", "rank_grid"]
+__all__ = ["new_groups", "rank_grid"]
 
 
 def rank_grid(world_size: int, group_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -35,16 +36,15 @@ def rank_grid(world_size: int, group_size: int) -> tuple[list[list[int]], list[l
         ``[i, i + k, i + 2k, ...]``.
 
     Raises:
+        TypeError: ``group_size`` is not an int.
         ValueError: ``group_size`` is not a divisor of ``world_size`` in ``1..world_size``.
 
     Example:
         >>> rank_grid(4, 2)
         ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= world_size:
-        raise ValueError(f"group_size must be an int in 1..{world_size} (the world size), got {group_size!r}")
+    check_int("world_size", world_size, minimum=1)
+    check_int("group_size", group_size, minimum=1, maximum=world_size, hint="at most the world size")
     if world_size % group_size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
@@ -56,25 +56,15 @@ def rank_grid(world_size: int, group_size: int) -> tuple[list[list[int]], list[l
     return model_parallel, data_parallel
 
 
-def new_group(ranks: list[int]) -> ProcessGroup | None:
-    """Create a process group of ``ranks`` (global ranks). Collective over the world.
-
-    Every rank of the world must call it, with the same ``ranks``, in the same
-    order as every other group creation (torch.distributed matches group creations
-    by their order). Returns ``None`` (the world) without a process group.
-    """
-    if not is_initialized():
-        return None
-    return _call("new_group", lambda: dist.new_group(ranks=sorted(ranks)))
-
-
 def new_groups(group_size: int) -> tuple[ProcessGroup | None, ProcessGroup | None]:
     """This rank's model-parallel and data-parallel groups. Collective over the world.
 
-    Creates every group of :func:`rank_grid` (all ranks must call this, with the
-    same ``group_size``, at the same point of the program) and returns the two this
-    rank belongs to. Without a process group both are ``None``. Each call creates
-    new groups: call it once and keep the result.
+    Creates the groups of :func:`rank_grid` as the two named dimensions of a
+    ``torch.distributed.device_mesh.init_device_mesh`` (all ranks must call this,
+    with the same ``group_size``, at the same point of the program) and returns the
+    two this rank belongs to. Without a process group both are ``None``. Each call
+    creates new groups: call it once and keep the result. A dimension that spans
+    the whole world (``group_size`` 1 or the world size) is the default group.
 
     Args:
         group_size: Ranks per model-parallel group; must divide the world size.
@@ -89,18 +79,18 @@ def new_groups(group_size: int) -> tuple[ProcessGroup | None, ProcessGroup | Non
         >>> mp_group, dp_group = new_groups(2)   # 4 ranks: [0,1] [2,3] and [0,2] [1,3]
     """
     world_size = get_world_size()
-    model_parallel, data_parallel = rank_grid(world_size, group_size)
+    rank_grid(world_size, group_size)  # refuses a group_size that does not divide the world
     if not is_initialized():
         return None, None
-    rank = get_rank()
-    mine_mp = mine_dp = None
-    # Same order on every rank: all model-parallel groups, then all data-parallel ones.
-    for ranks in model_parallel:
-        group = new_group(ranks)
-        if rank in ranks:
-            mine_mp = group
-    for ranks in data_parallel:
-        group = new_group(ranks)
-        if rank in ranks:
-            mine_dp = group
-    return mine_mp, mine_dp
+    # torch's DeviceMesh builds exactly rank_grid's layout: the mesh is arange(world_size)
+    # viewed as (world_size // k, k), row-major, so a row (dim "model_parallel") holds k
+    # consecutive ranks and a column (dim "data_parallel") the ranks at the same position.
+    # A dimension spanning the whole world is the default group itself.
+    device = "cuda" if get_backend() == "nccl" else "cpu"
+    mesh = _call(
+        "init_device_mesh",
+        lambda: init_device_mesh(
+            device, (world_size // group_size, group_size), mesh_dim_names=("data_parallel", "model_parallel")
+        ),
+    )
+    return mesh.get_group("model_parallel"), mesh.get_group("data_parallel")

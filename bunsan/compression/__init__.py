@@ -7,8 +7,6 @@
 * :mod:`~bunsan.compression.rotation`: :class:`RotatedQuantizer`, the same
   codec applied to chunks rotated by random signs and a Walsh-Hadamard
   transform (same bytes, less error on heavy-tailed chunks).
-* :mod:`~bunsan.compression.casts`: fp16 / bf16 casts with an optional
-  pre-scale and fp16 saturation.
 * :mod:`~bunsan.compression.native`: the 1-bit codec (plain and rotated) on CPU
   as C kernels compiled on first use (``onebit.c``), about the speed of a
   memory copy; the torch operations run where no compiler is found.
@@ -17,23 +15,18 @@
 from __future__ import annotations
 
 from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
-from bunsan.compression.casts import HALF_DTYPES, from_half, half_dtype, to_half
 from bunsan.compression.quantize import CLIP_ALPHA, DEFAULT_CHUNK_SIZE, Quantizer
 from bunsan.compression.rotation import RotatedQuantizer, hadamard
 
 __all__ = [
     "CLIP_ALPHA",
     "DEFAULT_CHUNK_SIZE",
-    "HALF_DTYPES",
     "MAX_BITS",
     "Quantizer",
     "RotatedQuantizer",
     "code_dtype",
-    "from_half",
     "hadamard",
-    "half_dtype",
     "pack_bits",
     "packed_size",
-    "to_half",
     "unpack_bits",
 ]

@@ -19,9 +19,9 @@ shifts codes together within 64-bit words; unpacking them looks each byte up
 in a 256-entry table. Codes of more than 8 bits are handled as two uint8
 planes (bits 0-7 and 8-15), so every shift is a uint8 shift.
 
-Measured on one CPU thread (2-core Xeon), 10 M codes, pack / unpack in ms:
-1 bit 9 / 1, 2 bits 10 / 2, 3 bits 12 / 13, 4 bits 7 / 3, 8 bits 1 / 1,
-16 bits 2 / 4; 9 to 15 bits, which have no fast path, 40-100.
+Codes of 9 to 15 bits have no fast path and are several times slower than the
+others (figures in docs/design-notes.md, "Compression: measurements moved from
+docstrings").
 
 Pure tensor code, no state.
 """
@@ -35,6 +35,8 @@ import sys
 import torch
 from torch import Tensor
 
+from bunsan._validate import check_int
+
 __all__ = ["MAX_BITS", "code_dtype", "pack_bits", "packed_size", "unpack_bits"]
 
 MAX_BITS = 16
@@ -46,8 +48,7 @@ _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, t
 
 
 def _check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}")
+    check_int("bits", bits, minimum=1, maximum=MAX_BITS)
 
 
 def packed_size(numel: int, bits: int) -> int:
@@ -186,6 +187,7 @@ def _pack_words(codes: Tensor, bits: int, out: Tensor) -> bool:
         gathered &= mask
     # The low 8 * bits bits are the packed bytes; integer conversion keeps them
     # (two's complement wrap-around, as on every platform torch supports).
+    assert gathered is not None  # _word_rounds yields at least one round
     out.view(_WORD_DTYPES[word_bytes]).copy_(gathered)
     return True
 

@@ -179,6 +179,13 @@ def _scales(chunk_size: int) -> Tensor:
     return torch.tensor([(1 << k) ** -0.5 for k in range(chunk_size.bit_length())], dtype=torch.float32)
 
 
+def _rotated_call(chunk_size: int) -> tuple[ctypes.CDLL, Tensor, Tensor]:
+    """The library, a work row and the scales that every rotated kernel takes (``chunk_size`` a multiple of 8)."""
+    library = _load()
+    assert library is not None and chunk_size % 8 == 0
+    return library, torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)
+
+
 def onebit_encode_rotated(
     values: Tensor,
     addend: Tensor | None,
@@ -190,9 +197,7 @@ def onebit_encode_rotated(
 ) -> None:
     """As :func:`onebit_encode` on chunks rotated as :class:`~bunsan.compression.RotatedQuantizer` rotates
     them (``signs``: float32 ``chunk_size``, CPU); the residual stays in the original coordinates."""
-    library = _load()
-    assert library is not None and chunk_size % 8 == 0
-    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
+    library, work, scales = _rotated_call(chunk_size)  # work and scales stay alive during the call
     library.bunsan_onebit_encode_rotated(
         _ptr(values),
         _ptr(addend),
@@ -218,9 +223,7 @@ def onebit_decode_rotated(
     accumulate: bool = False,
 ) -> None:
     """As :func:`onebit_decode` for :func:`onebit_encode_rotated`'s payloads; ``numel`` unpadded."""
-    library = _load()
-    assert library is not None and chunk_size % 8 == 0
-    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
+    library, work, scales = _rotated_call(chunk_size)  # work and scales stay alive during the call
     library.bunsan_onebit_decode_rotated(
         _ptr(offsets),
         _ptr(steps),
@@ -240,11 +243,10 @@ def onebit_decode_rotated_sum(
 ) -> None:
     """The sum of several rotated payloads ``(offsets, steps, packed)``, decoded into ``out``: summed in
     rotated coordinates in the given order, then rotated back once."""
-    library = _load()
-    assert library is not None and chunk_size % 8 == 0 and params
+    assert params
+    library, work, scales = _rotated_call(chunk_size)  # work and scales stay alive during the call
     k = len(params)
     pointers = [(ctypes.c_void_p * k)(*(_ptr(t[i]) for t in params)) for i in range(3)]
-    work, scales = torch.empty(chunk_size, dtype=torch.float32), _scales(chunk_size)  # alive during the call
     library.bunsan_onebit_decode_rotated_sum(
         k, pointers[0], pointers[1], pointers[2], numel, chunk_size, _ptr(signs), _ptr(scales), _ptr(work), _ptr(out)
     )

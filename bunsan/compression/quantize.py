@@ -26,57 +26,26 @@ rapid-deployment", ACIQ), and each chunk keeps whichever of the two ranges
 gives the lower squared error on that chunk, so no chunk is ever worse than
 ``[min, max]``. Clipped tails are not lost either: they go to the residual.
 
-Measured choice (relative MSE ``||x - decode||^2 / ||x||^2`` per step, chunks
-of 512, 4000 chunks; ``alpha`` is the grid optimum on N(0, 1) data)::
+Symmetric levels scaled by the max-abs (one parameter per chunk) are not used: they
+were worse than min-max at every width measured. The clipped range is not tried from
+5 bits up, where it gains little or equals ``[min, max]``.
 
-    bits alpha  N(0,1): min-max  symm.max-abs  best-of    Laplace: min-max  best-of   Student-t3: min-max  best-of
-    2    1.50           3.51e-1  4.11e-1       1.18e-1             8.01e-1  1.97e-1               1.89      3.26e-1
-    3    2.05           6.37e-2  7.33e-2       3.73e-2             1.29e-1  8.12e-2               3.37e-1   2.02e-1
-    4    2.50           1.39e-2  1.60e-2       1.15e-2             2.82e-2  2.80e-2               7.29e-2   7.29e-2
-    5    (3.4)          3.25e-3  3.73e-3       3.21e-3 (1 %: not worth a second pass, so min-max)
-    6+                  the clipped range equals [min, max] (max of 512 Gaussians ~ 3 std)
+Chunk size. The default of 512 costs 2 float32 per 512 elements, 0.125 bit per
+element (a 1-bit payload is 1.125 bits per element, 28.4x smaller than float32), and
+512 is a multiple of 8, so every chunk's codes start on a byte boundary whatever
+``bits`` is. A chunk should not span parts of a tensor with different scales; an
+algorithm that knows its layout (rows of a weight matrix, as CNTK quantized per
+column) can pass a matching ``chunk_size``.
 
-Levels symmetric around 0 scaled by the max-abs (one parameter per chunk) were
-15-25 % worse than min-max everywhere, so they are not used.
+At 1 bit on CPU (chunk sizes that are multiples of 8) the C kernels of
+:mod:`bunsan.compression.native` replace the torch passes: the same payload, decoding
+bit for bit the same. On CPU the work runs in blocks of 128 K elements, so that each
+pass reads the cache, not memory; on a GPU it is one block.
 
-Chunk size. The default of 512 costs 2 float32 per 512 elements, 0.125 bit
-per element: a 1-bit payload is 1.125 bits per element, 28.4x smaller than
-float32, and 512 is a multiple of 8, so every chunk's codes start on a byte
-boundary whatever ``bits`` is. Smaller chunks fit local scale better but cost
-more parameters (256 would give 1.25 bits/element, 25.6x); larger ones save
-little (1024: 30.1x) while the per-chunk means blur.
-
-Chunk-size trade-off, measured (relative MSE, 1 M elements; "rows" data is
-N(0, 1) times a scale drawn log-uniformly over 2 decades every 256 elements)::
-
-    chunk_size                 64     256    512    1024   4096
-    1-bit payload vs float32   16.0x  25.6x  28.4x  30.1x  31.5x
-    1 bit,  i.i.d. N(0, 1)     0.352  0.361  0.362  0.363  0.363
-    1 bit,  rows of 256        0.352  0.361  0.545  0.639  0.711
-    2 bits, rows of 256        0.114  0.118  0.204  0.277  0.353
-
-So a chunk should not span parts of a tensor with different scales; an
-algorithm that knows its layout (rows of a weight matrix, as CNTK quantized
-per column) can pass a matching ``chunk_size``.
-
-Speed, one CPU thread (2-core Xeon), 10 M float32 N(0, 1) elements, ``out=``
-buffers given (without them, a fresh 40 MB output costs ~10 ms more in page
-faults); min of 7 runs, in ms::
-
-    bits                    1       2       3       4       8       12      16
-    encode                  28      46      58      47      17      39      17
-    decode                  6       8       27      10      6       46      10
-    encode_with_feedback    34      55      67      55      24      50      26
-    relative MSE            0.362   0.118   3.7e-2  1.1e-2  4.8e-5  1.9e-7  7.2e-10
-    payload vs float32      28.4x   15.1x   10.2x   7.8x    3.9x    2.6x    2.0x
-
-2 to 4 bits try two ranges per chunk, hence their cost. At 1 bit on CPU (chunk
-sizes that are multiples of 8) the C kernels of :mod:`bunsan.compression.native`
-replace these torch passes: encode with feedback and decode at about the speed
-of a memory copy of the same float32 (``python -m bunsan.bench.quantized
---codec-only``), the same payload, decoding bit for bit the same. On CPU the work runs
-in blocks of 128 K elements, so that each pass reads the cache, not memory
-(1.5-2x faster than whole-tensor passes here); on a GPU it is one block.
+The measurements behind these choices (error per bit width and range, the chunk-size
+trade-off, speed per bit width) are in docs/design-notes.md, "Compression:
+measurements moved from docstrings"; ``python -m bunsan.bench.quantized --codec-only``
+measures the codec again.
 
 Payload layout (one flat uint8 tensor, :meth:`Quantizer.payload_bytes` long)::
 
@@ -97,15 +66,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from bunsan._validate import check_int
 from bunsan.compression import native
-from bunsan.compression.bits import MAX_BITS, code_dtype, pack_bits, packed_size, unpack_bits
+from bunsan.compression.bits import MAX_BITS, _check_out, code_dtype, pack_bits, packed_size, unpack_bits
 
 __all__ = ["CLIP_ALPHA", "DEFAULT_CHUNK_SIZE", "Quantizer"]
 
 DEFAULT_CHUNK_SIZE = 512
 
-# Half-width of the clipped range in standard deviations, per bit width; measured
-# as the MSE optimum on Gaussian chunks of 512 (see the module docstring).
+# Half-width of the clipped range in standard deviations, per bit width: the MSE optimum
+# on Gaussian chunks of 512 (docs/design-notes.md, "Compression: measurements moved from docstrings").
 CLIP_ALPHA: dict[int, float] = {2: 1.50, 3: 2.05, 4: 2.50}
 
 _PARAMS_PER_CHUNK = 2
@@ -138,10 +108,8 @@ class Quantizer:
     """
 
     def __init__(self, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
-            raise ValueError(f"bits must be an int in 1..{MAX_BITS}, got {bits!r}; use bits=32 for no quantization")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}; the default is {DEFAULT_CHUNK_SIZE}")
+        check_int("bits", bits, minimum=1, maximum=MAX_BITS, hint="use bits=32 for no quantization")
+        check_int("chunk_size", chunk_size, minimum=1, hint=f"the default is {DEFAULT_CHUNK_SIZE}")
         self.bits = bits
         self.chunk_size = chunk_size
 
@@ -230,7 +198,7 @@ class Quantizer:
         if out is None:
             out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         else:
-            out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+            out = _check_out(out, numel, torch.float32, payload.device, "out")
         if numel == 0:
             return out
         if self._native(out):
@@ -275,7 +243,7 @@ class Quantizer:
         nbytes = self.payload_bytes(numel)
         if out is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return _check_buffer(out, nbytes, torch.uint8, device, "out")
+        return _check_out(out, nbytes, torch.uint8, device, "out")
 
     def _check_payload(self, payload: Tensor, numel: int) -> Tensor:
         if payload.dtype != torch.uint8:
@@ -321,7 +289,7 @@ class Quantizer:
     def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
         """``out += decode(payload)`` in place, rounded as that sum would be, without a temporary."""
         payload = self._check_payload(payload, numel)
-        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        out = _check_out(out, numel, torch.float32, payload.device, "out")
         if numel and self._native(out):
             self.decode_native(payload, numel, out, accumulate=True)
         elif numel:
@@ -528,15 +496,3 @@ def _as_flat_float32(x: Tensor, name: str) -> Tensor:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     flat = x.reshape(-1)
     return flat if flat.dtype == torch.float32 else flat.float()
-
-
-def _check_buffer(out: Tensor, numel: int, dtype: torch.dtype, device: torch.device, name: str) -> Tensor:
-    if out.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {out.dtype}")
-    if out.numel() != numel:
-        raise ValueError(f"{name} must have exactly {numel} elements, got {out.numel()}")
-    if out.device != device:
-        raise ValueError(f"{name} is on {out.device} but the input is on {device}; allocate it there")
-    if not out.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return out.view(-1)

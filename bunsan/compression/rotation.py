@@ -12,27 +12,16 @@ error feedback instead of DRIVE's unbiased scaling: the residual is taken in
 the original coordinates, so nothing is lost, only delayed, exactly as with
 the plain codec.
 
-Measured (relative squared error of one 1-bit encode, chunks of 512):
+Why it matters: with SGD momentum the plain 1-bit exchange drops so much per step
+that the delayed remainder can destabilize training; rotated, the same bytes train
+close to the exact exchange (docs/design-notes.md, "1 bit and heavy momentum").
 
-    data                                  plain    rotated
-    N(0, 1)                               0.363    0.363
-    N(0, 1) x U(0, 1)**4 (heavy-tailed)   0.80     0.35
-    MNIST-1D CNN, per-worker momentum     0.73     0.51   (docs/experiments/one_bit_momentum.py)
-
-Why it matters: with SGD momentum 0.9 the plain 1-bit exchange drops so much
-per step that the delayed remainder destabilizes training (MNIST-1D, 4 workers,
-warm start: 19.4-42.5% test error against 9.0-11.2% exact); rotated, the same
-bytes gave 9.5-12.3% (docs/design-notes.md, "1 bit and heavy momentum").
-
-Cost: ``log2(chunk_size)`` butterfly passes in each direction (10 for
-DataParallelSGD's 1024), and a chunk at the end of a tensor is padded with
-zeros to the next power of two (at most doubling that one chunk's codes). With
-torch operations, one CPU thread, 10 M elements, 1 bit: encode with feedback
-about 220 ms, decode about 130 ms. At 1 bit on CPU the C kernels of
-:mod:`bunsan.compression.native` do the same arithmetic chunk by chunk in L1
-(the same bits): about 4x and 2.4x a memory copy of the same float32
-(``python -m bunsan.bench.quantized --codec-only``). On a GPU the torch path
-runs (not measured here: no GPU).
+Cost: ``log2(chunk_size)`` butterfly passes in each direction, and a chunk at the end
+of a tensor is padded with zeros to the next power of two (at most doubling that one
+chunk's codes). At 1 bit on CPU the C kernels of :mod:`bunsan.compression.native` do
+the same arithmetic chunk by chunk in L1, with the same bits; on a GPU the torch path
+runs. The error and speed measured are in docs/design-notes.md, "Compression:
+measurements moved from docstrings".
 
 The chunk size must be a power of two. Pure tensor code like
 :class:`~bunsan.compression.quantize.Quantizer`, whose interface this class
@@ -45,7 +34,8 @@ import torch
 from torch import Tensor
 
 from bunsan.compression import native
-from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_float32, _check_buffer, check_residual
+from bunsan.compression.bits import _check_out
+from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_float32, check_residual
 
 __all__ = ["ROTATED_CHUNK_SIZE", "RotatedQuantizer", "hadamard"]
 
@@ -234,7 +224,7 @@ class RotatedQuantizer:
 
     def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
         """``out += decode(payload)`` in place (as :meth:`Quantizer.decode_add`)."""
-        out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+        out = _check_out(out, numel, torch.float32, payload.device, "out")
         if numel and self._native(out.device):
             self._native_decode(payload, numel, out, accumulate=True)
             return out
@@ -246,7 +236,7 @@ class RotatedQuantizer:
         so k payloads cost one inverse transform. Bit for bit the same on the C and torch paths."""
         if not payloads:
             raise ValueError("decode_sum needs at least one payload")
-        out = _check_buffer(out, numel, torch.float32, payloads[0].device, "out")
+        out = _check_out(out, numel, torch.float32, payloads[0].device, "out")
         if numel == 0:
             return out
         padded = self.padded_numel(numel)
@@ -283,7 +273,7 @@ class RotatedQuantizer:
             if out is None:
                 out = torch.empty(numel, dtype=torch.float32, device=payload.device)
             else:
-                out = _check_buffer(out, numel, torch.float32, payload.device, "out")
+                out = _check_out(out, numel, torch.float32, payload.device, "out")
             if numel:
                 self._native_decode(payload, numel, out, accumulate=False)
             else:
@@ -294,4 +284,4 @@ class RotatedQuantizer:
         values = self._rotate(rotated, inverse=True)[:numel]
         if out is None:
             return values
-        return _check_buffer(out, numel, torch.float32, payload.device, "out").copy_(values)
+        return _check_out(out, numel, torch.float32, payload.device, "out").copy_(values)

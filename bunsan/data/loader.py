@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -87,8 +87,9 @@ class DistributedLoader:
                     f"{name}={dataloader_kwargs[name]!r} cannot be passed to bunsan.data.loader's DataLoader: "
                     "the partition decides sampling and batching; use loader(batch_size=, shuffle=, drop_last=)"
                 )
+        sized = cast(Sized, dataset)  # map-style: Partition refuses a data set without a length
         self.partition = Partition(
-            dataset, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+            sized, rank=rank, world_size=world_size, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         if drop_last and self.partition.shard_size < self.batch_size:
             raise ValueError(
@@ -195,16 +196,7 @@ class DistributedLoader:
         return f"DistributedLoader({self.partition!r}, batch_size={self.batch_size}, batches={len(self)})"
 
 
-def loader(
-    dataset: Dataset,
-    batch_size: int,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
-    **dataloader_kwargs: Any,
-) -> DistributedLoader:
+def loader(dataset: Dataset, batch_size: int, *args: Any, **kwargs: Any) -> DistributedLoader:
     """Batches of this worker's partition of ``dataset``, reshuffled each epoch.
 
     ``batch_size`` is per worker: the global minibatch is ``batch_size`` times
@@ -219,6 +211,8 @@ def loader(
         for epoch in range(10):
             for x, y in train:  # epoch 0, 1, ...: advances each time iteration restarts
                 ...
+
+    The arguments are :class:`DistributedLoader`'s, in its order:
 
     Args:
         dataset: A map-style dataset (it has ``__len__`` and ``__getitem__``).
@@ -235,13 +229,4 @@ def loader(
     Returns:
         A :class:`DistributedLoader`.
     """
-    return DistributedLoader(
-        dataset,
-        batch_size,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        rank=rank,
-        world_size=world_size,
-        **dataloader_kwargs,
-    )
+    return DistributedLoader(dataset, batch_size, *args, **kwargs)

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from bunsan._validate import check_int
+
 __all__ = ["Partition", "epoch_order", "shard_indices", "shard_size"]
 
 
@@ -44,15 +46,10 @@ def _default_rank_size() -> tuple[int, int]:
 
 
 def _as_int(name: str, value: Any, minimum: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}; pass an int such as 0 or 1")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    return number
+    """``value`` as an int (numpy integers included), checked by :func:`bunsan._validate.check_int`."""
+    if not isinstance(value, bool) and hasattr(type(value), "__index__"):
+        value = operator.index(value)
+    return int(check_int(name, value, minimum=minimum))
 
 
 def _check(num_samples: int, rank: int, world_size: int, drop_last: bool) -> tuple[int, int, int]:
@@ -175,13 +172,18 @@ def shard_indices(
 
 
 class Partition(Sampler[int]):
-    """A sampler over this worker's share of each epoch (see :func:`shard_indices`).
+    """A sampler over this worker's share of each epoch (see :func:`shard_indices`), compatible with
+    ``torch.utils.data.DistributedSampler``.
 
-    Call :meth:`set_epoch` before each epoch, as with torch's
-    ``DistributedSampler``, or let :func:`bunsan.data.loader` do it. The
-    order depends only on ``(seed, epoch)``, never on global random state.
+    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``, or let
+    :func:`bunsan.data.loader` do it. The order depends only on ``(seed, epoch)``,
+    never on global random state.
 
-    It takes the place of ``DistributedSampler`` in any ``DataLoader``::
+    It takes the place of ``DistributedSampler`` in any ``DataLoader``, with the same
+    arguments in the same order (``Partition(dataset, num_replicas, rank, shuffle,
+    seed, drop_last)``) and the same attributes (``dataset``, ``num_replicas``,
+    ``rank``, ``num_samples``, ``total_size``, ``shuffle``, ``seed``, ``drop_last``,
+    ``epoch``)::
 
         sampler = bunsan.data.Partition(train_set, shuffle=True, seed=0)
         loader = torch.utils.data.DataLoader(train_set, batch_size=64, sampler=sampler)
@@ -189,72 +191,89 @@ class Partition(Sampler[int]):
             sampler.set_epoch(epoch)
             for x, y in loader: ...
 
-    ``DistributedSampler``'s keyword ``num_replicas`` is accepted for
-    ``world_size``, and its attributes ``num_replicas``, ``total_size`` and
-    ``dataset`` exist. One difference: ``num_samples`` here is the length of
-    the whole data set; ``DistributedSampler.num_samples`` (this worker's
-    share) is :attr:`shard_size`.
+    The shards are DistributedSampler's: strided (rank ``r`` takes positions ``r,
+    r + w, ...`` of the epoch's order), padded by repeating the order from its start
+    or cut at its tail (``drop_last``); without ``shuffle`` a Partition yields
+    exactly the indices of a ``DistributedSampler`` with the same arguments. The
+    differences:
+
+    * with ``shuffle``, the epoch's permutation is drawn from a hash of ``(seed,
+      epoch)`` instead of ``seed + epoch`` (so ``(seed=0, epoch=1)`` and ``(seed=1,
+      epoch=0)`` differ): the same shards as a DistributedSampler, in another order;
+    * ``num_replicas`` and ``rank`` default to the process group of bunsan's
+      runtime, which a launcher's job of several workers joins first (1 and 0 when
+      there is none), where DistributedSampler requires a process group;
+    * ``dataset`` may be a length instead of a data set; ``world_size`` is accepted
+      for ``num_replicas``; :meth:`set_epoch` takes an optional ``start`` to resume
+      inside an epoch.
 
     Args:
-        dataset_or_len: A sized dataset, or its length as an int.
-        rank: This worker; ``None`` means the rank in the default process
-            group (0 when there is none; a launcher's job of several workers
-            is joined first, as by :func:`bunsan.init`).
-        world_size: Number of workers; ``None`` means the default group's size
-            (1 when there is none).
+        dataset: A sized dataset, or its length as an int.
+        num_replicas: Number of workers (also ``world_size``); ``None`` means the
+            default group's size.
+        rank: This worker; ``None`` means the rank in the default process group.
         shuffle: Reshuffle every epoch.
         seed: Shuffle seed; must be the same on every rank.
-        drop_last: Drop the ``len % world_size`` remainder instead of padding.
-        num_replicas: ``DistributedSampler``'s name for ``world_size``; give one of the two.
+        drop_last: Drop the ``len % num_replicas`` remainder instead of padding.
+        world_size: bunsan's name for ``num_replicas``; give one of the two.
 
     Attributes:
         dataset: The data set given, or ``None`` when a length was given.
-        num_samples: Length of the whole dataset.
-        shard_size: Samples this worker gets per epoch, the same on every worker.
+        dataset_size: Length of the whole data set.
+        num_samples: Samples this worker gets per epoch, the same on every worker
+            (as ``DistributedSampler.num_samples``; also :attr:`shard_size`).
         epoch: The epoch the next iteration yields.
         start: Leading samples of the epoch's shard that iteration skips (for
             resuming mid-epoch); 0 unless set by :meth:`set_epoch`.
+
+    Raises:
+        TypeError: ``dataset`` is neither sized nor an int, or a count is not an int.
+        ValueError: A count is out of range, or ``world_size`` and ``num_replicas`` disagree.
     """
 
     def __init__(
         self,
-        dataset_or_len: Sized | int,
+        dataset: Sized | int,
+        num_replicas: int | None = None,
         rank: int | None = None,
-        world_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
         *,
-        num_replicas: int | None = None,
+        world_size: int | None = None,
     ) -> None:
-        if num_replicas is not None:
-            if world_size is not None and world_size != num_replicas:
-                raise ValueError(
-                    f"world_size={world_size} and num_replicas={num_replicas} disagree; "
-                    "they are the same thing: give one of them"
-                )
-            world_size = num_replicas
-        self.dataset = dataset_or_len if isinstance(dataset_or_len, Sized) else None
-        if isinstance(dataset_or_len, Sized):
-            num_samples = len(dataset_or_len)
-        elif isinstance(dataset_or_len, bool) or not hasattr(dataset_or_len, "__index__"):
+        if num_replicas is not None and world_size is not None and world_size != num_replicas:
             raise ValueError(
-                f"dataset_or_len must be a sized dataset or an int, got {type(dataset_or_len).__name__}; "
+                f"world_size={world_size} and num_replicas={num_replicas} disagree; "
+                "they are the same thing: give one of them"
+            )
+        replicas = num_replicas if num_replicas is not None else world_size
+        self.dataset = dataset if isinstance(dataset, Sized) else None
+        if isinstance(dataset, Sized):
+            size = len(dataset)
+        elif isinstance(dataset, bool) or not hasattr(type(dataset), "__index__"):
+            raise TypeError(
+                f"dataset must be a sized dataset or an int, got {type(dataset).__name__}; "
                 "an IterableDataset has no length to partition"
             )
         else:
-            num_samples = operator.index(dataset_or_len)
-        if rank is None or world_size is None:
+            size = operator.index(dataset)
+        if rank is None or replicas is None:
             default_rank, default_world_size = _default_rank_size()
             rank = default_rank if rank is None else rank
-            world_size = default_world_size if world_size is None else world_size
-        self.num_samples, self.rank, self.world_size = _check(num_samples, rank, world_size, drop_last)
+            replicas = default_world_size if replicas is None else replicas
+        self.dataset_size, self.rank, self.world_size = _check(size, rank, replicas, drop_last)
         self.shuffle = bool(shuffle)
         self.seed = _as_int("seed", seed)
         self.drop_last = bool(drop_last)
-        self.shard_size = shard_size(self.num_samples, self.world_size, self.drop_last)
+        self.shard_size = shard_size(self.dataset_size, self.world_size, self.drop_last)
         self.epoch = 0
         self.start = 0
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this worker gets per epoch: ``DistributedSampler.num_samples``, :attr:`shard_size`."""
+        return self.shard_size
 
     @property
     def num_replicas(self) -> int:
@@ -283,7 +302,7 @@ class Partition(Sampler[int]):
     def indices(self, epoch: int | None = None) -> Tensor:
         """This worker's whole shard of ``epoch`` (default: the current one), ignoring ``start``."""
         return shard_indices(
-            self.num_samples,
+            self.dataset_size,
             self.rank,
             self.world_size,
             epoch=self.epoch if epoch is None else epoch,
@@ -301,6 +320,6 @@ class Partition(Sampler[int]):
 
     def __repr__(self) -> str:
         return (
-            f"Partition(num_samples={self.num_samples}, rank={self.rank}, world_size={self.world_size}, "
+            f"Partition(dataset_size={self.dataset_size}, rank={self.rank}, world_size={self.world_size}, "
             f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last}, epoch={self.epoch})"
         )

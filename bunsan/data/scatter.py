@@ -59,7 +59,7 @@ def _describe(dataset: Any, root: int) -> dict[str, Any]:
             }
         num_samples = lengths.pop()
         specs = [(tuple(t.shape[1:]), t.dtype) for t in tensors]
-        header = {"kind": "tensors", "num_samples": num_samples, "specs": specs}
+        header: dict[str, Any] = {"kind": "tensors", "num_samples": num_samples, "specs": specs}
     elif hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
         header = {"kind": "objects", "num_samples": len(dataset)}
     else:
@@ -148,7 +148,9 @@ def _prepare(
         ]
         if header["kind"] == "tensors":
             payload = []
-            for tensor in _tensors_of(dataset):
+            tensors = _tensors_of(dataset)
+            assert tensors is not None  # the header's kind says so
+            for tensor in tensors:
                 source = tensor.detach().cpu()
                 payload.append([source[part] for part in parts])
         else:

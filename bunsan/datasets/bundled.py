@@ -183,7 +183,8 @@ def _write_npz(path: Path, data: dict[str, Tensor]) -> None:
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(handle, "wb") as file:
-                np.savez(file, **{key: value.numpy() for key, value in data.items()})
+                arrays: dict[str, Any] = {key: value.numpy() for key, value in data.items()}
+                np.savez(file, **arrays)
             os.replace(temporary, path)
         except BaseException:
             os.unlink(temporary)

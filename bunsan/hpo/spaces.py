@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from bunsan import algorithms, comm
+from bunsan._validate import check_int, check_number
 from bunsan.algorithms.base import Algorithm
 
 __all__ = [
@@ -55,40 +56,45 @@ class AlgorithmChoice(NamedTuple):
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
-def _int_range(argument: str, value: Any, minimum: int) -> tuple[int, int]:
-    """``value`` (an int or ``(low, high)``) as ``(low, high)`` with ``minimum <= low <= high``. Pure."""
-    pair: Any = (value, value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
+def _pair(value: Any, kind: type, message: str) -> tuple[Any, Any]:
+    """``value`` (one number of ``kind`` or a ``(low, high)`` pair of them) as a pair; TypeError otherwise. Pure."""
+    pair: Any = (value, value) if isinstance(value, kind) and not isinstance(value, bool) else value
     if (
         not isinstance(pair, (tuple, list))
         or len(pair) != 2
-        or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair)
-        or not minimum <= pair[0] <= pair[1]
+        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in pair)
     ):
-        raise ValueError(
-            f"{argument} must be an int >= {minimum} (fixed) or a range (low, high) of ints with "
-            f"{minimum} <= low <= high (searched), got {value!r}"
-        )
-    return int(pair[0]), int(pair[1])
+        raise TypeError(message)
+    return pair[0], pair[1]
+
+
+def _int_range(argument: str, value: Any, minimum: int) -> tuple[int, int]:
+    """``value`` (an int or ``(low, high)``) as ``(low, high)`` with ``minimum <= low <= high``. Pure."""
+    message = (
+        f"{argument} must be an int >= {minimum} (fixed) or a range (low, high) of ints with "
+        f"{minimum} <= low <= high (searched), got {value!r}"
+    )
+    low, high = _pair(value, numbers.Integral, message)
+    if not minimum <= low <= high:
+        raise ValueError(message)
+    return int(low), int(high)
 
 
 def _float_range(argument: str, value: Any, low_ok: float, high_limit: float) -> tuple[float, float]:
     """``value`` (a number or ``(low, high)``) as ``(low, high)`` within ``[low_ok, high_limit)``. Pure."""
-    pair: Any = (value, value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
-    if (
-        not isinstance(pair, (tuple, list))
-        or len(pair) != 2
-        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in pair)
-        or not low_ok <= pair[0] <= pair[1] < high_limit
-    ):
-        raise ValueError(
-            f"{argument} must be a number or a range (low, high) with {low_ok} <= low <= high < {high_limit}, "
-            f"got {value!r}"
-        )
-    return float(pair[0]), float(pair[1])
+    message = (
+        f"{argument} must be a number or a range (low, high) with {low_ok} <= low <= high < {high_limit}, got {value!r}"
+    )
+    low, high = _pair(value, numbers.Real, message)
+    if not low_ok <= low <= high < high_limit:
+        raise ValueError(message)
+    return float(low), float(high)
 
 
 def _choices(argument: str, values: Any) -> list[Any]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{argument} must be a non-empty sequence of choices, got {values!r}")
+    if not values:
         raise ValueError(f"{argument} must be a non-empty sequence of choices, got {values!r}")
     if len(set(values)) != len(values):
         raise ValueError(f"{argument} names a choice twice: {values!r}")
@@ -121,8 +127,11 @@ def _check_algorithm_choices(
             )
     bit_choices = _choices("bits", bits)
     for b in bit_choices:
-        if isinstance(b, bool) or not isinstance(b, int) or not (b == 32 or 1 <= b <= 16):
-            raise ValueError(f"bits must hold 32 (exact) or 1..16 (quantized), got {b!r} in {bits!r}")
+        message = f"bits must hold 32 (exact) or 1..16 (quantized), got {b!r} in {bits!r}"
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TypeError(message)
+        if not (b == 32 or 1 <= b <= 16):
+            raise ValueError(message)
     warm = _int_range("warm_start", warm_start, 0)
     block = _int_range("block_size", block_size, 1)
     momentum = None if block_momentum is None else _float_range("block_momentum", block_momentum, 0.0, 1.0)
@@ -226,13 +235,13 @@ def suggest_algorithm(
 
 def _local_minibatch(minibatch_size: Any, world_size: int | None) -> int:
     workers = comm.get_world_size() if world_size is None else world_size
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"world_size must be an int >= 1 or None (the job's world), got {world_size!r}")
-    if isinstance(minibatch_size, bool) or not isinstance(minibatch_size, int) or minibatch_size < workers:
-        raise ValueError(
-            f"minibatch_size must be a global minibatch >= the {workers} worker(s), got {minibatch_size!r}; "
-            "or None to search block_size in samples"
-        )
+    check_int("world_size", workers, minimum=1, hint="None: the job's world")
+    check_int(
+        "minibatch_size",
+        minibatch_size,
+        minimum=workers,
+        hint=f"a global minibatch >= the {workers} worker(s); or None to search block_size in samples",
+    )
     return minibatch_size // workers
 
 
@@ -255,8 +264,7 @@ def suggest_learning_rate_per_sample(
         ValueError: ``low`` or ``high`` out of range.
     """
     for argument, value in (("low", low), ("high", high)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-            raise ValueError(f"{argument} must be a learning rate per sample > 0 (log scale), got {value!r}")
+        check_number(argument, value, minimum=0, min_inclusive=False, hint="a learning rate per sample, log scale")
     if low > high:
         raise ValueError(f"low must be <= high, got low={low!r}, high={high!r}")
     return float(low) if low == high else trial.suggest_float(name, float(low), float(high), log=True)
@@ -285,9 +293,10 @@ def suggest_minibatch_size(
     sizes = _choices("choices", choices)
     workers = comm.get_world_size() if world_size is None else world_size
     for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < max(workers, 1):
-            raise ValueError(
-                f"choices must hold global minibatch sizes >= the {workers} worker(s), got {size!r} in {choices!r}; "
-                "every worker needs at least one sample per step"
-            )
+        check_int(
+            "choices",
+            size,
+            minimum=max(workers, 1),
+            hint=f"global minibatch sizes >= the {workers} worker(s): every worker needs a sample per step",
+        )
     return int(_pick(trial, name, sizes))

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from bunsan._validate import check_int
+
 __all__ = [
     "BNInceptionCIFAR",
     "CIFARConvNet",
@@ -35,8 +37,16 @@ __all__ = [
 
 def _check_positive(owner: str, **values: int) -> None:
     for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner} {name} must be an int >= 1, got {value!r}")
+        check_int(f"{owner} {name}", value, minimum=1)
+
+
+def _xavier_init(model: nn.Module) -> None:
+    """Xavier-uniform weights and zero biases for every convolution and linear layer, in place."""
+    for layer in model.modules():
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            nn.init.xavier_uniform_(layer.weight)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
 
 
 class CIFARConvNet(nn.Module):
@@ -89,10 +99,7 @@ class CIFARConvNet(nn.Module):
             nn.Dropout(dropout),
             nn.Linear(128, num_classes),
         )
-        for layer in self.modules():
-            if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
+        _xavier_init(self)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))
@@ -383,10 +390,7 @@ class MNISTConvNet(nn.Module):
             nn.Dropout(0.5),
             nn.Linear(96, num_classes),
         )
-        for layer in self.modules():
-            if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
+        _xavier_init(self)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.features(x))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from bunsan._validate import check_int
+
 __all__ = ["MLP", "MNIST1DCNN", "DigitsCNN"]
 
 
@@ -90,8 +92,7 @@ class MLP(nn.Module):
             ("out_features", out_features, 1),
             ("depth", depth, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"MLP {name} must be an int >= {minimum}, got {value!r}")
+            check_int(f"MLP {name}", value, minimum=minimum)
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
         for _ in range(depth):

@@ -28,8 +28,6 @@ far more bytes than data parallelism, which moves only gradients of the weights.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,11 +36,12 @@ from torch.nn.modules.utils import _pair
 
 from bunsan.comm.autograd import copy_to_group, gather_from_group, split_sizes
 from bunsan.comm.collectives import Traffic, get_rank, get_world_size
+from bunsan.nn._split_conv import ConvConfig, SplitConv2d
 
 __all__ = ["ChannelParallelConv2d"]
 
 
-class ChannelParallelConv2d(nn.Module):
+class ChannelParallelConv2d(SplitConv2d):
     """A :class:`torch.nn.Conv2d` whose output channels are split across ``group``.
 
     Channels are split as evenly as possible, in rank order: with ``C`` output
@@ -68,7 +67,7 @@ class ChannelParallelConv2d(nn.Module):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias:
-            As for :class:`torch.nn.Conv2d`.
+            As for :class:`torch.nn.Conv2d` (``padding`` defaults to 0).
         group: Process group whose ranks share the layer; ``None`` means the world.
         traffic: Optional :class:`bunsan.comm.Traffic` counting this layer's bytes.
         device, dtype: Of the parameters.
@@ -81,60 +80,14 @@ class ChannelParallelConv2d(nn.Module):
         >>> y = conv(x)   # x replicated on every rank; y = the full 64 channels
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | tuple[int, int],
-        stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = 0,
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        *,
-        group: ProcessGroup | None = None,
-        traffic: Traffic | None = None,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        super().__init__()
-        _check_supported(groups, padding_mode)
-        _check_channels(out_channels, group)
-        full = nn.Conv2d(
-            in_channels,
-            out_channels,
-            kernel_size,
-            stride,
-            padding,
-            dilation,
-            groups,
-            bias,
-            padding_mode,
-            device=device,
-            dtype=dtype,
-        )
-        self._take_slice(full, group, traffic)
+    default_padding = 0
 
     @classmethod
-    def from_conv(
-        cls, conv: nn.Conv2d, group: ProcessGroup | None = None, traffic: Traffic | None = None
-    ) -> ChannelParallelConv2d:
-        """This rank's share of ``conv`` (its weights are copied, ``conv`` is left as it is).
+    def _check(cls, config: ConvConfig, group: ProcessGroup | None) -> None:
+        _check_supported(config.groups, config.padding_mode)
+        _check_channels(config.out_channels, group)
 
-        Call it on every rank with the same ``conv`` (the same weights), e.g. a
-        model built under the same seed, to get a layer equal to ``conv``.
-        """
-        if not isinstance(conv, nn.Conv2d):
-            raise TypeError(f"conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
-        _check_supported(conv.groups, conv.padding_mode)
-        _check_channels(conv.out_channels, group)
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._take_slice(conv, group, traffic)
-        return layer
-
-    def _take_slice(self, full: nn.Conv2d, group: ProcessGroup | None, traffic: Traffic | None) -> None:
+    def _take(self, full: nn.Conv2d, group: ProcessGroup | None, traffic: Traffic | None) -> None:
         self.group = group
         self.traffic = traffic
         self.in_channels = full.in_channels

@@ -44,6 +44,7 @@ from torch.nn.modules.utils import _pair
 
 from bunsan.comm.autograd import copy_to_group, gather_from_group, halo_exchange, scatter_to_group, split_sizes
 from bunsan.comm.collectives import Traffic, all_gather_into, get_rank, get_world_size
+from bunsan.nn._split_conv import ConvConfig, SplitConv2d
 
 __all__ = [
     "SpatialParallelAvgPool2d",
@@ -115,7 +116,7 @@ def gather_height(
     return gather_from_group(x, _HEIGHT, sizes, group, traffic)
 
 
-class SpatialParallelConv2d(nn.Module):
+class SpatialParallelConv2d(SplitConv2d):
     """A "same" :class:`torch.nn.Conv2d` over an image split into bands of rows across ``group``.
 
     Takes this rank's band ``(N, C_in, h_r, W)`` and returns the band
@@ -139,7 +140,8 @@ class SpatialParallelConv2d(nn.Module):
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-            padding_mode: As for :class:`torch.nn.Conv2d`, within the supported set above.
+            padding_mode: As for :class:`torch.nn.Conv2d`, within the supported set above
+            (``padding`` defaults to ``"same"``).
         group: Process group whose ranks hold the bands; ``None`` means the world.
         traffic: Optional :class:`bunsan.comm.Traffic` counting this layer's bytes.
         device, dtype: Of the parameters.
@@ -148,42 +150,11 @@ class SpatialParallelConv2d(nn.Module):
         ValueError: For a configuration outside the supported set, naming the argument.
     """
 
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        kernel_size: int | tuple[int, int],
-        stride: int | tuple[int, int] = 1,
-        padding: int | tuple[int, int] | str = "same",
-        dilation: int | tuple[int, int] = 1,
-        groups: int = 1,
-        bias: bool = True,
-        padding_mode: str = "zeros",
-        *,
-        group: ProcessGroup | None = None,
-        traffic: Traffic | None = None,
-        device: Any = None,
-        dtype: Any = None,
-    ) -> None:
-        super().__init__()
-        _check_spatial(kernel_size, stride, padding, dilation, padding_mode)
-        full = nn.Conv2d(
-            in_channels, out_channels, kernel_size, 1, "same", dilation, groups, bias, device=device, dtype=dtype
-        )
-        self._take(full, group, traffic)
+    default_padding = "same"
 
     @classmethod
-    def from_conv(
-        cls, conv: nn.Conv2d, group: ProcessGroup | None = None, traffic: Traffic | None = None
-    ) -> SpatialParallelConv2d:
-        """A spatial-parallel copy of ``conv`` (same weights; ``conv`` is left as it is)."""
-        if not isinstance(conv, nn.Conv2d):
-            raise TypeError(f"conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
-        _check_spatial(conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.padding_mode)
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._take(conv, group, traffic)
-        return layer
+    def _check(cls, config: ConvConfig, group: ProcessGroup | None) -> None:
+        _check_spatial(config.kernel_size, config.stride, config.padding, config.dilation, config.padding_mode)
 
     def _take(self, full: nn.Conv2d, group: ProcessGroup | None, traffic: Traffic | None) -> None:
         self.group = group

@@ -6,6 +6,10 @@ of the ranks at the same position (``r % k``) in every model-parallel group::
 
     4 ranks, model_parallel_size=2:   model parallel [0, 1] [2, 3];  data parallel [0, 2] [1, 3]
 
+These are the two named dimensions (``"data_parallel"``, ``"model_parallel"``) of a
+``torch.distributed.device_mesh.DeviceMesh`` of shape ``(m, k)``, built by
+:func:`bunsan.comm.groups.new_groups`.
+
 Model-parallel layers (:class:`bunsan.nn.ChannelParallelConv2d`, the spatial
 layers, :func:`bunsan.parallel.pipeline`) take the model-parallel group; the
 data-parallel algorithm takes the data-parallel one, and each model-parallel

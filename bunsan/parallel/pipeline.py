@@ -2,9 +2,8 @@
 
 Built on :mod:`torch.distributed.pipelining` (``PipelineStage`` with
 ``ScheduleGPipe`` or ``Schedule1F1B``), which works on Gloo and CPU in torch 2.13
-as well as on NCCL: measured here, a 2-stage pipeline on 2 Gloo ranks gives the
-single-process gradients to 1e-6 and takes 5-6 ms per step for a tiny MLP. bunsan
-adds the argument checks, a loss function that may change from step to step,
+as well as on NCCL (docs/design-notes.md, "nn/, parallel/: measurements moved from
+docstrings"). bunsan adds the argument checks, a loss function that may change from step to step,
 gradients that accumulate across steps, and the average loss on the last stage.
 
 Schedules (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_choice, check_int
 from bunsan.comm.collectives import get_rank, get_world_size, is_initialized
 
 __all__ = ["Pipeline", "pipeline"]
@@ -61,10 +61,8 @@ class Pipeline:
                 f"stages has {len(stages)} modules but the group has {n} ranks; pass one stage per rank "
                 "(rank r runs stages[r])"
             )
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an int >= 1, got {microbatches!r}")
-        if schedule not in _SCHEDULES:
-            raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+        check_int("microbatches", microbatches, minimum=1)
+        check_choice("schedule", schedule, _SCHEDULES)
         if schedule == "1f1b" and microbatches < n:
             raise ValueError(
                 f"schedule='1f1b' needs at least as many microbatches as stages ({n}), got microbatches={microbatches}; "

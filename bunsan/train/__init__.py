@@ -12,8 +12,16 @@ Example::
 from __future__ import annotations
 
 from bunsan.train.callbacks import Callback, CSVLogger, ProgressPrinter, TensorBoardLogger
-from bunsan.train.checkpoint import Checkpoint
-from bunsan.train.metrics import Accumulator, EvalResult, accuracy, classification_error, evaluate
+from bunsan.train.checkpoint.files import Checkpoint
+from bunsan.train.metrics import (
+    Accumulator,
+    CrossValidation,
+    EvalResult,
+    Test,
+    accuracy,
+    classification_error,
+    evaluate,
+)
 from bunsan.train.schedules import (
     Schedule,
     learning_rate,
@@ -23,7 +31,8 @@ from bunsan.train.schedules import (
     schedule,
     time_constant_from_momentum,
 )
-from bunsan.train.session import CrossValidation, EpochSummary, Test, TrainingSession, TrainingSummary
+from bunsan.train.session import TrainingSession
+from bunsan.train.summaries import EpochSummary, TrainingSummary
 
 __all__ = [
     "Accumulator",

@@ -13,14 +13,16 @@ import csv
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bunsan.train.metrics import EvalResult
-    from bunsan.train.session import EpochSummary, TrainingSession, TrainingSummary
+    from bunsan.train.session import TrainingSession
+    from bunsan.train.summaries import EpochSummary, TrainingSummary
 
-__all__ = ["CSVLogger", "Callback", "ProgressPrinter", "TensorBoardLogger", "format_metrics"]
+__all__ = ["CSVLogger", "Callback", "ProgressPrinter", "TensorBoardLogger", "format_metrics", "standard_callbacks"]
 
 
 class Callback:
@@ -276,3 +278,18 @@ class TensorBoardLogger(Callback):
                 self._writer.add_scalar(f"test/{name}", value, summary.samples)
         self._writer.close()
         self._writer = None
+
+
+def standard_callbacks(
+    progress: bool,
+    log_csv: str | os.PathLike[str] | None,
+    tensorboard: str | os.PathLike[str] | None,
+    more: Sequence[Callback],
+) -> list[Callback]:
+    """The callbacks that :class:`bunsan.TrainingSession`'s reporting arguments ask for, then ``more``."""
+    chosen: list[Callback] = [ProgressPrinter()] if progress else []
+    if log_csv is not None:
+        chosen.append(CSVLogger(log_csv))
+    if tensorboard is not None:
+        chosen.append(TensorBoardLogger(tensorboard))
+    return [*chosen, *more]

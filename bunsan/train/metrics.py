@@ -8,14 +8,15 @@ Averaging the workers' averages is wrong whenever they saw different numbers of
 samples, which is the normal case for an evaluation set of odd size.
 
 :func:`evaluate` runs a model over a data set distributed over the workers
-without counting any sample twice.
+without counting any sample twice; :class:`CrossValidation` and :class:`Test` say
+when :class:`bunsan.TrainingSession` runs it and on what.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,11 +24,14 @@ from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from bunsan import comm
+from bunsan._validate import check_int
 
 __all__ = [
     "Accumulator",
+    "CrossValidation",
     "EvalResult",
     "MetricFn",
+    "Test",
     "accuracy",
     "as_dataset",
     "classification_error",
@@ -37,6 +41,7 @@ __all__ = [
 ]
 
 MetricFn = Callable[[Tensor, Tensor], Tensor]
+CrossValidationCallback = Callable[[int, float, int, int], Any]
 
 
 def classification_error(output: Tensor, target: Tensor) -> Tensor:
@@ -137,7 +142,7 @@ class Accumulator:
         if comm.get_world_size(group) > 1:
             comm.all_reduce(buffer, group=group)
         values = buffer.tolist()
-        return {name: (values[2 * i], int(round(values[2 * i + 1]))) for i, name in enumerate(names)}
+        return {name: (values[2 * i], round(values[2 * i + 1])) for i, name in enumerate(names)}
 
 
 @dataclass
@@ -275,7 +280,7 @@ def evaluate(
         An :class:`EvalResult` that is identical on every rank.
     """
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
-    n = len(data)
+    n = len(cast(Sized, data))  # map-style: as_dataset checked __len__
     if n == 0:
         raise ValueError("cannot evaluate on an empty data set")
     if device is None:
@@ -314,3 +319,57 @@ def evaluate(
     count = totals["loss"][1]
     means = {name: totals[name][0] / max(totals[name][1], 1) for name in names}
     return EvalResult(means.pop("loss"), means, count, minibatches)
+
+
+@dataclass
+class CrossValidation:
+    """Evaluate on held-out data during training and let ``callback`` steer (CNTK's ``CrossValidationConfig``).
+
+    Args:
+        data: A map-style dataset of ``(inputs..., target)``, or a tuple of tensors ``(x, y)``.
+        every: Global training samples between two evaluations (after the step
+            that crosses each multiple); ``None`` means at the end of every epoch.
+        callback: ``callback(index, average_error, samples, minibatches) -> bool``
+            with the 0-based evaluation number, the first metric of the session
+            (the loss without metrics), the samples and global minibatches
+            evaluated. Return ``False`` to stop training, ``True`` (or ``None``)
+            to go on. It may change ``session.learning_rate_per_sample``,
+            ``session.learning_rate_schedule``, ``session.momentum_time_constant``
+            and ``session.extra_state``. It runs on every rank with identical
+            inputs; rank 0's decision and settings are then applied on every
+            rank (see :class:`TrainingSession`).
+        minibatch_size: Global minibatch of the evaluation.
+
+    The evaluation does not synchronize the replicas first: doing so would make
+    a block algorithm's trajectory depend on how often one validates. With a
+    block algorithm between two synchronizations, each worker evaluates its own
+    replica on its share of the data.
+    """
+
+    data: Any
+    every: int | None = None
+    callback: CrossValidationCallback | None = None
+    minibatch_size: int = 1024
+
+    def __post_init__(self) -> None:
+        self.data = as_dataset(self.data, "CrossValidation data")
+        check_int("every", self.every, minimum=1, allow_none=True, hint="global samples; None means every epoch")
+        check_int("minibatch_size", self.minibatch_size, minimum=1, hint="global samples per evaluation step")
+
+
+@dataclass
+class Test:
+    """Evaluate the final model on ``data``, distributed and exact (CNTK's ``TestConfig``).
+
+    Args:
+        data: A map-style dataset of ``(inputs..., target)``, or a tuple of tensors ``(x, y)``.
+        minibatch_size: Global minibatch of the evaluation.
+    """
+
+    data: Any
+    minibatch_size: int = 1024
+    __test__ = False  # not a pytest test class, though users' test modules import it
+
+    def __post_init__(self) -> None:
+        self.data = as_dataset(self.data, "Test data")
+        check_int("minibatch_size", self.minibatch_size, minimum=1, hint="global samples per evaluation step")

@@ -21,7 +21,9 @@ import math
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, cast
+
+from bunsan._validate import check_int, check_number
 
 __all__ = [
     "Schedule",
@@ -58,18 +60,13 @@ class Schedule:
         if not self.pairs:
             raise ValueError("a schedule needs at least one value, got an empty list; pass e.g. schedule(0.01)")
         for count, value in self.pairs:
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-                raise ValueError(f"schedule counts must be integers >= 1, got {count!r}; e.g. [(5, 0.01), (1, 0.005)]")
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-                raise ValueError(f"schedule values must be finite real numbers, got {value!r}")
-            if value < 0:
-                # Every schedule bunsan takes (minibatch size, learning rate per sample,
-                # momentum time constant) is >= 0: a negative one is a typo, not a setting.
-                raise ValueError(f"schedule values must be >= 0, got {value!r}")
-        if self.epoch_size is not None and (
-            isinstance(self.epoch_size, bool) or not isinstance(self.epoch_size, int) or self.epoch_size < 1
-        ):
-            raise ValueError(f"epoch_size must be an integer number of samples >= 1 or None, got {self.epoch_size!r}")
+            check_int("schedule counts", count, minimum=1, hint="e.g. [(5, 0.01), (1, 0.005)]")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"schedule values must be real numbers, got {value!r} ({type(value).__name__})")
+            # Every schedule bunsan takes (minibatch size, learning rate per sample,
+            # momentum time constant) is >= 0: a negative one is a typo, not a setting.
+            check_number("schedule values", float(value), minimum=0)
+        check_int("epoch_size", self.epoch_size, minimum=1, allow_none=True, hint="samples per schedule entry")
 
     @classmethod
     def constant(cls, value: float) -> Schedule:
@@ -144,7 +141,7 @@ class Schedule:
         return f"schedule({[[c, v] for c, v in self.pairs]}, epoch_size={self.epoch_size})"
 
 
-ScheduleLike = Union[Schedule, float, int, Sequence[Any]]
+ScheduleLike = Schedule | float | int | Sequence[Any]
 
 
 def _entries(values: Iterable[Any]) -> list[tuple[int, float]]:
@@ -155,12 +152,12 @@ def _entries(values: Iterable[Any]) -> list[tuple[int, float]]:
         elif isinstance(item, Sequence) and not isinstance(item, str) and len(item) == 2:
             count, value = item
         else:
-            raise ValueError(
+            raise TypeError(
                 f"schedule entry {item!r} is neither a number nor a (count, value) pair; "
                 "write e.g. [256] * 6 + [512] or [(6, 256), (1, 512)]"
             )
         if isinstance(count, bool) or not isinstance(count, numbers.Integral):
-            raise ValueError(f"schedule count {count!r} in {item!r} must be an integer >= 1")
+            raise TypeError(f"schedule count {count!r} in {item!r} must be an integer >= 1")
         count = int(count)
         if pairs and pairs[-1][1] == value:
             pairs[-1] = (pairs[-1][0] + count, pairs[-1][1])  # merge repeats: [256]*6 is (6, 256)
@@ -185,7 +182,8 @@ def schedule(values: ScheduleLike, epoch_size: int | None = None) -> Schedule:
         A :class:`Schedule`; call it with a global sample count.
 
     Raises:
-        ValueError: An empty list, a count < 1, a value that is not a number,
+        TypeError: A value that is not a number, a count that is not an int.
+        ValueError: An empty list, a count < 1, a negative or non-finite value,
             or ``epoch_size`` < 1.
 
     Example:
@@ -196,9 +194,9 @@ def schedule(values: ScheduleLike, epoch_size: int | None = None) -> Schedule:
     if isinstance(values, Schedule):
         return values if epoch_size is None else Schedule(values.pairs, epoch_size)
     if isinstance(values, numbers.Real) and not isinstance(values, bool):
-        return Schedule(((1, values),), epoch_size)
+        return Schedule(((1, cast(float, values)),), epoch_size)  # an int stays an int (minibatch sizes)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise ValueError(f"schedule values must be a number or a list, got {values!r}")
+        raise TypeError(f"schedule values must be a number or a list, got {values!r}")
     return Schedule(tuple(_entries(values)), epoch_size)
 
 
@@ -212,8 +210,8 @@ def as_schedule(name: str, value: ScheduleLike | None, epoch_size: int) -> Sched
         return None
     try:
         return schedule(value).resolve(epoch_size)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{name}: {error}") from None
 
 
 def learning_rate(learning_rate_per_sample: float, minibatch_samples: int) -> float:
@@ -255,7 +253,7 @@ def time_constant_from_momentum(momentum: float, minibatch_samples: int) -> floa
     return -minibatch_samples / math.log(momentum)
 
 
-def local_minibatch_size(global_size: int, world_size: int) -> int:
+def local_minibatch_size(global_size: float, world_size: int) -> int:
     """Samples each worker takes from a global minibatch of ``global_size``: ``global_size // world_size``.
 
     Rounding is down, so that every worker takes the same number of samples and

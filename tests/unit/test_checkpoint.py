@@ -12,6 +12,7 @@ from torch import nn
 from bunsan.errors import CheckpointError
 from bunsan.train import checkpoint as ckpt
 from bunsan.train.checkpoint import Checkpoint
+from bunsan.train.checkpoint import files as ckpt_files
 
 
 def _payload(value: float) -> dict:
@@ -56,7 +57,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
     def crash(fd):
         raise OSError("simulated crash before the rename")
 
-    monkeypatch.setattr(ckpt, crash_in, half_then_crash if crash_in == "_write_payload" else crash)
+    monkeypatch.setattr(ckpt_files, crash_in, half_then_crash if crash_in == "_write_payload" else crash)
     with pytest.raises(OSError, match="simulated crash"):
         ckpt.write_file(config.file_for(200), _payload(2.0))
     monkeypatch.undo()
@@ -89,7 +90,7 @@ def test_a_damaged_newest_file_is_skipped_with_a_warning(tmp_path, damage):
     else:
         newest.write_bytes(b"")
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoint.*run\.000000000200\.pt"):
-        path, payload = ckpt.find_latest_valid(config)
+        path, _ = ckpt.find_latest_valid(config)
     assert path == config.file_for(100)
     with pytest.warns(UserWarning, match="skipping damaged"):
         restored = ckpt.restore(config)  # the collective version agrees (world of one)
@@ -132,7 +133,7 @@ def test_loading_runs_no_pickled_code(tmp_path):
     torch.save({"format": 1, "evil": print}, buffer)
     data = buffer.getvalue()
     (tmp_path / "x.pt").write_bytes(
-        ckpt._MAGIC + f"sha256 {hashlib.sha256(data).hexdigest()} {len(data)}\n".encode() + data
+        ckpt_files._MAGIC + f"sha256 {hashlib.sha256(data).hexdigest()} {len(data)}\n".encode() + data
     )
     with pytest.raises(CheckpointError, match="cannot load"):
         ckpt.read_file(tmp_path / "x.pt")
@@ -177,7 +178,7 @@ def test_model_fit_names_the_first_mismatch():
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 2)), "c")
     with pytest.raises(CheckpointError, match=r"entry '1\.weight' that this model lacks"):
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8)), "c")
-    with pytest.raises(CheckpointError, match="torch.float64"):
+    with pytest.raises(CheckpointError, match=r"torch\.float64"):
         ckpt.check_model_fits(saved, nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).double(), "c")
 
 
@@ -204,4 +205,12 @@ def test_digest_sees_values_dtypes_and_shapes():
 @pytest.mark.parametrize(("kwargs", "match"), [({"every": 0}, "every must be"), ({"keep": 0}, "keep must be")])
 def test_bad_checkpoint_settings(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
+        Checkpoint(tmp_path / "x.pt", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"every": 1.5}, "every must be an int >= 1 or None"), ({"keep": True}, "keep must be")]
+)
+def test_checkpoint_settings_of_the_wrong_type_raise_type_error(tmp_path, kwargs, match):
+    with pytest.raises(TypeError, match=match):
         Checkpoint(tmp_path / "x.pt", **kwargs)

@@ -105,7 +105,7 @@ def test_print_only_on_rank_zero(monkeypatch, capsys):
 
 def test_print_is_not_star_exported():
     namespace: dict = {}
-    exec("from bunsan import *", namespace)  # noqa: S102
+    exec("from bunsan import *", namespace)
     assert "print" not in namespace and "evaluate" in namespace
 
 
@@ -170,10 +170,12 @@ def test_evaluate_refuses_bad_input():
     model = torch.nn.Linear(4, 3)
     with pytest.raises(ValueError, match="unknown metric"):
         bunsan.evaluate(model, _dataset(), ["precision"])
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
         bunsan.evaluate("model", _dataset())
     with pytest.raises(ValueError, match="batch_size"):
         bunsan.evaluate(model, _dataset(), batch_size=0)
+    with pytest.raises(TypeError, match="batch_size must be an int"):
+        bunsan.evaluate(model, _dataset(), batch_size=2.0)
 
 
 def test_all_reduce_metrics_alone_returns_floats():

@@ -17,7 +17,7 @@ import torch
 
 import bunsan
 from bunsan import algorithms, hpo
-from bunsan.hpo.search import _as_values, _combine, _Message, _resolve
+from bunsan.hpo.protocol import _as_values, _combine, _Message, _resolve
 
 try:
     import optuna
@@ -181,9 +181,9 @@ def test_a_trial_exposes_its_number_params_and_the_optuna_trial():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"n_trials": 0}, "n_trials must be an integer >= 1"),
-        ({"timeout": -1}, "timeout must be a number of seconds > 0"),
-        ({"combine": "median"}, "combine must be 'rank0', 'mean'"),
+        ({"n_trials": 0}, "n_trials must be an int >= 1"),
+        ({"timeout": -1}, r"timeout must be a number > 0 or None \(seconds\)"),
+        ({"combine": "median"}, "combine must be one of .rank0., .mean."),
         ({"catch": "ValueError"}, "catch must be an Exception class"),
         ({"direction": "up"}, "direction must be 'minimize' or 'maximize'"),
         ({"direction": "minimize", "directions": ["minimize"]}, "not both"),
@@ -247,19 +247,24 @@ def test_a_knob_with_one_value_is_fixed_not_searched():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"choices": ("nope",)}, "unknown algorithm 'nope'"),
-        ({"choices": "data_parallel"}, "choices must be a non-empty sequence"),
-        ({"bits": (0, 32)}, "bits must hold 32"),
-        ({"warm_start": (10, 5)}, "warm_start must be an int >= 0"),
-        ({"block_size": 0}, "block_size must be an int >= 1"),
-        ({"block_momentum": (0.5, 1.0)}, "block_momentum must be"),
-        ({"compression": ("int8",)}, "compression must hold None"),
+        ({"choices": ("nope",)}, ValueError, "unknown algorithm 'nope'"),
+        ({"choices": "data_parallel"}, TypeError, "choices must be a non-empty sequence"),
+        ({"choices": ()}, ValueError, "choices must be a non-empty sequence"),
+        ({"bits": (0, 32)}, ValueError, "bits must hold 32"),
+        ({"bits": (8.0,)}, TypeError, "bits must hold 32"),
+        ({"warm_start": (10, 5)}, ValueError, "warm_start must be an int >= 0"),
+        ({"warm_start": "10"}, TypeError, "warm_start must be an int >= 0"),
+        ({"block_size": 0}, ValueError, "block_size must be an int >= 1"),
+        ({"block_momentum": (0.5, 1.0)}, ValueError, "block_momentum must be"),
+        ({"block_momentum": "0.5"}, TypeError, "block_momentum must be"),
+        ({"compression": ("int8",)}, ValueError, "compression must hold None"),
     ],
 )
-def test_suggest_algorithm_refuses_bad_choices(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_suggest_algorithm_refuses_bad_choices(kwargs, error, match):
+    # bunsan._validate's rule: the wrong type is a TypeError, a bad value of the right type a ValueError.
+    with pytest.raises(error, match=match):
         hpo.suggest_algorithm(_Fixed(), **kwargs)
 
 
@@ -270,11 +275,13 @@ def test_rate_and_minibatch_suggestions():
     lr = hpo.suggest_learning_rate_per_sample(trial, 1e-5, 1e-2)
     assert 1e-5 <= lr <= 1e-2 and trial.distributions["learning_rate_per_sample"].log
     assert hpo.suggest_minibatch_size(trial, (32, 64)) in (32, 64)
-    with pytest.raises(ValueError, match="low must be a learning rate per sample > 0"):
+    with pytest.raises(ValueError, match=r"low must be a number > 0 \(a learning rate per sample"):
         hpo.suggest_learning_rate_per_sample(trial, 0.0, 1.0)
     with pytest.raises(ValueError, match="low must be <= high"):
         hpo.suggest_learning_rate_per_sample(trial, 1e-2, 1e-3)
-    with pytest.raises(ValueError, match=r"sizes >= the 4 worker\(s\), got 2"):
+    with pytest.raises(
+        ValueError, match=r"choices must be an int >= 4 \(global minibatch sizes >= the 4 worker\(s\).*got 2"
+    ):
         hpo.suggest_minibatch_size(trial, (2, 64), world_size=4)
 
 
@@ -353,7 +360,7 @@ def test_blocks_are_searched_in_whole_minibatches_when_the_minibatch_is_given():
         world_size=2,
     )
     assert one.options["block_size"] == 128  # at least one minibatch
-    with pytest.raises(ValueError, match="minibatch_size must be a global minibatch >= the 2 worker"):
+    with pytest.raises(ValueError, match=r"minibatch_size must be an int >= 2 \(a global minibatch >= the 2 worker"):
         hpo.suggest_algorithm(_Fixed(), minibatch_size=1, world_size=2)
 
 

@@ -46,3 +46,5 @@ def test_mlp_depth_and_validation():
     assert sum(isinstance(m, torch.nn.Linear) for m in models.MLP(4, 8, 2, depth=3).modules()) == 4
     with pytest.raises(ValueError, match="depth"):
         models.MLP(4, 8, 2, depth=-1)
+    with pytest.raises(TypeError, match="MLP hidden must be an int >= 1"):
+        models.MLP(4, 8.0, 2)

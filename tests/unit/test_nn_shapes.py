@@ -55,6 +55,8 @@ def test_rank_grid():
         rank_grid(4, 3)
     with pytest.raises(ValueError, match="group_size"):
         rank_grid(4, 0)
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        rank_grid(4, 2.0)
 
 
 def test_groups_without_process_group_are_the_world():
@@ -129,6 +131,8 @@ def test_sync_batchnorm_rejects_bad_input():
         SyncBatchNorm(0)
     with pytest.raises(ValueError, match="momentum"):
         SyncBatchNorm(3, momentum=1.5)
+    with pytest.raises(TypeError, match="num_features must be an int"):
+        SyncBatchNorm(3.0)
     bn = SyncBatchNorm(3)
     with pytest.raises(ValueError, match=r"num_features=3 channels but the input has 4"):
         bn(torch.randn(2, 4))
@@ -172,7 +176,7 @@ def test_channel_parallel_conv_rejects_unsupported():
         ChannelParallelConv2d(4, 4, 3, groups=2)
     with pytest.raises(ValueError, match="padding_mode='zeros' only"):
         ChannelParallelConv2d(4, 4, 3, padding_mode="reflect")
-    with pytest.raises(TypeError, match="nn.Conv2d"):
+    with pytest.raises(TypeError, match=r"nn\.Conv2d"):
         ChannelParallelConv2d.from_conv(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"expects \(N, 4, H, W\)"):
         ChannelParallelConv2d(4, 4, 3)(torch.randn(1, 3, 5, 5))
@@ -263,6 +267,8 @@ def test_pipeline_rejects_bad_arguments():
         pipeline([_mlp()], microbatches=2, schedule="zero-bubble")
     with pytest.raises(ValueError, match="microbatches must be an int >= 1"):
         pipeline([_mlp()], microbatches=0)
+    with pytest.raises(TypeError, match="microbatches must be an int >= 1"):
+        pipeline([_mlp()], microbatches=2.0)
     pipe = pipeline([_mlp()], microbatches=3)
     with pytest.raises(ValueError, match="no loss function"):
         pipe.step(torch.randn(6, 4), torch.randint(0, 3, (6,)))
@@ -275,6 +281,9 @@ def test_one_rank_gloo_group(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     mp_group, dp_group = hybrid_groups(1)
     assert dist.get_world_size(mp_group) == 1 and dist.get_world_size(dp_group) == 1
+    # The groups are the named dimensions of a torch DeviceMesh, which gives a dimension
+    # spanning the whole world as the default group itself.
+    assert dp_group is dist.group.WORLD and dist.get_process_group_ranks(mp_group) == [0]
     torch.manual_seed(0)
     model, ref = _mlp(), _mlp()
     ref.load_state_dict(model.state_dict())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from bunsan.data import Partition, epoch_order, loader, shard_indices, shard_size
 
@@ -73,8 +74,6 @@ def test_global_batch_equals_one_big_batch():
         ({"num_samples": 10, "rank": 0, "world_size": 0}, "world_size"),
         ({"num_samples": 10, "rank": -1, "world_size": 2}, "rank"),
         ({"num_samples": 10, "rank": 2, "world_size": 2}, "rank"),
-        ({"num_samples": 10, "rank": True, "world_size": 2}, "rank"),
-        ({"num_samples": 10, "rank": 0.5, "world_size": 2}, "rank"),
         ({"num_samples": -1, "rank": 0, "world_size": 2}, "num_samples"),
         ({"num_samples": 0, "rank": 0, "world_size": 2}, "num_samples"),
         ({"num_samples": 3, "rank": 0, "world_size": 4, "drop_last": True}, "drop_last"),
@@ -84,6 +83,15 @@ def test_global_batch_equals_one_big_batch():
 def test_bad_arguments_name_the_argument(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         shard_indices(**kwargs)
+
+
+@pytest.mark.parametrize("rank", [True, 0.5, "0"])
+def test_a_count_of_the_wrong_type_is_a_type_error(rank):
+    with pytest.raises(TypeError, match="rank must be an int"):
+        shard_indices(10, rank, 2)
+    assert (
+        shard_indices(10, np.int64(1), np.int32(2)).tolist() == shard_indices(10, 1, 2).tolist()
+    )  # numpy ints are ints
 
 
 def test_partition_is_a_sampler_over_the_shard():
@@ -103,8 +111,45 @@ def test_partition_is_a_sampler_over_the_shard():
 def test_partition_defaults_to_one_worker_without_process_group():
     p = Partition(5, shuffle=False)
     assert (p.rank, p.world_size, list(p)) == (0, 1, [0, 1, 2, 3, 4])
-    with pytest.raises(ValueError, match="dataset_or_len"):
+    with pytest.raises(TypeError, match="dataset must be a sized dataset or an int"):
         Partition(object())
+
+
+@pytest.mark.parametrize(("n", "w"), [(n, w) for n, w in SIZES if n >= w])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_without_shuffle_a_partition_yields_what_distributed_sampler_yields(n, w, drop_last):
+    """Same arguments in the same order, same attributes, same shards (DistributedSampler's interface)."""
+    data = TensorDataset(torch.arange(n))
+    for rank in range(w):
+        ours = Partition(data, w, rank, False, 0, drop_last)  # DistributedSampler's positional order
+        theirs = DistributedSampler(data, w, rank, False, 0, drop_last)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs)
+        for name in ("num_replicas", "rank", "num_samples", "total_size", "shuffle", "seed", "drop_last", "epoch"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+        assert ours.dataset is data and len(ours) == len(theirs)
+        # As the sampler of a plain DataLoader: the same batches.
+        assert [b.tolist() for (b,) in DataLoader(data, batch_size=3, sampler=ours)] == [
+            b.tolist() for (b,) in DataLoader(data, batch_size=3, sampler=theirs)
+        ]
+
+
+def test_with_shuffle_the_shards_are_distributed_samplers_layout_of_another_permutation():
+    ours = Partition(10, 3, 1, shuffle=True, seed=2)
+    order = epoch_order(10, epoch=0, seed=2).tolist()
+    assert list(ours) == (order + order[:2])[1::3]  # padded from the start, dealt like cards
+    assert ours.dataset is None and ours.dataset_size == 10 and ours.num_samples == ours.shard_size == 4
+
+
+def test_a_positional_call_in_the_old_rank_world_size_order_fails_loudly():
+    # Partition(data, rank, world_size) was the order before issue 18; read as (num_replicas, rank)
+    # every valid old pair has rank >= num_replicas, so it is refused instead of misread.
+    with pytest.raises(ValueError, match="rank must be"):
+        Partition(10, 1, 3)
+    with pytest.raises(ValueError, match="world_size"):
+        Partition(10, 0, 2)
 
 
 def _epoch_batches(loaders):

@@ -41,19 +41,22 @@ def test_cntk_momentum_time_constant_schedule():
 
 
 @pytest.mark.parametrize(
-    ("values", "epoch_size", "match"),
+    ("values", "epoch_size", "error", "match"),
     [
-        ([], 10, "at least one value"),
-        ([(0, 1.0)], 10, "counts must be integers >= 1"),
-        ([(1.5, 1.0)], 10, "must be an integer"),
-        (["a"], 10, "neither a number nor"),
-        ("0.1", 10, "a number or a list"),
-        ([1.0, 2.0], 0, "epoch_size must be"),
-        ([float("nan")], 10, "real numbers"),
+        ([], 10, ValueError, "at least one value"),
+        ([(0, 1.0)], 10, ValueError, "counts must be an int >= 1"),
+        ([(1.5, 1.0)], 10, TypeError, "must be an integer"),
+        (["a"], 10, TypeError, "neither a number nor"),
+        ("0.1", 10, TypeError, "a number or a list"),
+        ([1.0, 2.0], 0, ValueError, "epoch_size must be"),
+        ([1.0, 2.0], 1.5, TypeError, "epoch_size must be an int"),
+        ([float("nan")], 10, ValueError, "values must be a finite number"),
+        ([(1, "x")], 10, TypeError, "values must be real numbers"),
     ],
 )
-def test_bad_schedules_name_the_problem(values, epoch_size, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_schedules_name_the_problem(values, epoch_size, error, match):
+    # bunsan._validate's rule: the wrong type is a TypeError, a bad value of the right type a ValueError.
+    with pytest.raises(error, match=match):
         schedule(values, epoch_size=epoch_size)
 
 
@@ -64,7 +67,7 @@ def test_several_values_without_epoch_size_need_resolving():
     assert s.resolve(7)(6) == 1 and s.resolve(7)(7) == 2
     assert schedule([1, 2], epoch_size=3).resolve(7).epoch_size == 3  # an explicit size wins
     assert as_schedule("lr", None, 7) is None
-    with pytest.raises(ValueError, match="^lr: "):
+    with pytest.raises(ValueError, match=r"^lr: "):
         as_schedule("lr", [], 7)
 
 
