@@ -53,19 +53,20 @@ Distributed invariants kept here:
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_int, check_number
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.data_parallel import DataParallelSGD
-from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank, unflatten_into, wait
+from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank, wait
+from bunsan.comm.layout import FlatGroup, group_by_kind
 from bunsan.errors import CheckpointError
 
 __all__ = [
@@ -172,65 +173,44 @@ def reset_momentum_buffers(optimizer: torch.optim.Optimizer) -> int:
 
 # -- the algorithm ------------------------------------------------------------------
 @dataclass
-class _Flat:
+class _Flat(FlatGroup):
     """The parameters of one (dtype, device) and their block state as flat tensors."""
 
-    names: list[str]
-    params: list[Tensor]
-    offsets: list[int]
-    buffer: Tensor  # what travels: gradients (warm start) or model changes (blocks)
+    buffer: Tensor = field(default_factory=lambda: torch.empty(0))  # what travels: the block's model change
     global_model: Tensor | None = None  # W
     momentum: Tensor | None = None  # D
     start: Tensor | None = None  # W_start: the model the current block started from
 
-    def pack(self, tensors: Sequence[Tensor | None]) -> None:
-        """Copy ``tensors`` (one per parameter) into ``buffer``, zeros for None, in place."""
-        for t, p, offset in zip(tensors, self.params, self.offsets):
-            view = self.buffer[offset : offset + p.numel()]
-            if t is None:
-                view.zero_()  # a parameter with no gradient here contributes zeros
-            else:
-                view.copy_(t.reshape(-1))
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        return [flat[offset : offset + p.numel()].view_as(p) for p, offset in zip(self.params, self.offsets)]
-
 
 def _group_params(named_params: Sequence[tuple[str, Tensor]]) -> list[_Flat]:
-    by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
-    for name, p in named_params:
-        by_kind.setdefault((p.dtype, p.device), []).append((name, p))
     flats = []
-    # Sorted by a key every rank computes alike: the groups' all-reduces go out in one order.
-    for (dtype, device), members in sorted(by_kind.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        offsets, total = [], 0
-        for _, p in members:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.zeros(total, dtype=dtype, device=device)
-        flats.append(_Flat([n for n, _ in members], [p for _, p in members], offsets, buffer))
+    for members in group_by_kind(named_params):  # one order on every rank: the all-reduces match
+        flat = _Flat(**FlatGroup.fields_of(members))
+        flat.buffer = flat.zeros()
+        flats.append(flat)
     return flats
 
 
 def _check_block_size(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-        raise TypeError(f"block_size must be an int number of samples per worker, got {block_size!r}")
-    if block_size <= 0:
-        raise ValueError(
-            f"block_size must be > 0 samples per worker, got {block_size}; "
-            "e.g. block_size=8 * batch_size synchronizes every 8 minibatches"
+    return int(
+        check_int(
+            "block_size",
+            block_size,
+            minimum=1,
+            hint="samples per worker; e.g. block_size=8 * batch_size synchronizes every 8 minibatches",
         )
-    return int(block_size)
+    )
 
 
 def _check_warm_start(warm_start: Any) -> int:
-    if isinstance(warm_start, bool) or not isinstance(warm_start, numbers.Integral):
-        raise TypeError(f"warm_start must be an int number of samples (all workers together), got {warm_start!r}")
-    if warm_start < 0:
-        raise ValueError(
-            f"warm_start must be >= 0 samples (all workers together), got {warm_start}; 0 starts block training at once"
+    return int(
+        check_int(
+            "warm_start",
+            warm_start,
+            minimum=0,
+            hint="samples, all workers together; 0 starts block training at once",
         )
-    return int(warm_start)
+    )
 
 
 class BlockwiseSGD(Algorithm):
@@ -471,7 +451,7 @@ class BlockwiseSGD(Algorithm):
         # 1. Every rank sends its block's model change (or zeros) and its counts.
         for f in self._flats:
             if contribute:
-                f.pack(f.params)
+                f.pack(f.buffer)
                 f.buffer.sub_(f.start).div_(n)  # w_i - W_start, divided before the sum
             else:
                 f.buffer.zero_()
@@ -491,7 +471,7 @@ class BlockwiseSGD(Algorithm):
             self.blocks += 1
         # 3. Every replica, joined ones included, starts over from W_start, with the mean buffers.
         for f in self._flats:
-            unflatten_into(f.start, f.params)
+            f.unpack(f.start)
         if self.buffer_sync is not None:
             self.buffer_sync.average(changed, contribute=contribute, contributors=contributors)
         self.block_samples = self.block_steps = 0
@@ -526,7 +506,7 @@ class BlockwiseSGD(Algorithm):
     def _begin_blocks(self) -> None:
         """Local. ``W = W_start =`` the current model, ``D = 0``, an empty block."""
         for f in self._flats:
-            f.pack(f.params)
+            f.pack(f.buffer)
             f.global_model = f.buffer.clone()
             f.start = f.buffer.clone()
             f.momentum = torch.zeros_like(f.buffer)
@@ -566,8 +546,7 @@ class BlockwiseSGD(Algorithm):
     def _named_flat(self, attr: str) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for f in self._flats:
-            for name, view in zip(f.names, f.views(getattr(f, attr))):
-                out[name] = view.detach().clone()
+            out.update(f.named(getattr(f, attr)))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -615,18 +594,7 @@ class BlockwiseSGD(Algorithm):
                 ("start", "block_start"),
             ):
                 flat = torch.zeros_like(f.buffer)
-                saved = state[key]
-                for name, view in zip(f.names, f.views(flat)):
-                    if name not in saved:
-                        raise CheckpointError(
-                            f"the checkpoint's {key} has no parameter {name!r}: it is from another model"
-                        )
-                    if tuple(saved[name].shape) != tuple(view.shape):
-                        raise CheckpointError(
-                            f"the checkpoint's {key}[{name!r}] has shape {list(saved[name].shape)}, "
-                            f"the model's parameter has {list(view.shape)}: it is from another model"
-                        )
-                    view.copy_(saved[name])
+                f.load_named(flat, state[key], key)
                 setattr(f, attr, flat)
         self._blocks_started = True
 
@@ -699,16 +667,22 @@ class BlockMomentumSGD(BlockwiseSGD):
         super().__init__(
             block_size, nesterov=nesterov, reset_local_momentum=reset_local_momentum, warm_start=warm_start, group=group
         )
-        if block_momentum is not None and not 0.0 <= block_momentum < 1.0:  # `not` also rejects NaN
-            raise ValueError(
-                f"block_momentum must be in [0, 1), got {block_momentum}; None means 1 - 1/world_size, "
-                "and 0 turns the filter off (model averaging)"
-            )
-        if not block_learning_rate > 0.0 or not math.isfinite(block_learning_rate):
-            raise ValueError(
-                f"block_learning_rate must be a finite number > 0, got {block_learning_rate}; "
-                "1.0 (the default) applies the filtered block update in full"
-            )
+        check_number(
+            "block_momentum",
+            block_momentum,
+            minimum=0.0,
+            maximum=1.0,
+            max_inclusive=False,
+            allow_none=True,
+            hint="None means 1 - 1/world_size, and 0 turns the filter off (model averaging)",
+        )
+        check_number(
+            "block_learning_rate",
+            block_learning_rate,
+            minimum=0.0,
+            min_inclusive=False,
+            hint="1.0 (the default) applies the filtered block update in full",
+        )
         self.requested_block_momentum = None if block_momentum is None else float(block_momentum)
         self.block_learning_rate = float(block_learning_rate)
         # Resolved by setup() once the world size is known.

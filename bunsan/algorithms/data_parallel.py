@@ -50,9 +50,11 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_choice, check_int, check_number, check_type
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
 from bunsan.comm import all_gather_into, all_reduce, all_to_all, broadcast_tensors, get_rank, global_rank, wait
+from bunsan.comm.layout import FlatGroup
 from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
 
@@ -71,11 +73,8 @@ QUANTIZED_MOMENTUM_1BIT = 0.5
 
 
 @dataclass
-class _Bucket:
+class _Bucket(FlatGroup):
     index: int
-    names: list[str]
-    params: list[Tensor]
-    offsets: list[int]
     buffer: Tensor  # flat gradients of ``params``, in this order
     ready: set[int] = field(default_factory=set)  # positions whose gradient hook fired in this round
     filled: bool = False  # every position's gradient (divided by the world size) is in ``buffer``
@@ -83,7 +82,7 @@ class _Bucket:
     wire: Tensor | None = None  # what travels (a half-precision copy, or ``buffer`` itself)
     with_meta: Tensor | None = None  # ``buffer`` plus the metadata slots, one allocation
     meta: Tensor | None = None  # the slots: samples, active ranks, gradient flags, buffer flags
-    views: list[Tensor] = field(default_factory=list)  # each parameter's gradient slot in ``buffer``
+    slots: list[Tensor] = field(default_factory=list)  # each parameter's gradient slot in ``buffer``
     indices: list[int] = field(default_factory=list)  # each parameter's position in the gradient flags
 
 
@@ -163,20 +162,15 @@ def _build_buckets(named_params: Sequence[tuple[str, Tensor]], cap_bytes: int, m
         sizes.pop(key, None)
         if not members:
             return
-        offsets, total = [], 0
-        for _, p in members:
-            offsets.append(total)
-            total += p.numel()
-        storage = torch.zeros(total + meta_slots, dtype=key[0], device=key[1])
+        fields = FlatGroup.fields_of(members)
+        storage = torch.zeros(fields["numel"] + meta_slots, dtype=key[0], device=key[1])
         buckets.append(
             _Bucket(
-                len(buckets),
-                [n for n, _ in members],
-                [p for _, p in members],
-                offsets,
-                storage[:total],
+                **fields,
+                index=len(buckets),
+                buffer=storage[: fields["numel"]],
                 with_meta=storage,
-                meta=storage[total:],
+                meta=storage[fields["numel"] :],
             )
         )
 
@@ -270,20 +264,19 @@ class DataParallelSGD(Algorithm):
         group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(group=group)
-        if isinstance(bits, bool) or not isinstance(bits, int):
-            raise TypeError(f"bits must be an int (32, or 1..16), got {bits!r}")
+        check_int("bits", bits, hint="32 is exact, 1..16 quantize")
         if bits != 32 and not 1 <= bits <= 16:
             raise ValueError(f"bits must be 32 (exact) or 1..16 (quantized), got {bits}")
-        if compression not in _COMPRESSIONS:
-            raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+        check_choice("compression", compression, _COMPRESSIONS, hint="half-precision traffic with bits=32")
         if compression is not None and bits != 32:
             raise ValueError(f"compression={compression!r} applies to bits=32 only; bits={bits} quantizes already")
-        if isinstance(warm_start, bool) or not isinstance(warm_start, int) or warm_start < 0:
-            raise ValueError(f"warm_start is a number of samples >= 0, got {warm_start!r}")
+        check_int("warm_start", warm_start, minimum=0, hint="samples, all workers together, before quantizing")
         if warm_start and bits == 32:
             warnings.warn("warm_start has no effect with bits=32 (the exchange is exact anyway)", stacklevel=2)
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+        check_number("bucket_size_mb", bucket_size_mb, minimum=0.0, min_inclusive=False, hint="MiB per message")
+        check_int("chunk_size", chunk_size, minimum=1, allow_none=True, hint="elements per quantization chunk")
+        if rotate is not None:
+            check_type("rotate", rotate, bool, hint="or None for the default")
         self.bits = bits
         self.compression = compression
         self.warm_start = int(warm_start)
@@ -301,12 +294,18 @@ class DataParallelSGD(Algorithm):
         self.rotate = bits == 1 if rotate is None else bool(rotate)  # docs/design-notes.md, "1-bit defaults"
         if quantized_momentum == "auto":
             quantized_momentum = QUANTIZED_MOMENTUM_1BIT if bits == 1 else None
-        if quantized_momentum is not None and (
-            isinstance(quantized_momentum, (bool, str)) or not 0 <= float(quantized_momentum) < 1
-        ):
-            raise ValueError(
-                f"quantized_momentum must be 'auto', None or a number in [0, 1), got {quantized_momentum!r}"
-            )
+        hint = "'auto', None, or a momentum in [0, 1)"
+        if isinstance(quantized_momentum, str):
+            check_choice("quantized_momentum", quantized_momentum, ("auto",), hint=hint)
+        check_number(
+            "quantized_momentum",
+            quantized_momentum,
+            minimum=0.0,
+            maximum=1.0,
+            max_inclusive=False,
+            allow_none=True,
+            hint=hint,
+        )
         self.quantized_momentum = None if quantized_momentum is None else float(quantized_momentum)
         codec = RotatedQuantizer if self.rotate else Quantizer
         if chunk_size is None:
@@ -425,7 +424,7 @@ class DataParallelSGD(Algorithm):
         self._has_grad = [0.0] * len(self.named_params)
         self._n = self.world_size
         for b in self._buckets:
-            b.views = [b.buffer[offset : offset + p.numel()].view_as(p) for p, offset in zip(b.params, b.offsets)]
+            b.slots = b.views(b.buffer)
             b.indices = [self._index[p] for p in b.params]
         self._name_of = {p: n for n, p in self.named_params}
         # Each hook knows its bucket and slot: no dictionary lookup per gradient.
@@ -531,7 +530,7 @@ class DataParallelSGD(Algorithm):
         ``_foreach_copy_`` over the bucket and the division one ``div_`` (a gradient
         that already lives in the bucket is copied onto itself).
         """
-        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        torch._foreach_copy_(bucket.slots, [p.grad for p in bucket.params])
         bucket.buffer.div_(self._n)
         for index in bucket.indices:
             self._has_grad[index] = 1.0
@@ -548,7 +547,7 @@ class DataParallelSGD(Algorithm):
         the mean would not; fused with the copy it costs no extra pass.
         """
         p = bucket.params[i]
-        grad, view = p.grad, bucket.views[i]
+        grad, view = p.grad, bucket.slots[i]
         if grad is None:
             self._has_grad[bucket.indices[i]] = 0.0
             view.zero_()  # an unused parameter contributes zeros on this rank
@@ -797,7 +796,7 @@ class DataParallelSGD(Algorithm):
                         if i not in bucket.ready or not self.quantizing:
                             self._copy_in(bucket, i)  # its gradient, or zeros for an unreached parameter
                     else:
-                        bucket.views[i].zero_()
+                        bucket.slots[i].zero_()
                         self._has_grad[bucket.indices[i]] = 0.0
                 bucket.filled = True
             bucket.ready = set(range(len(bucket.params)))
@@ -834,7 +833,7 @@ class DataParallelSGD(Algorithm):
                     bucket.buffer.mul_(scale)
                 for i, p in enumerate(bucket.params):
                     if used[bucket.indices[i]] > 0:
-                        view = bucket.views[i]
+                        view = bucket.slots[i]
                         if p.grad is not view:
                             p.grad = view  # no copy back: the gradient is the reduced buffer
                     # else: no rank had a gradient for p; it keeps grad None, as in one process
@@ -909,9 +908,7 @@ class DataParallelSGD(Algorithm):
         """Per-parameter views of a residual buffer: residuals are keyed by name."""
         views = {}
         for bucket in self._buckets:
-            flat = getattr(self._stripes[bucket.index], which)
-            for name, p, offset in zip(bucket.names, bucket.params, bucket.offsets):
-                views[name] = flat[offset : offset + p.numel()].view(p.shape)
+            views.update(zip(bucket.names, bucket.views(getattr(self._stripes[bucket.index], which))))
         return views
 
     def residuals(self) -> dict[str, dict[str, Tensor]]:
@@ -954,14 +951,11 @@ class DataParallelSGD(Algorithm):
 
     def _apply_loaded_residuals(self) -> None:
         assert self._loaded_residuals is not None
-        own = self._residual_views("residual")
-        for name, value in self._loaded_residuals.get("residual", {}).items():
-            if name in own and own[name].shape == value.shape:
-                own[name].copy_(value)
-        owner = self._residual_views("owner_residual")
-        for name, value in self._loaded_residuals.get("owner_residual", {}).items():
-            if name in owner and owner[name].shape == value.shape:
-                owner[name].copy_(value)
+        for which in ("residual", "owner_residual"):
+            saved = self._loaded_residuals.get(which, {})
+            for bucket in self._buckets:
+                # Lenient: a parameter saved with another shape (or not at all) starts from a zero residual.
+                bucket.load_named(getattr(self._stripes[bucket.index], which), saved, which, strict=False)
         # The owners' residuals were saved by stripe owners; if the buckets changed since,
         # stripe ownership did too. They are summed over the ranks (each entry is nonzero
         # on one rank only, so the sum is exact) at the next quantized exchange.
