@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import algorithms as _algorithms
 from bunsan.algorithms.base import Algorithm
@@ -26,7 +27,7 @@ from bunsan.errors import CheckpointError, ModelMismatchError
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """Run ``algorithm``'s collective hooks around ``optimizer.step()``.
 
     It is a :class:`torch.optim.Optimizer` (learning-rate schedulers, step pre/post
@@ -40,6 +41,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``GradScaler.unscale_`` and its inf check, inspection, edits) sees the global
     average. ``step()`` then runs the user's update rule and the algorithm's
     model exchange, if it has one.
+
+    Uneven data: call :meth:`join` on every rank after the loop, or, as with DDP,
+    run the loop inside ``with torch.distributed.algorithms.join.Join([optimizer]):``
+    (also beside other joinables, e.g. ``Join([ddp_model, optimizer])``). The
+    context needs an algorithm that exchanges every step (``DataParallelSGD``); the
+    block algorithms synchronize when a block ends, which a rank that has joined
+    cannot foresee from the ``Join`` context's per-iteration notice, and AsyncSGD
+    has no per-step collective to shadow: :meth:`join` serves those.
 
     Args:
         optimizer: any torch optimizer over the model's parameters.
@@ -57,12 +66,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.algorithm = algorithm
         # torch's hook registries (OrderedDicts: RemovableHandle keeps a weak reference).
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         # Wrap step() as torch.optim.Optimizer.__init__ does, so step hooks fire.
         self._patch_step_function()
         from bunsan import runtime
@@ -70,7 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         runtime.track_optimizer(self)  # finalize() joins it unless the script does
 
     # The wrapped optimizer's attributes, seen through this object.
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -78,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -86,7 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -109,7 +118,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "the algorithm's buckets and residuals are built for the parameters it was given"
         )
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Collective: every rank calls it once per training step."""
         loss = None
         if closure is not None:
@@ -159,6 +168,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         synchronizations until every rank has called it.
         """
         self.algorithm.join()
+
+    # torch's join protocol: the algorithm takes part; this object forwards so that
+    # ``Join([optimizer])`` works as ``Join([ddp_model])`` does.
+    @property
+    def _join_config(self) -> Any:
+        return getattr(self.algorithm, "_join_config", None)
+
+    @_join_config.setter
+    def _join_config(self, value: Any) -> None:
+        self.algorithm._join_config = value  # type: ignore[attr-defined]  # checked in join_hook() first
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The algorithm's :class:`~torch.distributed.algorithms.join.JoinHook` (for a ``Join`` context)."""
+        if not isinstance(self.algorithm, Joinable):
+            raise TypeError(
+                f"{type(self.algorithm).__name__} cannot run inside torch's Join context: it does not exchange "
+                "every step, so a rank that has joined cannot shadow its collectives; call optimizer.join() "
+                "after the training loop on every rank instead"
+            )
+        return self.algorithm.join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.algorithm.join_device if isinstance(self.algorithm, Joinable) else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.algorithm.join_process_group if isinstance(self.algorithm, Joinable) else None
 
     def sync_replicas(self) -> None:
         """Collective. Bring every replica to the same model now.

@@ -17,6 +17,7 @@ These are the message sizes bunsan hands to the backend, not packet captures.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -196,7 +197,7 @@ def broadcast_tensors(
         if traffic is not None:
             nbytes = flat.numel() * flat.element_size()
             traffic.add(nbytes * (n - 1) if is_src else 0, 0 if is_src else nbytes)
-        _call("broadcast", lambda flat=flat: dist.broadcast(flat, src=src, group=group), group=group, tensor=flat)
+        _call("broadcast", functools.partial(dist.broadcast, flat, src=src, group=group), group=group, tensor=flat)
         if not is_src:
             layout.unpack(flat)
 

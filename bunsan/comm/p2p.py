@@ -30,6 +30,7 @@ bytes adds ``M`` sent, a receive ``M`` received.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -106,7 +107,7 @@ def new_pair_groups(root: int, members: list[int], *, timeout_s: float) -> dict[
         group = _call(
             "creating the server channel with",
             w,
-            lambda w=w: dist.new_group(ranks=sorted((root, w)), timeout=timeout, backend="gloo"),
+            functools.partial(dist.new_group, ranks=sorted((root, w)), timeout=timeout, backend="gloo"),
         )
         if me in (root, w):
             groups[w] = group
