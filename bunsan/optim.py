@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import algorithms as _algorithms
+from bunsan._validate import check_type
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.buffers import synced_buffer_modules
 from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, global_rank, is_initialized
@@ -59,8 +60,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     def __init__(self, optimizer: torch.optim.Optimizer, algorithm: Algorithm) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns the parameter
         # groups and state; this object only adds collectives around its step.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_type("optimizer", optimizer, torch.optim.Optimizer, hint="torch.optim.Optimizer")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already distributed; pass the original torch optimizer")
         self.optimizer = optimizer
@@ -406,8 +406,7 @@ def distribute(
     Raises:
         ModelMismatchError: the ranks' models differ (names, shapes or dtypes).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, hint="torch.nn.Module")
     if not is_initialized():
         # Join the job from the launcher's variables, as bunsan.init() would; a lone
         # process becomes a job of one. A script that forgot init() still does the right thing.
@@ -421,8 +420,7 @@ def distribute(
         raise TypeError(
             f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)"
         )
-    if not isinstance(algorithm, Algorithm):
-        raise TypeError(f"algorithm must be a bunsan Algorithm or a registered name, got {type(algorithm).__name__}")
+    check_type("algorithm", algorithm, Algorithm, hint="or a registered name")
     attached = getattr(model, "_bunsan_algorithm", None)
     if attached is not None and getattr(attached, "algorithm", None) is not None:
         raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")

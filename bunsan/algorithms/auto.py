@@ -66,7 +66,6 @@ from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.measure import measure_codec, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
-from bunsan.errors import CheckpointError
 
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
 
@@ -372,11 +371,7 @@ class Auto(Algorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("algorithm") != self.name:
-            raise CheckpointError(
-                f"the state is of algorithm {state.get('algorithm')!r}, not 'auto': "
-                "load it into the algorithm that saved it"
-            )
+        self._check_state_is_mine(state)
         if state["decision"] is not None:
             self._apply(state["decision"])  # the same choice as before, without measuring again
         self.inner.load_state_dict(state["inner"])

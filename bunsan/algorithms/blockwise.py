@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from bunsan._validate import check_int
+from bunsan._validate import check_int, check_type
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.bmuf import reset_momentum_buffers, update_block_start_, update_global_model_
 from bunsan.algorithms.data_parallel import DataParallelSGD
@@ -66,28 +66,6 @@ def _group_params(named_params: Sequence[tuple[str, Tensor]]) -> list[_Flat]:
         flat.buffer = flat.zeros()
         flats.append(flat)
     return flats
-
-
-def _check_block_size(block_size: Any) -> int:
-    return int(
-        check_int(
-            "block_size",
-            block_size,
-            minimum=1,
-            hint="samples per worker; e.g. block_size=8 * batch_size synchronizes every 8 minibatches",
-        )
-    )
-
-
-def _check_warm_start(warm_start: Any) -> int:
-    return int(
-        check_int(
-            "warm_start",
-            warm_start,
-            minimum=0,
-            hint="samples, all workers together; 0 starts block training at once",
-        )
-    )
 
 
 class BlockwiseSGD(Algorithm):
@@ -139,8 +117,15 @@ class BlockwiseSGD(Algorithm):
         group: ProcessGroup | None = None,
     ) -> None:
         super().__init__(group=group)
-        self.block_size = _check_block_size(block_size)
-        self.warm_start = _check_warm_start(warm_start)
+        self.block_size: int = check_int(
+            "block_size",
+            block_size,
+            minimum=1,
+            hint="samples per worker; e.g. block_size=8 * batch_size synchronizes every 8 minibatches",
+        )
+        self.warm_start: int = check_int(
+            "warm_start", warm_start, minimum=0, hint="samples, all workers together; 0 starts block training at once"
+        )
         self.nesterov = bool(nesterov)
         self.reset_local_momentum = bool(reset_local_momentum)
         self.optimizer: torch.optim.Optimizer | None = getattr(self, "optimizer", None)  # set by attach_optimizer()
@@ -218,9 +203,7 @@ class BlockwiseSGD(Algorithm):
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Called by :func:`bunsan.distribute` with the user's optimizer, whose momentum is reset after syncs."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        self.optimizer = optimizer
+        self.optimizer = check_type("optimizer", optimizer, torch.optim.Optimizer, hint="torch.optim.Optimizer")
 
     @property
     def in_warm_start(self) -> bool:

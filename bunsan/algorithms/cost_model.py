@@ -323,8 +323,7 @@ def predict(
     algorithms); ``sync_period`` (samples per worker, async). ``overlap=False`` puts every bucketed
     exchange after backward (as in a framework that reduces after the whole backward pass).
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    check_int("workers", workers, minimum=1)
     options = candidate.options
     compute = profile.compute_s
     n = workers

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bunsan._validate import check_number
+from bunsan._validate import check_int, check_number
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -200,8 +200,7 @@ def network_from_timings(
     ``(bytes of one rank's piece, seconds)``, slope of ``(N - 1) (alpha + bytes /
     beta_gather)``; left out (``None``) when its times do not grow with size.
     """
-    if workers < 2:
-        raise ValueError(f"measuring a network needs 2 or more workers, got {workers}")
+    check_int("workers", workers, minimum=2, hint="measuring a network needs 2 or more")
     points = [(ring_allreduce_bytes(m, workers), t) for m, t in allreduce]
     slope = fit_line(points)[1]
     x_small, t_small = min(points)

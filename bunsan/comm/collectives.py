@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_choice
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
 from bunsan.comm.layout import FlatGroup, group_by_kind
@@ -165,8 +166,7 @@ def all_reduce(
         The work handle when ``async_op``, else None.
     """
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    if op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    check_choice("op", op, ops)
     n = get_world_size(group)
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from bunsan._validate import check_int
+
 __all__ = ["lr_warmup_factor", "may_proceed", "scaled_lr", "staleness_scale"]
 
 
@@ -51,6 +53,5 @@ def scaled_lr(lr: float, world_size: int) -> float:
     batch; AsyncSGD applies every worker's update in full, so ``lr / world_size``
     moves it about as far per sample (see the module docstring).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    check_int("world_size", world_size, minimum=1)
     return lr / world_size

@@ -63,9 +63,9 @@ class DataParallelSGD(BucketExchange):
             Error-Feedback"). Without compression this is exactly momentum SGD
             (averaging commutes with the momentum recursion); with it, the error
             feedback corrects the transmitted momentum itself instead of having its
-            delays amplified by the momentum afterwards. Measured on MNIST-1D, 4
-            workers, momentum 0.9: with the momentum after decompression 1-bit
-            training diverged to chance; see docs/design-notes.md. Default True.
+            delays amplified by the momentum afterwards (measured in
+            docs/design-notes.md, "Algorithms: measurements moved from
+            docstrings"). Default True.
         chunk_size: elements per quantization chunk (default: 1024 when rotating, else
             the codec's 512).
         rotate: quantize every chunk after a fixed random rotation (random signs, then
