@@ -87,7 +87,7 @@ def _body_block_algorithm_refuses_join_context(rank, world_size):
     model = _net()
     algorithm = bunsan.BlockMomentumSGD(block_size=8)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm)
-    with pytest.raises(TypeError, match="optimizer.join"):
+    with pytest.raises(TypeError, match=r"optimizer\.join"):
         Join([optimizer])
     optimizer.join()  # the spelling that serves block algorithms
 

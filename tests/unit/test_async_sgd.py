@@ -213,5 +213,5 @@ def test_state_from_another_model_or_algorithm_is_refused():
         other.load_state_dict(state)
     with pytest.raises(CheckpointError, match="algorithm"):
         BlockMomentumSGD(block_size=8).load_state_dict(state)
-    with pytest.raises(CheckpointError, match="after bunsan.distribute"):
+    with pytest.raises(CheckpointError, match=r"after bunsan\.distribute"):
         AsyncSGD(sync_period=8).load_state_dict(state)
