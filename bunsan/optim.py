@@ -445,7 +445,7 @@ def distribute(
     counter = _SampleCounter(attachment)
     model.register_forward_pre_hook(counter.pre, with_kwargs=True)
     model.register_forward_hook(counter.post, with_kwargs=True)
-    model._bunsan_algorithm = attachment  # type: ignore[assignment]
+    model._bunsan_algorithm = attachment  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     return model, DistributedOptimizer(optimizer, algorithm)
 
 
