@@ -183,9 +183,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         """The algorithm's :class:`~torch.distributed.algorithms.join.JoinHook` (for a ``Join`` context)."""
         if not isinstance(self.algorithm, Joinable):
             raise TypeError(
-                f"{type(self.algorithm).__name__} cannot run inside torch's Join context: it does not exchange "
-                "every step, so a rank that has joined cannot shadow its collectives; call optimizer.join() "
-                "after the training loop on every rank instead"
+                f"{type(self.algorithm).__name__} cannot run inside torch's Join context: a rank that has joined "
+                "can shadow only an exchange made every step (DataParallelSGD's); call optimizer.join() after "
+                "the training loop on every rank instead"
             )
         return self.algorithm.join_hook(**kwargs)
 
