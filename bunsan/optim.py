@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import algorithms as _algorithms
+from bunsan._validate import check_type
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.buffers import synced_buffer_modules
 from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, global_rank, is_initialized
@@ -26,7 +28,7 @@ from bunsan.errors import CheckpointError, ModelMismatchError
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(torch.optim.Optimizer, Joinable):
     """Run ``algorithm``'s collective hooks around ``optimizer.step()``.
 
     It is a :class:`torch.optim.Optimizer` (learning-rate schedulers, step pre/post
@@ -41,6 +43,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     average. ``step()`` then runs the user's update rule and the algorithm's
     model exchange, if it has one.
 
+    Uneven data: call :meth:`join` on every rank after the loop, or, as with DDP,
+    run the loop inside ``with torch.distributed.algorithms.join.Join([optimizer]):``
+    (also beside other joinables, e.g. ``Join([ddp_model, optimizer])``). The
+    context needs an algorithm that exchanges every step (``DataParallelSGD``); the
+    block algorithms synchronize when a block ends, which a rank that has joined
+    cannot foresee from the ``Join`` context's per-iteration notice, and AsyncSGD
+    has no per-step collective to shadow: :meth:`join` serves those.
+
     Args:
         optimizer: any torch optimizer over the model's parameters.
         algorithm: a :class:`bunsan.algorithms.Algorithm` already set up with the
@@ -50,19 +60,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, algorithm: Algorithm) -> None:
         # Deliberately no super().__init__: the wrapped optimizer owns the parameter
         # groups and state; this object only adds collectives around its step.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_type("optimizer", optimizer, torch.optim.Optimizer, hint="torch.optim.Optimizer")
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("the optimizer is already distributed; pass the original torch optimizer")
         self.optimizer = optimizer
         self.algorithm = algorithm
         # torch's hook registries (OrderedDicts: RemovableHandle keeps a weak reference).
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         # Wrap step() as torch.optim.Optimizer.__init__ does, so step hooks fire.
         self._patch_step_function()
         from bunsan import runtime
@@ -70,7 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         runtime.track_optimizer(self)  # finalize() joins it unless the script does
 
     # The wrapped optimizer's attributes, seen through this object.
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -78,7 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -86,7 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -109,7 +118,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "the algorithm's buckets and residuals are built for the parameters it was given"
         )
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Collective: every rank calls it once per training step."""
         loss = None
         if closure is not None:
@@ -159,6 +168,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         synchronizations until every rank has called it.
         """
         self.algorithm.join()
+
+    # torch's join protocol: the algorithm takes part; this object forwards so that
+    # ``Join([optimizer])`` works as ``Join([ddp_model])`` does.
+    @property
+    def _join_config(self) -> Any:
+        return getattr(self.algorithm, "_join_config", None)
+
+    @_join_config.setter
+    def _join_config(self, value: Any) -> None:
+        self.algorithm._join_config = value  # type: ignore[attr-defined]  # checked in join_hook() first
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The algorithm's :class:`~torch.distributed.algorithms.join.JoinHook` (for a ``Join`` context)."""
+        if not isinstance(self.algorithm, Joinable):
+            raise TypeError(
+                f"{type(self.algorithm).__name__} cannot run inside torch's Join context: a rank that has joined "
+                "can shadow only an exchange made every step (DataParallelSGD's); call optimizer.join() after "
+                "the training loop on every rank instead"
+            )
+        return self.algorithm.join_hook(**kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.algorithm.join_device if isinstance(self.algorithm, Joinable) else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.algorithm.join_process_group if isinstance(self.algorithm, Joinable) else None
 
     def sync_replicas(self) -> None:
         """Collective. Bring every replica to the same model now.
@@ -369,8 +406,7 @@ def distribute(
     Raises:
         ModelMismatchError: the ranks' models differ (names, shapes or dtypes).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_type("model", model, nn.Module, hint="torch.nn.Module")
     if not is_initialized():
         # Join the job from the launcher's variables, as bunsan.init() would; a lone
         # process becomes a job of one. A script that forgot init() still does the right thing.
@@ -384,8 +420,7 @@ def distribute(
         raise TypeError(
             f"options {sorted(algorithm_options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)"
         )
-    if not isinstance(algorithm, Algorithm):
-        raise TypeError(f"algorithm must be a bunsan Algorithm or a registered name, got {type(algorithm).__name__}")
+    check_type("algorithm", algorithm, Algorithm, hint="or a registered name")
     attached = getattr(model, "_bunsan_algorithm", None)
     if attached is not None and getattr(attached, "algorithm", None) is not None:
         raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")
@@ -410,7 +445,7 @@ def distribute(
     counter = _SampleCounter(attachment)
     model.register_forward_pre_hook(counter.pre, with_kwargs=True)
     model.register_forward_hook(counter.post, with_kwargs=True)
-    model._bunsan_algorithm = attachment  # type: ignore[assignment]
+    model._bunsan_algorithm = attachment  # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     return model, DistributedOptimizer(optimizer, algorithm)
 
 

@@ -21,17 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from bunsan import comm
+from bunsan._validate import check_int, check_type
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters"]
 
 
 def _check_root(root_rank: Any) -> int:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}")
-    size = comm.get_world_size()
-    if not 0 <= root_rank < size:
-        raise ValueError(f"root_rank must be in [0, {size}), got {root_rank}")
-    return root_rank
+    return int(check_int("root_rank", root_rank, minimum=0, maximum=comm.get_world_size() - 1))
 
 
 def _tensors_of(params: Any) -> list[Tensor]:
@@ -118,8 +114,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     inner = getattr(optimizer, "optimizer", None)
     target = inner if isinstance(inner, torch.optim.Optimizer) else optimizer
-    if not isinstance(target, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_type("optimizer", target, torch.optim.Optimizer, hint="torch.optim.Optimizer")
     root_rank = _check_root(root_rank)
     if comm.get_world_size() == 1:
         return

@@ -59,16 +59,34 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan import comm
+from bunsan._validate import check_choice, check_int, check_number, check_type
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
-from bunsan.errors import CheckpointError
+from bunsan.algorithms.measure import measure_codec, measure_network
+from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
 
 RISKS = ("low", "medium", "high")
 BLOCK_STEPS = (2, 4, 8, 16, 32, 64)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
+# What a decision may build, by registry name. Imported directly, not through the registry in
+# bunsan.algorithms, which imports this module (no import cycle).
+_CHOICES: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DataParallelSGD, BlockMomentumSGD, ModelAveragingSGD)}
+
+
+def _delegated(name: str) -> Any:
+    """A property that reads and writes ``self.inner.<name>``: the counters live in the inner algorithm."""
+
+    def fget(self: Auto) -> Any:
+        return getattr(self.inner, name)
+
+    def fset(self: Auto, value: Any) -> None:
+        setattr(self.inner, name, value)
+
+    return property(fget, fset)
 
 
 def infer_compute(step_s: float, profile: cm.Profile, network: cm.Network, workers: int) -> float:
@@ -94,8 +112,7 @@ def candidates_for(
     risk: str, profile: cm.Profile, network: cm.Network, workers: int, *, momentum: float = 0.0, warm_start: int = 0
 ) -> list[cm.Candidate]:
     """The candidates ``risk`` accepts, with their settings chosen by the documented rules."""
-    if risk not in RISKS:
-        raise ValueError(f"risk must be one of {RISKS}, got {risk!r}")
+    check_choice("risk", risk, RISKS)
     found = [cm.Candidate("data_parallel", {}, "exact"), cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16")]
     if risk in ("medium", "high"):
         found += [cm.Candidate("data_parallel", {"bits": b, "warm_start": warm_start}, f"{b}-bit") for b in (8, 2)]
@@ -158,18 +175,14 @@ class Auto(Algorithm):
     ) -> None:
         self.inner: Algorithm = DataParallelSGD(group=group)
         super().__init__(group=group)
-        if isinstance(measure_steps, bool) or not isinstance(measure_steps, int) or measure_steps < 2:
-            raise ValueError(f"measure_steps must be an int >= 2, got {measure_steps!r}")
-        if risk not in RISKS:
-            raise ValueError(f"risk must be one of {RISKS}, got {risk!r}")
-        if not min_gain >= 0:
-            raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
-        if network is not None and not isinstance(network, cm.Network):
-            raise TypeError(f"network must be a cost_model.Network, got {type(network).__name__}")
-        self.measure_steps = measure_steps
-        self.risk = risk
-        self.min_gain = float(min_gain)
-        self.warm_start = int(warm_start)
+        self.measure_steps: int = check_int(
+            "measure_steps", measure_steps, minimum=2, hint="exact steps timed before deciding"
+        )
+        self.risk: str = check_choice("risk", risk, RISKS)
+        self.min_gain: float = check_number("min_gain", min_gain, minimum=0.0, hint="0.1 asks for 10% faster")
+        self.warm_start: int = check_int("warm_start", warm_start, minimum=0, hint="global samples")
+        if network is not None:
+            check_type("network", network, cm.Network, hint="or None to measure it")
         self.network = network
         self.verbose = verbose
         self.decision: dict[str, Any] | None = None
@@ -178,23 +191,13 @@ class Auto(Algorithm):
         self._last_end: float | None = None  # perf_counter at the end of the last step, this process
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
-    def _get(name: str) -> Any:
-        def fget(self: Auto) -> Any:
-            return getattr(self.inner, name)
-
-        def fset(self: Auto, value: Any) -> None:
-            setattr(self.inner, name, value)
-
-        return property(fget, fset)
-
-    step = _get("step")
-    samples = _get("samples")
-    local_samples = _get("local_samples")
-    traffic = _get("traffic")
-    buffer_sync = _get("buffer_sync")
-    _pending_samples = _get("_pending_samples")
-    _unconfirmed_samples = _get("_unconfirmed_samples")
-    del _get
+    step = _delegated("step")
+    samples = _delegated("samples")
+    local_samples = _delegated("local_samples")
+    traffic = _delegated("traffic")
+    buffer_sync = _delegated("buffer_sync")
+    _pending_samples = _delegated("_pending_samples")
+    _unconfirmed_samples = _delegated("_unconfirmed_samples")
 
     def __getattr__(self, name: str) -> Any:  # public attributes of the chosen algorithm (bits, block_size, ...)
         if name.startswith("_") or "inner" not in self.__dict__:
@@ -274,8 +277,6 @@ class Auto(Algorithm):
         return max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)
 
     def _decide(self) -> None:
-        from bunsan.algorithms.measure import measure_codec, measure_network
-
         started = time.perf_counter()
         slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
         comm.all_reduce(slowest, op="max", group=self.group)
@@ -289,8 +290,9 @@ class Auto(Algorithm):
                 network = measure_network(self.group, sizes=sizes, repeats=3)
             except ValueError:
                 network = None
-        decision = None
-        if comm.get_rank(self.group) == 0 and network is None:
+        decision: dict[str, Any] | None = None
+        deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
+        if deciding and network is None:
             decision = {
                 "algorithm": "data_parallel",
                 "options": {},
@@ -303,7 +305,7 @@ class Auto(Algorithm):
             }
             if self.verbose:
                 print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
-        elif comm.get_rank(self.group) == 0:
+        elif deciding and network is not None:
             codec = measure_codec(sum(p.numel() for _, p in self.named_params), repeats=2)
             draft = self._profile(step_s)
             compute = infer_compute(step_s, draft, network, n)
@@ -346,10 +348,8 @@ class Auto(Algorithm):
         self.decision = decision
         if decision["algorithm"] == "data_parallel" and not decision["options"]:
             return  # exact it stays
-        from bunsan import algorithms
-
         old = self.inner
-        new = algorithms.create(decision["algorithm"], group=self.group, **decision["options"])
+        new = _CHOICES[decision["algorithm"]](group=self.group, **decision["options"])
         if isinstance(old, DataParallelSGD):
             old.remove_hooks()  # the exact algorithm's gradient hooks must stop firing
         new.step, new.samples, new.local_samples = old.step, old.samples, old.local_samples
@@ -371,11 +371,7 @@ class Auto(Algorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("algorithm") != self.name:
-            raise CheckpointError(
-                f"the state is of algorithm {state.get('algorithm')!r}, not 'auto': "
-                "load it into the algorithm that saved it"
-            )
+        self._check_state_is_mine(state)
         if state["decision"] is not None:
             self._apply(state["decision"])  # the same choice as before, without measuring again
         self.inner.load_state_dict(state["inner"])

@@ -182,12 +182,16 @@ class Algorithm:
             "local_samples": self.local_samples,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _check_state_is_mine(self, state: dict[str, Any]) -> None:
+        """Raise :class:`CheckpointError` unless ``state`` was saved by an algorithm of this name."""
         if state.get("algorithm") != self.name:
             raise CheckpointError(
                 f"the state is of algorithm {state.get('algorithm')!r}, not {self.name!r}: "
                 "load it into the algorithm that saved it"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_state_is_mine(state)
         self.step = int(state["step"])
         self.samples = int(state["samples"])
         self.local_samples = int(state["local_samples"])

@@ -4,23 +4,9 @@ No torch and no process group here: :mod:`bunsan.bench.plan` (``bunsan plan``) a
 an algorithm that decides at run time use the same arithmetic, and tests check it
 against values worked out by hand.
 
-The network is Hockney's alpha-beta model (Hockney 1994, "The communication
-challenge for MPP: Intel Paragon and Meiko CS-2"): sending ``m`` bytes over one
-link takes ``alpha + m / beta``. On top of it:
+The network and the collectives' costs are in :mod:`bunsan.algorithms.network_model`
+(Hockney's alpha-beta model, ring all-reduce, the striped quantized exchange). On top:
 
-* **ring all-reduce** of ``M`` bytes over ``N`` ranks (Patarasuk and Yuan 2009,
-  "Bandwidth optimal all-reduce algorithms for clusters of workstations"): a
-  reduce-scatter and an all-gather of ``N - 1`` steps each, every step moving
-  ``M / N`` bytes, so ``2 (N - 1) / N * M / beta + 2 (N - 1) alpha``. Each rank
-  sends ``2 (N - 1) / N * M`` bytes, the figure ``algorithm.stats()`` counts.
-* **striped quantized exchange** (``DataParallelSGD(bits=1..16)``): rank ``j``
-  owns stripe ``j`` of the gradient. An all-to-all sends every other owner its
-  quantized stripe (``N - 1`` messages of ``P`` bytes, ``P`` the quantized size of
-  ``M / N`` elements), the owners sum and re-quantize, and an all-gather of the
-  owners' stripes (``N - 1`` more) completes it: ``2 (N - 1) (alpha + P / beta)``
-  plus the codec time, which runs on the compute thread and is not overlapped:
-  each rank encodes its whole gradient and its own stripe, and decodes ``N``
-  received stripes and the ``N`` gathered ones.
 * **overlap with backward** (exact and quantized buckets): gradients become ready
   during backward, last layers first; a bucket's exchange starts when its last
   gradient is ready and the previous bucket's exchange has finished (buckets go in
@@ -51,6 +37,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bunsan._validate import check_int, check_number
+from bunsan.algorithms.network_model import (
+    DEFAULT_CHUNK_SIZE,
+    Network,
+    allgather_time,
+    alltoall_time,
+    check_seconds,
+    fit_line,
+    network_from_timings,
+    quantized_payload_bytes,
+    ring_allreduce_bytes,
+    ring_allreduce_time,
+    stripe_bytes,
+    striped_exchange_bytes,
+    striped_exchange_time,
+)
+
 __all__ = [
     "ALGORITHMS",
     "Candidate",
@@ -79,48 +82,8 @@ __all__ = [
 ]
 
 ALGORITHMS = ("data_parallel", "block_momentum", "model_averaging", "async")
-DEFAULT_CHUNK_SIZE = 512  # bunsan.compression.DEFAULT_CHUNK_SIZE, repeated to stay free of torch (a test checks)
 FIRST_BUCKET_BYTES = 2**20  # DataParallelSGD's small first bucket
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
-
-
-def _check_positive(name: str, value: float, *, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not zero) or math.isinf(value):
-        raise ValueError(f"{name} must be {'>= 0' if zero else '> 0'} and finite, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Network:
-    """Hockney's alpha-beta model of one link.
-
-    Args:
-        latency_s: alpha, seconds per message (the start-up cost of one send).
-        bandwidth: beta, bytes per second of one link in one direction.
-        gather_bandwidth: effective beta of all-gather and all-to-all messages when
-            they differ from all-reduce's (Gloo's all-gather moved fewer bytes per
-            second than its all-reduce on loopback); ``None`` means ``bandwidth``.
-        half_bandwidth: effective beta of a float16 all-reduce, in bytes of float16,
-            where it differs (Gloo sums half precision in software on CPU); ``None``
-            means ``bandwidth``.
-    """
-
-    latency_s: float
-    bandwidth: float
-    gather_bandwidth: float | None = None
-    half_bandwidth: float | None = None
-
-    def __post_init__(self) -> None:
-        _check_positive("latency_s", self.latency_s, zero=True)
-        _check_positive("bandwidth", self.bandwidth)
-        for name in ("gather_bandwidth", "half_bandwidth"):
-            if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
-
-    @property
-    def gather_beta(self) -> float:
-        return self.gather_bandwidth if self.gather_bandwidth is not None else self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -169,15 +132,10 @@ class Profile:
     chunks: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("compute_s", self.compute_s)
+        check_seconds("compute_s", self.compute_s)
         for name in ("params", "batch", "bytes_per_element", "tensors"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 0 <= self.backward_fraction <= 1:
-            raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
+            check_int(name, getattr(self, name), minimum=1)
+        check_number("backward_fraction", self.backward_fraction, minimum=0.0, maximum=1.0)
         for name in (
             "encode_s_per_element",
             "decode_s_per_element",
@@ -186,7 +144,7 @@ class Profile:
             "straggler_s",
             "cast_s_per_element",
         ):
-            _check_positive(name, getattr(self, name), zero=True)
+            check_seconds(name, getattr(self, name), zero=True)
 
     @property
     def gradient_bytes(self) -> int:
@@ -252,78 +210,6 @@ class Prediction:
             "bytes_per_step": self.bytes_per_step,
             "efficiency": self.efficiency,
         }
-
-
-# -- collectives -------------------------------------------------------------------------------
-def ring_allreduce_bytes(nbytes: float, workers: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes``."""
-    return 2 * (workers - 1) / workers * nbytes
-
-
-def ring_allreduce_time(nbytes: float, workers: int, network: Network) -> float:
-    """Seconds of a ring all-reduce of ``nbytes``: ``2 (N - 1) / N * nbytes / beta + 2 (N - 1) alpha``."""
-    if workers <= 1 or nbytes <= 0:
-        return 0.0
-    return ring_allreduce_bytes(nbytes, workers) / network.bandwidth + 2 * (workers - 1) * network.latency_s
-
-
-def alltoall_time(message_bytes: float, workers: int, network: Network) -> float:
-    """Seconds of an all-to-all where each rank sends ``message_bytes`` to each of the ``N - 1`` others."""
-    if workers <= 1:
-        return 0.0
-    return (workers - 1) * (network.latency_s + message_bytes / network.gather_beta)
-
-
-def allgather_time(message_bytes: float, workers: int, network: Network) -> float:
-    """Seconds of a ring all-gather of one ``message_bytes`` piece per rank: ``(N - 1)`` steps of one piece."""
-    return alltoall_time(message_bytes, workers, network)
-
-
-def quantized_payload_bytes(numel: int, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
-    """Bytes of ``numel`` elements quantized to ``bits`` bits: two float32 per chunk plus the packed codes
-    (the size of :meth:`bunsan.compression.Quantizer.payload_bytes`)."""
-    if numel <= 0:
-        return 0
-    return 8 * -(-numel // chunk_size) + -(-numel * bits // 8)
-
-
-def stripe_bytes(
-    numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None
-) -> int:
-    """Bytes of one quantized stripe: ``1 / N`` of the ``chunks`` (two float32 each) and of the codes.
-
-    ``chunks`` defaults to ``ceil(numel / chunk_size)``; a model of many small tensors
-    has more (each tensor's last chunk is short). Stripes are padded to the largest,
-    so the chunk share is rounded up.
-    """
-    if chunks is None:
-        chunks = -(-numel // chunk_size)
-    share = -(-numel // workers)
-    return 8 * -(-chunks // workers) + -(-share * bits // 8)
-
-
-def striped_exchange_bytes(
-    numel: int, bits: int, workers: int, chunk_size: int = DEFAULT_CHUNK_SIZE, chunks: int | None = None
-) -> float:
-    """Bytes each rank sends in the striped quantized exchange: ``2 (N - 1)`` stripes of ``numel / N`` elements."""
-    if workers <= 1:
-        return 0.0
-    return 2 * (workers - 1) * stripe_bytes(numel, bits, workers, chunk_size, chunks)
-
-
-def striped_exchange_time(
-    numel: int,
-    bits: int,
-    workers: int,
-    network: Network,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    chunks: int | None = None,
-) -> float:
-    """Seconds on the wire of the striped quantized exchange of ``numel`` elements (all-to-all + all-gather)."""
-    if workers <= 1:
-        return 0.0
-    stripe = stripe_bytes(numel, bits, workers, chunk_size, chunks)
-    return alltoall_time(stripe, workers, network) + allgather_time(stripe, workers, network)
 
 
 # -- overlap with backward ----------------------------------------------------------------------
@@ -437,8 +323,7 @@ def predict(
     algorithms); ``sync_period`` (samples per worker, async). ``overlap=False`` puts every bucketed
     exchange after backward (as in a framework that reduces after the whole backward pass).
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    check_int("workers", workers, minimum=1)
     options = candidate.options
     compute = profile.compute_s
     n = workers
@@ -550,60 +435,3 @@ def predict_all(
         for n in workers
         for c in candidates
     ]
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``(intercept, slope)`` of ``t = a + b x`` through ``(x, t)`` points.
-
-    The intercept is clipped at 0 (a latency is never negative); with it clipped the
-    slope is refitted through the origin. Used to read ``alpha`` and ``beta`` off
-    timed collectives of several sizes.
-
-    Raises:
-        ValueError: fewer than two distinct ``x``, or a slope that is not positive.
-    """
-    if len({x for x, _ in points}) < 2:
-        raise ValueError("fitting a line needs points at two or more distinct sizes")
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_t = sum(t for _, t in points) / n
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (t - mean_t) for x, t in points) / sxx
-    intercept = mean_t - slope * mean_x
-    if intercept < 0:
-        intercept = 0.0
-        slope = sum(x * t for x, t in points) / sum(x * x for x, _ in points)
-    if not slope > 0:
-        raise ValueError(
-            f"the timed sizes give a slope of {slope:.3g} s/byte: time did not grow with size; "
-            "time larger messages or more repeats"
-        )
-    return intercept, slope
-
-
-def network_from_timings(
-    allreduce: Sequence[tuple[float, float]], workers: int, allgather: Sequence[tuple[float, float]] = ()
-) -> Network:
-    """The :class:`Network` whose alpha and beta best explain timed collectives at ``workers`` ranks.
-
-    ``allreduce``: ``(bytes, seconds)`` of ring all-reduces, modelled as
-    ``2 (N - 1) alpha + 2 (N - 1) / N * bytes / beta``. ``1 / beta`` is the
-    least-squares slope over all sizes; alpha is read off the smallest message
-    (the small-message latency, less its tiny bandwidth share), which a fitted
-    intercept would leave to the noise of the large ones. ``allgather``:
-    ``(bytes of one rank's piece, seconds)``, slope of ``(N - 1) (alpha + bytes /
-    beta_gather)``; left out (``None``) when its times do not grow with size.
-    """
-    if workers < 2:
-        raise ValueError(f"measuring a network needs 2 or more workers, got {workers}")
-    points = [(ring_allreduce_bytes(m, workers), t) for m, t in allreduce]
-    slope = fit_line(points)[1]
-    x_small, t_small = min(points)
-    latency = max(0.0, t_small - x_small * slope) / (2 * (workers - 1))
-    gather = None
-    if allgather:
-        try:
-            gather = 1 / fit_line([((workers - 1) * m, t) for m, t in allgather])[1]
-        except ValueError:
-            gather = None
-    return Network(latency_s=latency, bandwidth=1 / slope, gather_bandwidth=gather)

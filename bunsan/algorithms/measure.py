@@ -6,6 +6,7 @@ benchmarks (:mod:`bunsan.bench.measure`, :mod:`bunsan.bench.predict`).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from bunsan import comm
-from bunsan.algorithms.cost_model import Network, network_from_timings, ring_allreduce_bytes
+from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
 __all__ = ["PROBE_SIZES", "measure_codec", "measure_network", "median_time"]
 
@@ -87,9 +88,9 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
         comm.all_reduce(tensor, group=group)  # warm up this size's buffers
         comm.all_gather_into(gathered, piece, group=group)
         comm.barrier(group)
-        reduce_s = median_time(lambda: comm.all_reduce(tensor, group=group), repeats)
+        reduce_s = median_time(functools.partial(comm.all_reduce, tensor, group=group), repeats)
         comm.barrier(group)
-        gather_s = median_time(lambda: comm.all_gather_into(gathered, piece, group=group), repeats)
+        gather_s = median_time(functools.partial(comm.all_gather_into, gathered, piece, group=group), repeats)
         slowest = torch.tensor([reduce_s, gather_s], dtype=torch.float64)
         comm.all_reduce(slowest, op="max", group=group)
         reduce_points.append((numel * 4, float(slowest[0])))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch.distributed import ProcessGroup
 
-from bunsan.algorithms.block_momentum import BlockwiseSGD
+from bunsan.algorithms.blockwise import BlockwiseSGD
 
 __all__ = ["ModelAveragingSGD"]
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_int
 from bunsan.comm.collectives import (
     Traffic,
     _call,
@@ -81,10 +82,8 @@ def split_sizes(total: int, parts: int) -> list[int]:
     Raises:
         ValueError: ``parts < 1`` or ``total < 0``.
     """
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    if total < 0:
-        raise ValueError(f"total must be >= 0, got {total}")
+    check_int("parts", parts, minimum=1)
+    check_int("total", total, minimum=0)
     base, extra = divmod(total, parts)
     return [base + (1 if r < extra else 0) for r in range(parts)]
 
@@ -407,8 +406,7 @@ def halo_exchange(
         ValueError: ``halo < 0``, or this rank's band is shorter than ``halo``.
     """
     dim = dim % tensor.dim()
-    if halo < 0:
-        raise ValueError(f"halo must be >= 0, got {halo}")
+    check_int("halo", halo, minimum=0, hint="rows each neighbour needs")
     if halo == 0:
         return tensor
     if tensor.shape[dim] < halo:

@@ -17,6 +17,7 @@ These are the message sizes bunsan hands to the backend, not packet captures.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,8 +27,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_choice
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
+from bunsan.comm.layout import FlatGroup, group_by_kind
 from bunsan.errors import CommunicationError
 
 __all__ = [
@@ -35,17 +38,14 @@ __all__ = [
     "all_gather_into",
     "all_gather_object",
     "all_reduce",
-    "all_reduce_mean",
     "all_to_all",
     "barrier",
     "broadcast_tensors",
-    "flatten",
     "get_backend",
     "get_rank",
     "get_world_size",
     "global_rank",
     "is_initialized",
-    "unflatten_into",
     "wait",
 ]
 
@@ -166,8 +166,7 @@ def all_reduce(
         The work handle when ``async_op``, else None.
     """
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    if op not in ops:
-        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    check_choice("op", op, ops)
     n = get_world_size(group)
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -181,51 +180,26 @@ def all_reduce(
     )
 
 
-def flatten(tensors: Sequence[Tensor]) -> Tensor:
-    """One contiguous 1-D tensor holding ``tensors`` one after another."""
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-
-
-def unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    """Copy consecutive slices of ``flat`` back into ``tensors``, in place."""
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def all_reduce_mean(
-    tensors: Sequence[Tensor], group: ProcessGroup | None = None, traffic: Traffic | None = None
-) -> None:
-    """Average ``tensors`` in place across ``group``, as one flat message. Collective."""
-    if not tensors:
-        return
-    flat = flatten(tensors)
-    flat.div_(get_world_size(group))  # divide first: a half-precision sum must not overflow
-    all_reduce(flat, group=group, traffic=traffic)
-    unflatten_into(flat, tensors)
-
-
 def broadcast_tensors(
     tensors: Sequence[Tensor], src: int = 0, group: ProcessGroup | None = None, traffic: Traffic | None = None
 ) -> None:
     """Overwrite ``tensors`` with rank ``src``'s values, in place. Collective.
 
-    Tensors are sent as one flat message per dtype. ``src`` is a global rank.
+    Tensors are sent as one flat message per (dtype, device), in the order of
+    :func:`bunsan.comm.layout.group_by_kind`. ``src`` is a global rank.
     """
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
     n = get_world_size(group)
     is_src = get_rank() == src
-    for (dtype, device), group_tensors in sorted(by_dtype.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-        flat = flatten(group_tensors).to(device)
+    for members in group_by_kind([(str(i), t) for i, t in enumerate(tensors)]):
+        layout = FlatGroup.of(members)
+        flat = torch.empty(layout.numel, dtype=layout.dtype, device=layout.device)
+        layout.pack(flat)
         if traffic is not None:
             nbytes = flat.numel() * flat.element_size()
             traffic.add(nbytes * (n - 1) if is_src else 0, 0 if is_src else nbytes)
-        _call("broadcast", lambda flat=flat: dist.broadcast(flat, src=src, group=group), group=group, tensor=flat)
+        _call("broadcast", functools.partial(dist.broadcast, flat, src=src, group=group), group=group, tensor=flat)
         if not is_src:
-            unflatten_into(flat, group_tensors)
+            layout.unpack(flat)
 
 
 def all_gather_into(

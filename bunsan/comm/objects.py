@@ -13,12 +13,14 @@ header that says so, as :func:`bunsan.data.scatter` does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from bunsan._validate import check_int
 
 __all__ = ["broadcast_object", "group_rank", "group_size", "scatter_objects", "scatter_tensor"]
 
@@ -33,11 +35,19 @@ def group_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group)
 
 
+T = TypeVar("T")
+
+
+def _one_per_rank(name: str, items: Sequence[T] | None, src: int, size: int) -> Sequence[T]:
+    if items is None or len(items) != size:
+        count = "None" if items is None else f"{len(items)} items"
+        raise ValueError(f"{name} on src={src} must hold one item per rank ({size}), got {count}")
+    return items
+
+
 def _check_src(src: int, group: ProcessGroup | None) -> int:
     size = dist.get_world_size(group)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
-        raise ValueError(f"src must be a rank in [0, {size}) of the group, got {src!r}")
-    return src
+    return int(check_int("src", src, minimum=0, maximum=size - 1, hint="a rank of the group"))
 
 
 def _device(group: ProcessGroup | None) -> torch.device:
@@ -85,9 +95,7 @@ def scatter_objects(objects: Sequence[Any] | None, src: int = 0, group: ProcessG
     size = dist.get_world_size(group)
     inputs = None
     if dist.get_rank(group) == src:
-        if objects is None or len(objects) != size:
-            count = "None" if objects is None else f"{len(objects)} objects"
-            raise ValueError(f"objects on src={src} must hold one object per rank ({size}), got {count}")
+        objects = _one_per_rank("objects", objects, src, size)
         inputs = list(objects)
     output: list[Any] = [None]
     dist.scatter_object_list(output, inputs, group=group, group_src=src)
@@ -118,9 +126,7 @@ def scatter_tensor(
     size = dist.get_world_size(group)
     scatter_list = None
     if dist.get_rank(group) == src:
-        if chunks is None or len(chunks) != size:
-            count = "None" if chunks is None else f"{len(chunks)} tensors"
-            raise ValueError(f"chunks on src={src} must hold one tensor per rank ({size}), got {count}")
+        chunks = _one_per_rank("chunks", chunks, src, size)
         for index, chunk in enumerate(chunks):
             if chunk.shape != out.shape or chunk.dtype != out.dtype:
                 raise ValueError(

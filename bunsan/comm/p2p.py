@@ -30,6 +30,7 @@ bytes adds ``M`` sent, a receive ``M`` received.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from bunsan._validate import check_number
 from bunsan.comm.collectives import Traffic, is_initialized
 from bunsan.errors import CommunicationError
 
@@ -95,8 +97,7 @@ def new_pair_groups(root: int, members: list[int], *, timeout_s: float) -> dict[
     """
     if not is_initialized():
         return {}
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    check_number("timeout_s", timeout_s, minimum=0.0, min_inclusive=False)
     me = dist.get_rank()
     timeout = timedelta(seconds=timeout_s)
     groups: dict[int, ProcessGroup] = {}
@@ -106,7 +107,7 @@ def new_pair_groups(root: int, members: list[int], *, timeout_s: float) -> dict[
         group = _call(
             "creating the server channel with",
             w,
-            lambda w=w: dist.new_group(ranks=sorted((root, w)), timeout=timeout, backend="gloo"),
+            functools.partial(dist.new_group, ranks=sorted((root, w)), timeout=timeout, backend="gloo"),
         )
         if me in (root, w):
             groups[w] = group

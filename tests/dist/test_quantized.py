@@ -41,7 +41,13 @@ def _body_error_feedback_identity(rank, world_size, bits, steps, rotate=False):
     names = [n for n, _ in model.named_parameters()]
     own = [residuals["residual"][n].clone() for n in names]
     owner = [residuals["owner_residual"][n].clone() for n in names]
-    return [a.tolist() for a in applied], [t.tolist() for t in true], [o.tolist() for o in own], [o.tolist() for o in owner], [p.grad.tolist() for p in params]
+    return (
+        [a.tolist() for a in applied],
+        [t.tolist() for t in true],
+        [o.tolist() for o in own],
+        [o.tolist() for o in owner],
+        [p.grad.tolist() for p in params],
+    )
 
 
 @pytest.mark.parametrize(("bits", "rotate"), [(1, False), (2, False), (4, False), (8, False), (1, True), (2, True)])
@@ -178,12 +184,15 @@ def _body_state_round_trip(rank, world_size, bits, warm_start=0, rotate=False):
     return same_residuals, max((a - b).abs().max().item() for a, b in zip(straight, resumed))
 
 
-@pytest.mark.parametrize(("bits", "warm_start", "rotate"), [(1, 0, False), (2, 0, False), (8, 0, False), (1, 16, False),
-                                                      (1, 32, False), (1, 0, True)])
+@pytest.mark.parametrize(
+    ("bits", "warm_start", "rotate"),
+    [(1, 0, False), (2, 0, False), (8, 0, False), (1, 16, False), (1, 32, False), (1, 0, True)],
+)
 def test_residuals_survive_state_dict_round_trip_bit_for_bit(workers, bits, warm_start, rotate):
     # 2 ranks x 4 samples = 8 per step: warm start 16 ends before the snapshot at step 3, 32 after it
-    for same_residuals, diff in workers.run(f"{__name__}:_body_state_round_trip", bits=bits, warm_start=warm_start,
-                                            rotate=rotate):
+    for same_residuals, diff in workers.run(
+        f"{__name__}:_body_state_round_trip", bits=bits, warm_start=warm_start, rotate=rotate
+    ):
         assert same_residuals
         assert diff == 0.0
 
@@ -196,6 +205,17 @@ def test_bad_bits_and_combinations():
         DataParallelSGD(bits=4, compression="fp16")
     with pytest.raises(ValueError, match="warm_start"):
         DataParallelSGD(bits=1, warm_start=-5)
+    # One rule (bunsan._validate): the wrong type is a TypeError, as in BlockMomentumSGD.
+    with pytest.raises(TypeError, match="warm_start must be an int >= 0"):
+        DataParallelSGD(bits=1, warm_start=1.5)
+    with pytest.raises(TypeError, match="bits must be an int"):
+        DataParallelSGD(bits=2.0)
+    with pytest.raises(ValueError, match="bucket_size_mb must be a number > 0"):
+        DataParallelSGD(bucket_size_mb=0)
+    with pytest.raises(ValueError, match="quantized_momentum must be one of 'auto'"):
+        DataParallelSGD(bits=1, quantized_momentum="high")
+    with pytest.raises(TypeError, match="quantized_momentum must be a number"):
+        DataParallelSGD(bits=1, quantized_momentum=True)
     with pytest.raises(ValueError, match="rotate=True applies to quantized"):
         DataParallelSGD(rotate=True)
     with pytest.raises(ValueError, match="power-of-two chunk_size"):
@@ -235,8 +255,11 @@ def _body_heavy_momentum_warning(rank, world_size, bits, momentum, rotate=False)
     model = nn.Linear(4, 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
-                          DataParallelSGD(bits=bits, rotate=rotate))
+        bunsan.distribute(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+            DataParallelSGD(bits=bits, rotate=rotate),
+        )
     return [str(w.message) for w in caught if "momentum" in str(w.message)]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bunsan.algorithms.async_sgd import ParameterServer, _Layout
+from bunsan.algorithms.async_sgd import ParameterServer
+from bunsan.algorithms.async_sgd.messages import MessageLayout
 
 
 def _server(kept: int) -> ParameterServer:
-    layout = _Layout([("w", torch.zeros(3))])
+    layout = MessageLayout([("w", torch.zeros(3))])
     return ParameterServer(
         layout, [0, 1], {}, staleness_bound=None, staleness_aware=False, timeout_s=5.0, arrivals_kept=kept
     )

@@ -53,3 +53,12 @@ def test_bad_arguments():
         auto.Auto(risk="none")
     with pytest.raises(TypeError, match="network"):
         auto.Auto(network="1gbit")
+    # One rule (bunsan._validate): a wrong type is a TypeError, a bad value of the right type a ValueError.
+    with pytest.raises(TypeError, match="measure_steps must be an int >= 2"):
+        auto.Auto(measure_steps=2.5)
+    with pytest.raises(TypeError, match="warm_start must be an int >= 0"):
+        auto.Auto(warm_start=1.5)
+    with pytest.raises(ValueError, match="warm_start must be an int >= 0"):
+        auto.Auto(warm_start=-1)
+    with pytest.raises(ValueError, match="min_gain must be a number >= 0"):
+        auto.Auto(min_gain=-0.1)

@@ -229,7 +229,7 @@ def test_check_setting_describes_the_columns():
         (AlgorithmSetting("sgd_of_dreams"), "unknown algorithm 'sgd_of_dreams'; choose one of"),
         (AlgorithmSetting("model_averaging", {"block_size": 64, "period": 2}), "has no option 'period'"),
         (AlgorithmSetting("model_averaging", {"block_size": 64, "group": 2}), "has no option 'group'"),
-        (AlgorithmSetting("block_momentum", {"block_size": 0}), "block_size must be > 0"),
+        (AlgorithmSetting("block_momentum", {"block_size": 0}), "block_size must be an int >= 1"),
         (AlgorithmSetting("data_parallel", {"bits": 0}), "bits"),
     ],
 )

@@ -1,0 +1,144 @@
+"""Local momentum: the momentum step taken per worker before compression (Zheng et al. 2019).
+
+With ``bits < 32`` and a ``torch.optim.SGD`` optimizer that has momentum or weight
+decay, each worker applies torch's momentum arithmetic to its own gradient, the
+result is quantized and averaged, and the optimizer applies it with momentum and
+weight decay set to zero for that step ("Communication-Efficient Distributed
+Blockwise Momentum SGD with Error-Feedback"). Without compression this is exactly
+momentum SGD; with it, error feedback corrects the transmitted momentum itself.
+With Adam, :mod:`bunsan.algorithms.onebit_adam` takes the step instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam
+
+__all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "LocalMomentum", "optimizer_warning"]
+
+# SGD momentum from which 1-bit training without rotation is warned about; measured in
+# docs/design-notes.md, "1 bit and heavy momentum".
+HEAVY_MOMENTUM_1BIT = 0.7
+# The SGD momentum the workers apply while exchanging 1-bit gradients, at most (the step
+# lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
+# extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
+QUANTIZED_MOMENTUM_1BIT = 0.5
+
+
+def optimizer_warning(optimizer: torch.optim.Optimizer, bits: int, *, rotate: bool) -> str | None:
+    """What to warn about quantized gradients (``bits < 32``) with ``optimizer`` (not Adam), or None.
+
+    An optimizer that is neither SGD (momentum taken per worker before compression) nor
+    Adam with local momentum folds the quantization error into its per-coordinate
+    statistics; 1 bit without rotation and SGD momentum >= :data:`HEAVY_MOMENTUM_1BIT`
+    was measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum").
+    """
+    name = type(optimizer).__name__
+    if not isinstance(optimizer, torch.optim.SGD):
+        why = (
+            "local_momentum=False: it"
+            if is_adam(optimizer)
+            else "it is neither torch.optim.SGD (momentum taken per worker before compression) nor Adam/AdamW "
+            "(frozen variance, 1-bit Adam), so it"
+        )
+        return (
+            f"DataParallelSGD(bits={bits}) with {name}, {why} gets the decoded average gradient, and an optimizer "
+            "with per-coordinate statistics (Adam, Adagrad, RMSprop, ...) folds the quantization error into them "
+            "and loses accuracy (Tang et al. 2021). Use bits=32 (or compression='bf16') for it"
+        )
+    if bits != 1 or rotate:
+        return None
+    heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
+    if heavy < HEAVY_MOMENTUM_1BIT:
+        return None
+    return (
+        f"DataParallelSGD(bits=1) with SGD momentum {heavy}: 1-bit error feedback delays part of every gradient "
+        f"by several steps, and momentum >= {HEAVY_MOMENTUM_1BIT} leaves too little damping for such delays "
+        '(measured in docs/design-notes.md, "1 bit and heavy momentum"). Use bits=2, or rotate=True (same '
+        "bytes, more CPU), or momentum <= 0.5 with lr scaled to keep lr / (1 - momentum)"
+    )
+
+
+class LocalMomentum(Algorithm):
+    """The local-momentum half of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a mixin of it)."""
+
+    # Set by DataParallelSGD.__init__, setup() and attach_optimizer().
+    quantizing: bool
+    local_momentum: bool
+    quantized_momentum: float | None
+    _adam: FrozenVarianceAdam | None
+    _momentum: dict[str, Tensor]
+    _name_of: dict[Tensor, str]
+    _group_of: dict[Tensor, dict[str, Any]]
+    _held: list[tuple[dict[str, Any], dict[str, Any]]]
+
+    def _momentum_group(self, p: Tensor) -> dict[str, Any] | None:
+        """The SGD param group whose momentum this worker applies before compression, if any."""
+        if not (self.quantizing and self.local_momentum):
+            return None
+        if self.optimizer is None or (self._adam is None and not isinstance(self.optimizer, torch.optim.SGD)):
+            return None
+        if not self._group_of:
+            self._group_of = {q: g for g in self.optimizer.param_groups for q in g["params"]}
+        group = self._group_of.get(p)
+        if group is None or (self._adam is None and group["momentum"] == 0 and group["weight_decay"] == 0):
+            return None
+        return group
+
+    def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
+        """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
+        if self._adam is not None:
+            return self._adam.momentum_step(
+                self._momentum, self._name_of[p], p, grad, group, cap=self.quantized_momentum
+            )
+        d = -grad if group.get("maximize") else grad
+        if group["weight_decay"]:
+            d = d.add(p.detach(), alpha=group["weight_decay"])
+        beta = group["momentum"]
+        if beta == 0:
+            return d
+        # While quantizing, the workers' momentum may be lower than the optimizer's (see
+        # quantized_momentum), with the gradient scaled by keep = (1 - applied) / (1 - beta)
+        # so that the steady step lr / (1 - beta) is the same. keep = 1 when they agree.
+        applied = beta if self.quantized_momentum is None else min(beta, self.quantized_momentum)
+        keep = (1 - applied) / (1 - beta)
+        name = self._name_of[p]
+        buf = self._momentum.get(name)
+        if buf is None:
+            # At the switch from exact averaging the optimizer's buffer is the global
+            # momentum, equal on every rank: continue from it, so the mean of the
+            # workers' buffers follows the same recursion. Else start as torch does.
+            state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
+            held = state.get("momentum_buffer")
+            if held is not None:
+                buf = held.detach().clone().mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
+            else:
+                buf = d.detach().clone().mul_(keep)
+            self._momentum[name] = buf
+        else:
+            buf.mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
+        return d.mul(keep).add_(buf, alpha=applied) if group["nesterov"] else buf
+
+    def _hold_momentum(self) -> None:
+        """For this (quantized) step the optimizer must not apply momentum or weight decay again."""
+        if self._adam is not None:
+            self._adam.hide(self.params)  # the frozen-variance update runs in after_step instead
+            return
+        if not self.local_momentum or not isinstance(self.optimizer, torch.optim.SGD):
+            return
+        for group in self.optimizer.param_groups:
+            if group["momentum"] or group["weight_decay"]:
+                saved = {k: group[k] for k in ("momentum", "weight_decay", "nesterov", "dampening")}
+                self._held.append((group, saved))
+                group.update(momentum=0.0, weight_decay=0.0, nesterov=False, dampening=0.0)
+
+    def _release_momentum(self) -> None:
+        """After the optimizer's step: give the param groups their momentum and weight decay back."""
+        for group, saved in self._held:
+            group.update(saved)
+        self._held = []

@@ -1,0 +1,195 @@
+"""The quantized exchange by stripes, with error feedback (Seide et al. 2014; Strom 2015).
+
+Three phases per bucket (:class:`bunsan.algorithms.data_parallel.DataParallelSGD`):
+each rank quantizes stripe ``j`` of its gradient with its residual and sends it to rank
+``j`` (all-to-all); the owner decodes and sums its stripe in rank order, divides by the
+active ranks and re-quantizes the mean with an owner's residual of its own; the owners'
+stripes are all-gathered and decoded on every rank, so every replica applies the same
+gradient. Residuals are kept by parameter name, so they survive bucket rebuilds and go
+into checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.data_parallel.buckets import Bucket
+from bunsan.algorithms.data_parallel.stripes import Stripes
+from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
+from bunsan.compression import Quantizer
+from bunsan.compression.rotation import RotatedQuantizer
+
+__all__ = ["QuantizedExchange"]
+
+
+class QuantizedExchange(Algorithm):
+    """The quantized half of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a mixin of it)."""
+
+    # Set by DataParallelSGD.__init__ and setup().
+    error_feedback: bool
+    _quantizer: Quantizer | RotatedQuantizer | None
+    _buckets: list[Bucket]
+    _stripes: dict[int, Stripes]
+    _round: tuple[int, float] | None
+    _loaded_residuals: dict[str, dict[str, Tensor]] | None
+    _merge_owner_residuals: bool
+    _encode_s: float
+    _decode_s: float
+    _exact_bytes: int
+
+    def _launch_stripes(self, bucket: Bucket) -> None:
+        """Phase 1: quantize every stripe (with this rank's residual) and send it to its owner."""
+        assert self._quantizer is not None
+        quantizer, q = self._quantizer, self._stripes[bucket.index]
+        active = self._round is None or self._round[1] > 0
+        values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
+        start = time.perf_counter()
+        for j, stripe in enumerate(q.segments):
+            base = j * q.payload
+            for lo, length, at in stripe:
+                out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
+                if active and self.error_feedback:
+                    quantizer.encode_with_feedback(values[lo : lo + length], q.residual[lo : lo + length], out=out)
+                else:  # a joined rank sends zeros and keeps its residual for nobody
+                    quantizer.encode(values[lo : lo + length], out=out)
+        self._encode_s += time.perf_counter() - start
+        q.work = all_to_all(q.received, q.send, group=self.group, traffic=self.traffic, async_op=True)
+        bucket.work = q.work
+
+    def _finish_stripes(self, n_active: int) -> None:
+        """Phases 2 and 3: owners sum, re-quantize and share their stripes; all decode."""
+        assert self._quantizer is not None
+        quantizer, n, me = self._quantizer, self.world_size, get_rank(self.group)
+        for bucket in self._buckets:
+            wait(self._stripes[bucket.index].work, "quantized gradient exchange")
+        if n_active == 0:  # every rank has joined: the round carried nothing (same on every rank)
+            return
+        if self._merge_owner_residuals:
+            self._merge_loaded_owner_residuals()
+        if n == 2:
+            self._finish_two_ranks(n_active)
+            return
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            start = time.perf_counter()
+            position = 0
+            for lo, length, at in q.segments[me]:
+                summed = q.summed[position : position + length]
+                size = quantizer.payload_bytes(length)
+                # rank order: the same sum on whichever rank owns the stripe
+                quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
+                if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
+                    summed.mul_(n / n_active)
+                out = q.own_payload[at : at + quantizer.payload_bytes(length)]
+                if self.error_feedback:
+                    quantizer.encode_with_feedback(summed, q.owner_residual[lo : lo + length], out=out)
+                else:
+                    quantizer.encode(summed, out=out)
+                position += length
+            self._decode_s += time.perf_counter() - start
+            q.work = all_gather_into(q.gathered, q.own_payload, group=self.group, traffic=self.traffic, async_op=True)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            wait(q.work, "quantized gradient gather")
+            start = time.perf_counter()
+            decoded = bucket.buffer if bucket.buffer.dtype == torch.float32 else None
+            for j, stripe in enumerate(q.segments):
+                for lo, length, at in stripe:
+                    base = j * q.payload + at
+                    payload = q.gathered[base : base + quantizer.payload_bytes(length)]
+                    if decoded is not None:
+                        quantizer.decode(payload, length, out=decoded[lo : lo + length])
+                    else:
+                        bucket.buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
+            self._decode_s += time.perf_counter() - start
+            q.work = None
+            self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
+
+    def _finish_two_ranks(self, n_active: int) -> None:
+        """Phases 2 and 3 for 2 ranks: no second quantization, at the same bytes.
+
+        Each rank sends its own first-stage payload of the stripe it owns, instead of
+        the owner's re-quantized sum: with 2 ranks that is as many bytes (half a
+        payload each way in each phase), and every rank then holds both ranks'
+        payloads of both stripes and decodes their sum in rank order, so the replicas
+        agree bit for bit. What the owner's second quantization dropped (as much again
+        as the first, and the larger part of 1 bit's loss of accuracy with heavy
+        momentum: docs/design-notes.md) is not dropped at all; the owners' residuals
+        stay zero.
+        """
+        assert self._quantizer is not None
+        quantizer, me = self._quantizer, get_rank(self.group)
+        other = 1 - me
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            q.work = all_gather_into(
+                q.gathered,
+                q.send[me * q.payload : (me + 1) * q.payload],
+                group=self.group,
+                traffic=self.traffic,
+                async_op=True,
+            )
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            wait(q.work, "quantized gradient gather")
+            start = time.perf_counter()
+            for j, stripe in enumerate(q.segments):
+                # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
+                # (j == me, in received) or now (j == other, in gathered, which it owns).
+                theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
+                sources = {me: q.send[j * q.payload :], other: theirs}
+                direct = bucket.buffer.dtype == torch.float32
+                for lo, length, at in stripe:
+                    size = quantizer.payload_bytes(length)
+                    summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
+                    # rank order: the same sum on both ranks
+                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed)
+                    if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
+                        summed.mul_(2 / n_active)
+                    if not direct:
+                        bucket.buffer[lo : lo + length].copy_(summed)
+            self._decode_s += time.perf_counter() - start
+            q.work = None
+            self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
+
+    def _merge_loaded_owner_residuals(self) -> None:
+        """Collective: give each owner the whole of the loaded owner residuals of its stripe."""
+        me = get_rank(self.group)
+        for bucket in self._buckets:
+            q = self._stripes[bucket.index]
+            all_reduce(q.owner_residual, group=self.group, traffic=self.traffic)
+            merged = q.owner_residual.clone()
+            q.owner_residual.zero_()
+            for lo, length, _ in q.segments[me]:
+                q.owner_residual[lo : lo + length].copy_(merged[lo : lo + length])
+        self._merge_owner_residuals = False
+
+    def _residual_views(self, which: str) -> dict[str, Tensor]:
+        """Per-parameter views of a residual buffer: residuals are keyed by name."""
+        views: dict[str, Tensor] = {}
+        for bucket in self._buckets:
+            views.update(zip(bucket.names, bucket.views(getattr(self._stripes[bucket.index], which))))
+        return views
+
+    def residuals(self) -> dict[str, dict[str, Tensor]]:
+        """This rank's residuals by parameter name: ``{"residual": ..., "owner_residual": ...}``."""
+        if self._quantizer is None or not self._stripes:
+            return {"residual": {}, "owner_residual": {}}
+        return {which: self._residual_views(which) for which in ("residual", "owner_residual")}
+
+    def _apply_loaded_residuals(self) -> None:
+        assert self._loaded_residuals is not None
+        for which in ("residual", "owner_residual"):
+            saved = self._loaded_residuals.get(which, {})
+            for bucket in self._buckets:
+                # Lenient: a parameter saved with another shape (or not at all) starts from a zero residual.
+                bucket.load_named(getattr(self._stripes[bucket.index], which), saved, which, strict=False)
+        # The owners' residuals were saved by stripe owners; if the buckets changed since,
+        # stripe ownership did too. They are summed over the ranks (each entry is nonzero
+        # on one rank only, so the sum is exact) at the next quantized exchange.
+        self._merge_owner_residuals = True
+        self._loaded_residuals = None

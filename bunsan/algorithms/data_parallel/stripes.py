@@ -1,0 +1,121 @@
+"""The buffers of the quantized exchange by stripes: a pure plan of which rank owns which chunks.
+
+Rank ``r`` owns stripe ``r`` of every bucket (:func:`plan_stripes`); the exchange itself
+is in :mod:`bunsan.algorithms.data_parallel.quantized`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bunsan.algorithms.data_parallel.buckets import Bucket
+from bunsan.compression import Quantizer
+from bunsan.compression.rotation import RotatedQuantizer
+
+__all__ = ["Segment", "Stripes", "build_stripes", "plan_stripes"]
+
+Segment = tuple[int, int, int]  # (offset in the bucket, length, offset in the stripe's payload)
+
+
+def plan_stripes(numels: Sequence[int], chunk: int, world_size: int) -> list[list[tuple[int, int]]]:
+    """Cut a bucket of parameters into ``world_size`` stripes of whole quantization chunks.
+
+    Each parameter is cut into chunks of ``chunk`` elements, its last chunk shorter;
+    the chunks, in bucket order, are dealt out in contiguous runs, as evenly as the
+    chunk count allows. A stripe is a list of ``(offset, length)`` segments of the
+    flat bucket, each inside one parameter and ending on a chunk boundary or at the
+    parameter's end, so every segment can be encoded as a vector of its own and no
+    chunk mixes two parameters or contains padding. (A zero-padded chunk would be
+    wrong at 1 bit: the padding would dilute the non-negative mean, and positive
+    gradients of a small parameter would never be applied.)
+
+    Returns:
+        ``world_size`` lists of segments; a stripe may be empty when there are fewer
+        chunks than ranks.
+    """
+    chunks: list[tuple[int, int, int]] = []  # (parameter, offset in bucket, length)
+    offset = 0
+    for index, numel in enumerate(numels):
+        for lo in range(0, numel, chunk):
+            chunks.append((index, offset + lo, min(chunk, numel - lo)))
+        offset += numel
+    stripes: list[list[tuple[int, int]]] = []
+    for r in range(world_size):
+        mine = chunks[r * len(chunks) // world_size : (r + 1) * len(chunks) // world_size]
+        segments: list[tuple[int, int]] = []
+        last_param = -1
+        for param, lo, length in mine:
+            if segments and param == last_param and segments[-1][0] + segments[-1][1] == lo:
+                segments[-1] = (segments[-1][0], segments[-1][1] + length)
+            else:
+                segments.append((lo, length))
+            last_param = param
+        stripes.append(segments)
+    return stripes
+
+
+@dataclass
+class Stripes:
+    """Buffers of one bucket's quantized exchange, allocated once.
+
+    Rank ``r`` owns stripe ``r`` (see :func:`plan_stripes`). Every stripe's payload
+    is padded to the largest, ``payload`` bytes, so the exchange has equal slices.
+    """
+
+    segments: list[list[Segment]]  # per stripe: (offset in bucket, length, offset in payload)
+    payload: int  # bytes of one stripe's payload (the largest; the others are padded)
+    residual: Tensor  # float32, bucket-sized: what this rank's encoding dropped
+    owner_residual: Tensor  # float32, bucket-sized: nonzero only in the owned stripe
+    send: Tensor  # uint8 [world_size x payload]
+    received: Tensor  # uint8 [world_size x payload]
+    summed: Tensor  # float32 [largest stripe]
+    scratch: Tensor  # float32 [largest stripe]
+    own_payload: Tensor  # uint8 [payload]
+    gathered: Tensor  # uint8 [world_size x payload]
+    work: Any = None
+
+
+def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world_size: int) -> Stripes:
+    """Allocate ``bucket``'s exchange buffers once, for ``world_size`` ranks."""
+    if bucket.buffer.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(
+            f"bits={quantizer.bits} quantizes floating-point gradients only; {bucket.names[0]} is {bucket.buffer.dtype}"
+        )
+    n, device = world_size, bucket.buffer.device
+    plan = plan_stripes([p.numel() for p in bucket.params], quantizer.chunk_size, n)
+    segments: list[list[Segment]] = []
+    for stripe in plan:
+        position, placed = 0, []
+        for lo, length in stripe:
+            placed.append((lo, length, position))
+            position += quantizer.payload_bytes(length)
+        segments.append(placed)
+    payload = max(
+        max((pos + quantizer.payload_bytes(length) for _, length, pos in stripe), default=0) for stripe in segments
+    )
+    longest = max((sum(length for _, length, _ in stripe) for stripe in segments), default=0)
+    numel = bucket.buffer.numel()
+
+    def floats(k: int) -> Tensor:
+        return torch.zeros(k, dtype=torch.float32, device=device)
+
+    def octets(k: int) -> Tensor:
+        return torch.zeros(k, dtype=torch.uint8, device=device)
+
+    return Stripes(
+        segments,
+        payload,
+        floats(numel),
+        floats(numel),
+        octets(n * payload),
+        octets(n * payload),
+        floats(longest),
+        floats(longest),
+        octets(payload),
+        octets(n * payload),
+    )
