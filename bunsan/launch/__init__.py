@@ -2,10 +2,15 @@
 
 Imports nothing of the training side (no torch): the launcher only starts and
 watches processes. Host parsing and slot assignment (:mod:`bunsan.launch.hosts`)
-and option parsing (:mod:`bunsan.launch.config`) are pure; starting and
-watching the workers of one machine is :mod:`bunsan.launch.local`; the ssh
-fan-out over several hosts is :mod:`bunsan.launch.ssh`, with one agent per
-host (:mod:`bunsan.launch.remote`); :mod:`bunsan.launch.cleanup` ends what is
+and option parsing (:mod:`bunsan.launch.config`) are pure; planning a job
+is :mod:`bunsan.launch.plan`; starting and watching the workers of one machine
+is :mod:`bunsan.launch.local` (its run loop), :mod:`bunsan.launch.proctree`
+(finding and signalling the job's processes, the janitor),
+:mod:`bunsan.launch.output` (tagged output) and :mod:`bunsan.launch.blame`
+(which rank failed first); the ssh
+fan-out over several hosts is :mod:`bunsan.launch.ssh` (what runs where:
+:mod:`bunsan.launch.ssh_plan`), with one agent per host
+(:mod:`bunsan.launch.remote`, speaking :mod:`bunsan.launch.protocol`); :mod:`bunsan.launch.cleanup` ends what is
 left of a job (``bunsan run --cleanup``) and :mod:`bunsan.launch.doctor`
 checks the hosts before a job (``bunsan doctor``).
 """
@@ -20,24 +25,11 @@ from bunsan.launch.local import (
     plan_workers,
     run_attempts,
     run_job,
-    run_workers,
     worker_command,
     worker_environment,
 )
-
-# bunsan.launch.ssh imports bunsan.launch.remote, the agent that runs as
-# `python -m bunsan.launch.remote`: imported here eagerly, runpy would warn on
-# every host that the module was imported before it ran. So lazily (PEP 562).
-_LAZY = {"HostPlan", "SshOptions", "plan_hosts", "run_hosts"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        from bunsan.launch import ssh
-
-        return getattr(ssh, name)
-    raise AttributeError(f"module 'bunsan.launch' has no attribute {name!r}")
-
+from bunsan.launch.ssh import run_hosts
+from bunsan.launch.ssh_plan import HostPlan, SshOptions, plan_hosts
 
 __all__ = [
     "Host",
@@ -59,7 +51,6 @@ __all__ = [
     "run_attempts",
     "run_hosts",
     "run_job",
-    "run_workers",
     "worker_command",
     "worker_environment",
 ]

@@ -321,7 +321,7 @@ def run_cleanup(
         python = remote_python or (record.remote_python if record else sys.executable)
         local_names = set(record.local_hosts) if record and job_hosts is None else set()
         results = cleanup_hosts(
-            names, jid, is_local=lambda h: h in local_names or is_local(h), ssh=options, remote_python=python
+            names, jid, is_local=lambda h, here=local_names: h in here or is_local(h), ssh=options, remote_python=python
         )
         print(format_cleanup(jid, results), file=stdout, flush=True)
         unreachable = [r.host for r in results if r.error is not None]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from bunsan.launch.hosts import parse_hosts
+from bunsan.launch.options import RUN_OPTIONS, SSH_OPTIONS, Option, add_run_arguments, add_ssh_arguments
 from bunsan.launch.quoting import quoted
 
 __all__ = [
@@ -42,9 +43,6 @@ HOST_KEY_CHECKING = ("yes", "accept-new", "no")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SSH_OPTION_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*=.*$")
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 class UsageError(ValueError):
@@ -145,8 +143,7 @@ class LaunchConfig:
             )
         if self.cleanup:
             return  # --cleanup needs no command; the host options are checked as usual
-        if self.remote_cwd is not None and not os.path.isabs(self.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(self.remote_cwd)}")
+        _check_remote_cwd(self.remote_cwd)
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         for export in self.exports:
@@ -176,6 +173,11 @@ class LaunchConfig:
             )
 
 
+def _check_remote_cwd(remote_cwd: str | None) -> None:
+    if remote_cwd is not None and not os.path.isabs(remote_cwd):
+        raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(remote_cwd)}")
+
+
 def _check_ssh_fields(
     port: int | None, host_key_checking: str | None, options: Sequence[str], remote_python: str | None
 ) -> None:
@@ -195,141 +197,16 @@ def _check_ssh_fields(
         )
 
 
-def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {quoted(text)}") from None
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``bunsan run`` and its ``command`` to ``parser``.
-
-    Defaults are left as ``None`` so :func:`config_from_namespace` can tell
-    "not given" from "given", and fall back to the environment.
-    """
-    parser.add_argument(
-        "-np",
-        "-n",
-        "--np",
-        dest="nproc",
-        type=_whole_number,
-        metavar="N",
-        help="number of worker processes (env BUNSAN_NPROC; default: all slots of the hosts, or 1)",
-    )
-    parser.add_argument(
-        "-H",
-        "--hosts",
-        metavar="HOST:SLOTS,...",
-        help="hosts and their slots, e.g. node1:4,node2:4 (env BUNSAN_HOSTS; default: this machine)",
-    )
-    parser.add_argument(
-        "--hostfile",
-        metavar="PATH",
-        help="file of 'HOST slots=N' lines, '#' comments (env BUNSAN_HOSTFILE)",
-    )
-    parser.add_argument(
-        "--master-addr",
-        metavar="ADDR",
-        help="address of rank 0 for the rendezvous (env BUNSAN_MASTER_ADDR; default 127.0.0.1 on one machine)",
-    )
-    parser.add_argument(
-        "--master-port",
-        type=_whole_number,
-        metavar="PORT",
-        help="port of the rendezvous (env BUNSAN_MASTER_PORT; default: a free port)",
-    )
-    parser.add_argument(
-        "--tag-output",
-        action="store_true",
-        default=None,
-        help="prefix every line of worker output with [rank], or [host:rank] on several hosts (env BUNSAN_TAG_OUTPUT)",
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        default=None,
-        help="print the rank, local rank, host and command of every worker, start nothing",
-    )
-    parser.add_argument(
-        "-x",
-        dest="exports",
-        action="append",
-        metavar="VAR[=VALUE]",
-        help="pass VAR (from this environment, or with VALUE) to every worker; repeatable",
-    )
-    parser.add_argument(
-        "--env-file",
-        metavar="PATH",
-        help="file of VAR=value lines ('#' comments) set for every worker (env BUNSAN_ENV_FILE)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=_whole_number,
-        metavar="K",
-        help="after a worker fails, restart all workers on all hosts up to K times "
-        "(env BUNSAN_MAX_RESTARTS; default 0); workers see BUNSAN_RESTART=1, 2, ...",
-    )
-    parser.add_argument(
-        "--job-id",
-        metavar="ID",
-        help="the job's id (BUNSAN_JOB_ID; default: a fresh one); with --cleanup, the job to clean up",
-    )
-    parser.add_argument(
-        "--cleanup",
-        action="store_true",
-        default=None,
-        help="end what is left of job --job-id (or of every job whose launcher is gone) on its hosts, "
-        "found by BUNSAN_JOB_ID in /proc/*/environ; starts nothing",
-    )
-    parser.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        default=None,
-        help="start more workers than a host has CPU cores without a warning, and more than "
-        "8 per core at all (refused otherwise) (env BUNSAN_OVERSUBSCRIBE)",
-    )
-    add_ssh_arguments(parser)
-    parser.add_argument(
-        "command",
-        nargs=argparse.REMAINDER,
-        metavar="[--] COMMAND ...",
-        help="script.py (run with this Python) or an executable, then its arguments",
-    )
-
-
-def add_ssh_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options that say how to reach remote hosts (``bunsan run`` and ``bunsan doctor``)."""
-    group = parser.add_argument_group("remote hosts (ssh)")
-    group.add_argument(
-        "--ssh-port",
-        type=_whole_number,
-        metavar="PORT",
-        help="ssh port of every remote host (env BUNSAN_SSH_PORT; default: ssh's own)",
-    )
-    group.add_argument("--ssh-identity", metavar="KEYFILE", help="ssh private key, ssh -i (env BUNSAN_SSH_IDENTITY)")
-    group.add_argument(
-        "--ssh-host-key-checking",
-        metavar="yes|accept-new|no",
-        help="StrictHostKeyChecking; 'no' also skips known_hosts (env BUNSAN_SSH_HOST_KEY_CHECKING)",
-    )
-    group.add_argument(
-        "--ssh-option",
-        dest="ssh_options",
-        action="append",
-        metavar="KEY=VALUE",
-        help="another ssh -o option; repeatable",
-    )
-    group.add_argument(
-        "--remote-python",
-        metavar="PATH",
-        help="Python on the remote hosts (env BUNSAN_REMOTE_PYTHON; default: this Python's path)",
-    )
-    group.add_argument(
-        "--remote-cwd",
-        metavar="DIR",
-        help="working directory on the remote hosts (env BUNSAN_REMOTE_CWD; default: the current one)",
-    )
+def _values(options: Sequence[Option], args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The given or ``BUNSAN_*`` values of ``options`` that are set; repeatable ones as tuples, switches as bools."""
+    values: dict[str, Any] = {}
+    for option in options:
+        value = getattr(args, option.name, None)
+        if value is None and option.env and option.parse is not None:
+            value = _from_environ(environ, option.env_name, option.parse, option.expected)
+        if value is not None:
+            values[option.name] = tuple(value) if option.action == "append" else value
+    return values
 
 
 @dataclass(frozen=True)
@@ -352,26 +229,12 @@ def remote_settings(
     Raises:
         UsageError: A value is invalid.
     """
-    environ = os.environ if environ is None else environ
-
-    def pick(name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
-        value = getattr(args, name, None)
-        return value if value is not None else _from_environ(environ, f"BUNSAN_{name.upper()}", convert, expected)
-
     try:
-        settings = RemoteSettings(
-            pick("ssh_port", int, "a port number"),
-            pick("ssh_identity", str, "a path"),
-            pick("ssh_host_key_checking", str, "yes, accept-new or no"),
-            tuple(getattr(args, "ssh_options", None) or ()),
-            pick("remote_python", str, "a path"),
-            pick("remote_cwd", str, "a path"),
-        )
+        settings = RemoteSettings(**_values(SSH_OPTIONS, args, os.environ if environ is None else environ))
         _check_ssh_fields(
             settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options, settings.remote_python
         )
-        if settings.remote_cwd is not None and not os.path.isabs(settings.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(settings.remote_cwd)}")
+        _check_remote_cwd(settings.remote_cwd)
     except UsageError as err:
         raise UsageError(str(err), prog=prog) from None
     return settings
@@ -436,22 +299,11 @@ def _from_environ(environ: Mapping[str, str], name: str, convert: Callable[[str]
         ) from None
 
 
-def _boolean(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ValueError(text)
-
-
 def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Build the config from parsed arguments, filling gaps from ``BUNSAN_*`` variables.
 
-    Field ``x_y`` falls back to ``BUNSAN_X_Y`` (``nproc`` to ``BUNSAN_NPROC``).
-    ``--dry-run`` and ``--cleanup`` have no environment fallback: a stray
-    variable must never turn a launch into a no-op. Neither have ``-x``,
-    ``--ssh-option`` and ``--job-id`` (every worker carries ``BUNSAN_JOB_ID``).
+    Field ``x_y`` falls back to ``BUNSAN_X_Y`` (``nproc`` to ``BUNSAN_NPROC``),
+    except the options declared without one (see :class:`bunsan.launch.options.Option`).
 
     Args:
         args: The namespace of a parser set up by :func:`add_run_arguments`.
@@ -462,37 +314,10 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
         UsageError: An option or environment variable is invalid.
     """
     environ = os.environ if environ is None else environ
-
-    def pick(name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
-        value = getattr(args, name)
-        return value if value is not None else _from_environ(environ, f"BUNSAN_{name.upper()}", convert, expected)
-
     command = list(args.command)
     if command and command[0] == "--":  # `bunsan run -np 2 -- train.py`
         command = command[1:]
-    max_restarts = pick("max_restarts", int, "a whole number")
-    return LaunchConfig(
-        command=tuple(command),
-        nproc=pick("nproc", int, "a whole number"),
-        hosts=pick("hosts", str, "a host list"),
-        hostfile=pick("hostfile", str, "a path"),
-        master_addr=pick("master_addr", str, "an address"),
-        master_port=pick("master_port", int, "a port number"),
-        tag_output=bool(pick("tag_output", _boolean, "a boolean (1/0, true/false)")),
-        dry_run=bool(args.dry_run),
-        exports=tuple(args.exports or ()),
-        env_file=pick("env_file", str, "a path"),
-        ssh_port=pick("ssh_port", int, "a port number"),
-        ssh_identity=pick("ssh_identity", str, "a path"),
-        ssh_host_key_checking=pick("ssh_host_key_checking", str, "yes, accept-new or no"),
-        ssh_options=tuple(args.ssh_options or ()),
-        remote_python=pick("remote_python", str, "a path"),
-        remote_cwd=pick("remote_cwd", str, "a path"),
-        max_restarts=0 if max_restarts is None else max_restarts,
-        job_id=args.job_id,  # no BUNSAN_JOB_ID fallback: workers carry it, and a nested launch is another job
-        cleanup=bool(args.cleanup),  # no environment fallback, as --dry-run
-        oversubscribe=bool(pick("oversubscribe", _boolean, "a boolean (1/0, true/false)")),
-    )
+    return LaunchConfig(command=tuple(command), **_values((*RUN_OPTIONS, *SSH_OPTIONS), args, environ))
 
 
 def parse_run_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:

@@ -321,7 +321,7 @@ def _run_allreduce(
         return
     results: dict[int, dict[str, Any]] = {}
     for line in result.stdout.splitlines():
-        tag, _, payload = line.partition(" ")
+        _tag, _, payload = line.partition(" ")
         with contextlib.suppress(ValueError):
             answer = json.loads(payload)
             results[int(answer["rank"])] = answer
@@ -341,14 +341,14 @@ def _run_allreduce(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bunsan doctor``."""
-    from bunsan.launch.config import _whole_number, add_ssh_arguments
+    from bunsan.launch.options import add_ssh_arguments, whole_number
 
     parser.add_argument("-H", "--hosts", metavar="HOST[:SLOTS],...", help="hosts to check, e.g. node1,node2")
     parser.add_argument("--hostfile", metavar="PATH", help="file of 'HOST slots=N' lines to check")
     parser.add_argument("--data", metavar="PATH", help="a file or directory that must be equal on every host")
     parser.add_argument(
         "--port",
-        type=_whole_number,
+        type=whole_number,
         default=DEFAULT_PORT,
         metavar="PORT",
         help=f"rendezvous port that must be free on every host (default {DEFAULT_PORT}; 0 skips)",
