@@ -26,7 +26,7 @@ import builtins
 import functools
 import logging
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from bunsan import comm
 from bunsan.errors import ConfigurationError
@@ -78,7 +78,7 @@ def rank_zero_only(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if this_rank() == 0 else None
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)  # same parameters (functools.wraps); the result is None off rank 0, as documented
 
 
 class RankFilter(logging.Filter):

@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from bunsan.launch import local
 from bunsan.launch.quoting import quoted
-from bunsan.launch.ssh import SshOptions, remote_command, ssh_command
+from bunsan.launch.ssh_plan import SshOptions, remote_command, ssh_command
 
 __all__ = [
     "RECORD_TTL_S",
@@ -244,17 +244,17 @@ def cleanup_hosts(
             results[host] = HostCleanup(host, pids if i == 0 else ())
     for host, process in running.items():
         try:
-            out, err = process.communicate(timeout=CLEANUP_TIMEOUT_S)
+            out, errors = process.communicate(timeout=CLEANUP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
-            out, err = process.communicate()
+            process.communicate()
             results[host] = HostCleanup(host, error=f"no answer within {CLEANUP_TIMEOUT_S:.0f} s")
             continue
         try:
             answer = json.loads(out.strip().splitlines()[-1])
             results[host] = HostCleanup(host, tuple(answer["pids"]))
         except (ValueError, IndexError, KeyError):
-            reason = (err.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
+            reason = (errors.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
             results[host] = HostCleanup(host, error=reason)
     return [results[h] for h in hosts]
 

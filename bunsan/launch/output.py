@@ -51,7 +51,7 @@ class OutputPump:
         for pipe, stream in ((process.stdout, 1), (process.stderr, 2)):
             if pipe is not None:
                 os.set_blocking(pipe.fileno(), False)
-                self._selector.register(pipe, selectors.EVENT_READ, (rank, stream))
+                self._selector.register(pipe, selectors.EVENT_READ, (rank, stream, pipe))
                 self._partial[pipe.fileno()] = b""
 
     @property
@@ -64,7 +64,7 @@ class OutputPump:
             time.sleep(timeout_s)
             return
         for key, _ in self._selector.select(timeout_s):
-            rank, stream = key.data
+            rank, stream, pipe = key.data
             fd = key.fd
             try:
                 chunk = os.read(fd, 1 << 16)
@@ -72,8 +72,8 @@ class OutputPump:
                 continue
             data = self._partial[fd] + chunk
             if not chunk:  # end of file: flush the last, unterminated line
-                self._selector.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
+                self._selector.unregister(pipe)
+                pipe.close()
                 del self._partial[fd]
                 self._write(rank, stream, data.splitlines(keepends=True))
                 continue
@@ -93,10 +93,10 @@ class OutputPump:
 
     def close(self) -> None:
         for key in list(self._selector.get_map().values()):
-            rank, stream = key.data
+            rank, stream, pipe = key.data
             self._write(rank, stream, [self._partial.pop(key.fd, b"")])
-            self._selector.unregister(key.fileobj)
-            key.fileobj.close()  # type: ignore[union-attr]
+            self._selector.unregister(pipe)
+            pipe.close()
         self._selector.close()
 
     def _write(self, rank: int, stream: int, lines: list[bytes]) -> None:

@@ -56,7 +56,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bunsan.launch.config import HOST_KEY_CHECKING
 from bunsan.launch.output import read_available
 from bunsan.launch.plan import HOST_JOB_VARIABLE, JOB_ID_VARIABLE, JobOutcome, exit_code_of
 from bunsan.launch.proctree import GRACE_S, POLL_S, Signals, die_with_launcher_hook, start_janitor, stop_janitor
@@ -66,22 +65,10 @@ from bunsan.launch.ssh_plan import (
     SshOptions,
     agent_command,
     master_address,
-    plan_hosts,
-    remote_command,
     ssh_command,
 )
 
-__all__ = [
-    "HOST_KEY_CHECKING",
-    "HostPlan",
-    "SshOptions",
-    "agent_command",
-    "master_address",
-    "plan_hosts",
-    "remote_command",
-    "run_hosts",
-    "ssh_command",
-]
+__all__ = ["run_hosts"]
 
 START_TIMEOUT_S = 60.0  # every agent must be ready within this (ssh ConnectTimeout is less)
 PING_S = 1.0
@@ -469,10 +456,13 @@ def _watch(
         fanout.pump(POLL_S)
         fanout.check_exits()
         now = time.monotonic()
-        if not started and len(agents) == len(plans) and all(a.ready is not None for a in agents):
-            connections = {a.host: str(a.ready.get("ssh_connection", "")) for a in agents if not a.plan.local}
+        ready = [a.ready for a in agents if a.ready is not None]
+        if not started and len(agents) == len(plans) and len(ready) == len(agents):
+            connections = {
+                a.host: str(r.get("ssh_connection", "")) for a, r in zip(agents, ready, strict=True) if not a.plan.local
+            }
             addr = master_addr or master_address(plans[0].host, plans[0].local, connections)
-            port = int(agents[0].ready["port"])  # type: ignore[index]
+            port = int(ready[0]["port"])
             for agent in agents:
                 agent.send({"op": "start", "master_addr": addr, "master_port": port})
                 agent.started = True

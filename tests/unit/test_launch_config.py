@@ -11,17 +11,17 @@ import pytest
 from bunsan.launch.cleanup import JobRecord, check_job_id, jobs_dir, list_job_records, write_job_record
 from bunsan.launch.config import LaunchConfig, UsageError, parse_env_file, parse_run_args, resolve_exports
 from bunsan.launch.hosts import Host, assign_slots
-from bunsan.launch.local import (
+from bunsan.launch.local import run_attempts
+from bunsan.launch.plan import (
     JobOutcome,
     exit_code_of,
     first_failure,
     format_plan,
-    is_job_environ,
     plan_workers,
-    run_attempts,
     worker_command,
     worker_environment,
 )
+from bunsan.launch.proctree import is_job_environ
 
 # ---------------------------------------------------------------------------
 # Parsing

@@ -16,7 +16,7 @@ from bunsan.launch.hosts import (
     read_hostfile,
 )
 from bunsan.launch.remote import AgentInit, Frame, FrameDecoder, encode_frame
-from bunsan.launch.ssh import SshOptions, agent_command, master_address, plan_hosts, remote_command, ssh_command
+from bunsan.launch.ssh_plan import SshOptions, agent_command, master_address, plan_hosts, remote_command, ssh_command
 
 # ---------------------------------------------------------------------------
 # -H / --hosts
