@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bunsan import comm
+from bunsan._validate import check_choice, check_number
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
 from bunsan.environment import (
@@ -120,8 +121,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
 
     info = detect_environment()
     backend = backend or os.environ.get("BUNSAN_BACKEND") or ("nccl" if _group.cuda_available() else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    check_choice("backend", backend, ("gloo", "nccl"), hint="gloo on CPU, nccl on CUDA")
     if backend == "nccl" and not _group.cuda_available():
         raise ConfigurationError("backend 'nccl' needs a CUDA device, and none is visible; use backend='gloo'")
     if timeout_s is None:
@@ -130,8 +130,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
             timeout_s = float(raw)
         except ValueError:
             raise ConfigurationError(f"BUNSAN_TIMEOUT={raw!r} is not a number of seconds") from None
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    timeout_s = check_number("timeout_s", timeout_s, minimum=0, min_inclusive=False, hint="seconds")
     if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
         try:
             stall_s = float(os.environ["BUNSAN_STALL_S"])

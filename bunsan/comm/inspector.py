@@ -54,6 +54,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from bunsan._validate import check_number
 from bunsan.comm.mismatch import (
     FINALIZE_JOIN,
     IN_FINALIZE,
@@ -130,8 +131,7 @@ _local = _Local()
 
 def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> None:
     """Reset the counters for a new world (called by :func:`bunsan.init`)."""
-    if stall_s is not None and not stall_s > 0:
-        raise ValueError(f"stall_s must be a positive number of seconds, got {stall_s!r}")
+    check_number("stall_s", stall_s, minimum=0, min_inclusive=False, hint="seconds", allow_none=True)
     _local.rank, _local.world_size = rank, world_size
     _local.stall_s = DEFAULT_STALL_S if stall_s is None else float(stall_s)
     _local.seqs = {}

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from bunsan._validate import check_int, check_number
 from bunsan.launch.blame import Attribution, FailureReport, attribute_failure
 from bunsan.launch.output import OutputPump, OutputSink
 from bunsan.launch.plan import (
@@ -311,8 +312,7 @@ def run_job(
         def log(message: str) -> None:
             _say(stderr, message)
 
-    if not 0 <= grace_s <= GRACE_S:
-        raise ValueError(f"grace_s must be in [0, {GRACE_S}], got {grace_s}; the whole job must end within 10 s")
+    check_number("grace_s", grace_s, minimum=0, maximum=GRACE_S, hint="the whole job must end within 10 s")
     pump = OutputPump(stdout, stderr, sink)
     job = _Job(job_id, variable)
     reports = _Reports()
@@ -400,8 +400,7 @@ def run_attempts(attempt: Callable[[int], JobOutcome], max_restarts: int, log: C
     signal to the launcher, or a worker that could not start end the job.
     Every restart is logged with its cause.
     """
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    check_int("max_restarts", max_restarts, minimum=0)
     restart = 0
     while True:
         outcome = attempt(restart)
