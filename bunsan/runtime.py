@@ -104,8 +104,8 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
 
     On CPU each worker of a job of several (or of any job ``bunsan run`` started)
     uses one intra-op thread unless ``OMP_NUM_THREADS`` is set: several workers on
-    one machine each using every core slowed a step 15x on a 2-core machine. A
-    lone process keeps torch's default.
+    one machine each using every core slow each other down (docs/design-notes.md,
+    "Launcher, runtime and CLI"). A lone process keeps torch's default.
     """
     if _state.info is not None:
         return _state.info

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from bunsan.comm import inspector as _inspector
 from bunsan.comm.rendezvous import bind_address, keep_gloo_on_loopback, share_secret, tcp_store
 from bunsan.launch import treewatch
+from bunsan.launch.plan import REPORT_FD_VARIABLE  # set by `bunsan run`: a pipe to the launcher
 
 __all__ = [
     "REPORT_FD_VARIABLE",
@@ -71,7 +72,6 @@ _ABORT_KEY = _inspector.ABORT_KEY  # defined there: the inspector ends the job b
 _PROGRESS_KEY = "progress/{rank}"
 _PEER_KEY = "peer/{rank}"  # "host pid start-time" of each rank
 _BEAT_KEY = "beat/{rank}"  # a counter the watch advances every poll; "done" once it stopped
-REPORT_FD_VARIABLE = "BUNSAN_REPORT_FD"  # set by `bunsan run`: a pipe to the launcher
 TREE_VARIABLE = treewatch.TREE_VARIABLE  # marks every process this rank starts
 TREE_GRACE_S = 1.0  # SIGTERM to this rank's children, then SIGKILL
 
@@ -177,9 +177,8 @@ def _bind_torch_defaults_before_the_group_exists() -> None:
     process, so ``destroy_process_group()`` cannot free it: Gloo's threads outlive the
     job and, when one of them releases a finished collective while the interpreter is
     shutting down, it needs the GIL, is ended by Python, and the process dies in
-    ``std::terminate`` (SIGABRT, exit 134) after its work is done. Measured with
-    torch 2.13: 2 of 12 30-epoch benchmark jobs under load (core file: a ``pt_gloo_runloop`` thread in
-    ``~AsyncAllgatherWork`` -> ``gil_scoped_acquire`` -> ``pthread_exit``). Imported
+    ``std::terminate`` (SIGABRT, exit 134) after its work is done (seen with torch 2.13;
+    docs/design-notes.md, "Launcher, runtime and CLI", has the numbers). Imported
     first, the default is None and the group dies with ``destroy_process_group()``.
     """
     with contextlib.suppress(ImportError):
