@@ -302,7 +302,14 @@ def run_job(
         on_report: Called with each :class:`FailureReport` as it arrives
             (the per-host agent forwards them to the launcher).
 
+    Returns:
+        How the job ended; its ``code`` is 0 if every worker exited 0; else the
+        exit code of the worker that failed first (128 + N for a death by signal
+        N); 128 + N if the launcher got signal N (130 for SIGINT, 143 for
+        SIGTERM); 2 if a worker could not be started.
+
     Raises:
+        TypeError: ``grace_s`` is not a number.
         ValueError: ``grace_s`` is outside [0, 3].
     """
     stdout = sys.stdout if stdout is None else stdout
