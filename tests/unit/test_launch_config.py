@@ -91,7 +91,7 @@ def test_dry_run_has_no_environment_fallback():
     ],
 )
 def test_bad_environment_is_named(environ, message):
-    with pytest.raises(UsageError, match="fix or unset it|pass the number") as info:
+    with pytest.raises(UsageError, match=r"fix or unset it|pass the number") as info:
         parse_run_args(["t.py"], environ=environ)
     assert message in str(info.value)
 
@@ -172,9 +172,9 @@ def test_worker_command_runs_scripts_with_this_python(tmp_path):
     script.write_text("")
     assert worker_command([str(script), "--lr", "0.1"]) == [sys.executable, "-u", str(script), "--lr", "0.1"]
     assert worker_command(["sh", "-c", "true"]) == ["sh", "-c", "true"]
-    with pytest.raises(ValueError, match="script .*missing.py' does not exist"):
+    with pytest.raises(ValueError, match=r"script .*missing.py' does not exist"):
         worker_command([str(tmp_path / "missing.py")])
-    with pytest.raises(ValueError, match="'no-such-program-xyz' is neither a .py script nor an executable on PATH"):
+    with pytest.raises(ValueError, match=r"'no-such-program-xyz' is neither a .py script nor an executable on PATH"):
         worker_command(["no-such-program-xyz"])
 
 
@@ -289,7 +289,7 @@ def test_env_file_and_exports():
         "HOME": "/root",
         "E": "x=y",
     }
-    with pytest.raises(ValueError, match="^vars:2: cannot read 'oops'; expected VAR=value$"):
+    with pytest.raises(ValueError, match=r"^vars:2: cannot read 'oops'; expected VAR=value$"):
         parse_env_file("A=1\noops\n", "vars")
     with pytest.raises(UsageError, match="-x MISSING: MISSING is not set in this environment"):
         resolve_exports(["MISSING"], {})
