@@ -207,6 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     """``bunsan run``: plan the job, then print it (``--dry-run``), clean up (``--cleanup``) or run it."""
     from bunsan.launch import cleanup, local, ssh, ssh_plan
     from bunsan.launch import hosts as hostlib
+    from bunsan.launch import plan as jobs
     from bunsan.launch.config import parse_env_file, resolve_exports
 
     def fail(message: str) -> int:
@@ -254,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         if remote:
             plans = ssh_plan.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
         else:
-            argv = local.worker_command(config.command)
+            argv = jobs.worker_command(config.command)
         here = sum(1 for slot in slots if slot.host in local_names)  # remote hosts: their agent checks
         warning = (
             hostlib.check_oversubscription(
@@ -268,22 +269,22 @@ def _run(args: argparse.Namespace) -> int:
     if warning is not None and not config.dry_run:
         print(f"bunsan run: warning: {warning}", file=sys.stderr, flush=True)
 
-    job_id = config.job_id or local.new_job_id()
+    job_id = config.job_id or jobs.new_job_id()
     base_env = {**os.environ, **exports}
     if config.dry_run:
-        master_port = config.master_port or local.find_free_port()
+        master_port = config.master_port or jobs.find_free_port()
         master_addr = _master_addr(config, not remote, slots[0].host)
         if remote:
             by_host = {plan.host: plan.argv for plan in plans}
-            specs = [local.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {}) for slot in slots]
+            specs = [jobs.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {}) for slot in slots]
         else:
-            specs = local.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
+            specs = jobs.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
         how = "" if not remote else " (over ssh; the address and the port are checked when the job starts)"
         print(
             f"bunsan run: dry run of job {job_id}: {len(specs)} worker(s) on {len(used)} host(s), "
             f"MASTER_ADDR={master_addr} MASTER_PORT={master_port}{how}"
         )
-        print(local.format_plan(specs))
+        print(jobs.format_plan(specs))
         return 0
 
     ssh_options = _ssh_options(config)
@@ -298,7 +299,7 @@ def _run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"bunsan run: {message}", file=sys.stderr, flush=True)
 
-    def attempt(restart: int) -> local.JobOutcome:
+    def attempt(restart: int) -> jobs.JobOutcome:
         if remote:
             return ssh.run_hosts(
                 plans,
@@ -312,8 +313,8 @@ def _run(args: argparse.Namespace) -> int:
                 oversubscribe=config.oversubscribe,
             )
         # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
-        port = config.master_port or local.find_free_port()
-        specs = local.plan_workers(
+        port = config.master_port or jobs.find_free_port()
+        specs = jobs.plan_workers(
             slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id, restart
         )
         return local.run_job(specs, job_id, tag_output=config.tag_output)

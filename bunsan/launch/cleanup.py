@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from bunsan.launch import local
+from bunsan.launch import proctree
 from bunsan.launch.quoting import quoted
 from bunsan.launch.ssh_plan import SshOptions, remote_command, ssh_command
 
@@ -206,7 +206,7 @@ class HostCleanup:
 
 
 def _cleanup_here(job_id: str, grace_s: float) -> list[int]:
-    return local.sweep_job(job_id, grace_s)
+    return proctree.sweep_job(job_id, grace_s)
 
 
 def cleanup_hosts(
@@ -216,7 +216,7 @@ def cleanup_hosts(
     is_local: Any,
     ssh: SshOptions,
     remote_python: str,
-    grace_s: float = local.GRACE_S,
+    grace_s: float = proctree.GRACE_S,
 ) -> list[HostCleanup]:
     """End every process of job ``job_id`` on ``hosts``, in parallel; one result per host, in order."""
     check_job_id(job_id)
@@ -354,13 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """On one host: end the processes of ``--job-id`` and print ``{"host", "pids"}`` as JSON."""
     parser = argparse.ArgumentParser(prog="python -m bunsan.launch.cleanup")
     parser.add_argument("--job-id", required=True)
-    parser.add_argument("--grace", type=float, default=local.GRACE_S)
+    parser.add_argument("--grace", type=float, default=proctree.GRACE_S)
     args = parser.parse_args(argv)
     try:
         check_job_id(args.job_id)
     except ValueError as err:
         parser.error(str(err))
-    pids = _cleanup_here(args.job_id, min(max(args.grace, 0.0), local.GRACE_S))
+    pids = _cleanup_here(args.job_id, min(max(args.grace, 0.0), proctree.GRACE_S))
     print(json.dumps({"host": socket.gethostname(), "pids": pids}), flush=True)
     return 0
 

@@ -44,7 +44,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bunsan.launch import local
+from bunsan.launch import local, plan
 from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
 from bunsan.launch.output import read_available
 from bunsan.launch.protocol import HEARTBEAT_TIMEOUT_S, AgentInit, Frame, FrameDecoder, encode_frame
@@ -237,9 +237,9 @@ def _slots(init: AgentInit) -> list[Slot]:
 
 
 def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in environ.items() if k != local.HOST_JOB_VARIABLE}
+    env = {k: v for k, v in environ.items() if k != plan.HOST_JOB_VARIABLE}
     env.update(init.env)
-    env[local.HOST_JOB_VARIABLE] = init.host_job_id
+    env[plan.HOST_JOB_VARIABLE] = init.host_job_id
     if init.hosts > 1 and "GLOO_SOCKET_IFNAME" not in env:
         interface = interface_for(master_addr)
         if interface is not None:
@@ -320,7 +320,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         return None
 
     master_addr, master_port = str(message["master_addr"]), int(message["master_port"])
-    specs = local.plan_workers(
+    specs = plan.plan_workers(
         _slots(init),
         init.argv,
         _worker_base_env(init, master_addr, os.environ),
@@ -334,7 +334,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         init.host_job_id,
         tag_output=True,
         grace_s=init.grace_s,
-        variable=local.HOST_JOB_VARIABLE,
+        variable=plan.HOST_JOB_VARIABLE,
         sink=lambda rank, stream, data: outbox.send("o" if stream == 1 else "e", rank, data),
         interrupt=interrupt,
         log=outbox.message,

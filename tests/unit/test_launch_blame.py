@@ -14,7 +14,7 @@ import time
 import pytest
 
 from bunsan.comm import group, rendezvous
-from bunsan.launch import local, treewatch
+from bunsan.launch import plan, treewatch
 from bunsan.launch.blame import FailureReport, attribute_failure
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and pidfds: Linux only")
@@ -74,7 +74,7 @@ def test_report_lines_parse_and_junk_is_ignored():
     assert report == FailureReport(1, "stopped", 0, 1, "x" * 300, 5.0)
     for junk in (b"", b"{", b"[]", b'{"event": "raised"}', b"\xff\xfe"):
         assert FailureReport.from_line(junk) is None
-    assert local.REPORT_FD_VARIABLE == group.REPORT_FD_VARIABLE
+    assert plan.REPORT_FD_VARIABLE == group.REPORT_FD_VARIABLE
 
 
 # --------------------------------------------------------------------------- item 5: what the store binds
