@@ -16,7 +16,7 @@ none          a lone process: 0 / 1 / 0 / 1                                none 
 
 Under MPI, ``MASTER_ADDR`` is taken from the environment when set (``mpirun -x
 MASTER_ADDR=node1``); when all ranks share one host it is 127.0.0.1; otherwise, if
-mpi4py is installed, rank 0's host name is broadcast over MPI; else :func:`init`
+mpi4py is installed, rank 0's host name is broadcast over MPI; else :func:`bunsan.init`
 says what to set. Without ``MASTER_PORT`` the port is derived from the job id of
 the launcher (Slurm, OpenMPI), so that every rank computes the same one; else 29500.
 """

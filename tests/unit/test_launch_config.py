@@ -9,9 +9,17 @@ from pathlib import Path
 import pytest
 
 from bunsan.launch.cleanup import JobRecord, check_job_id, jobs_dir, list_job_records, write_job_record
-from bunsan.launch.config import LaunchConfig, UsageError, parse_env_file, parse_run_args, resolve_exports
+from bunsan.launch.config import (
+    ArgumentParser,
+    LaunchConfig,
+    UsageError,
+    parse_env_file,
+    parse_run_args,
+    resolve_exports,
+)
 from bunsan.launch.hosts import Host, assign_slots
 from bunsan.launch.local import run_attempts
+from bunsan.launch.options import RUN_OPTIONS, SSH_OPTIONS, add_run_arguments
 from bunsan.launch.plan import (
     JobOutcome,
     exit_code_of,
@@ -344,3 +352,40 @@ def test_job_records_and_job_ids(tmp_path):
     for bad in ("", "-x", "a/b", "a b", "x" * 65):
         with pytest.raises(ValueError, match="is not valid"):
             check_job_id(bad)
+
+
+# One declaration per option (bunsan.launch.options): the parser, the help and the
+# BUNSAN_* fallback all come from it.
+_ENV_SAMPLES = {
+    "nproc": "3",
+    "hosts": "a:2,b:2",
+    "hostfile": "hosts.txt",
+    "master_addr": "10.0.0.2",
+    "master_port": "29600",
+    "tag_output": "yes",
+    "env_file": "vars.env",
+    "max_restarts": "2",
+    "oversubscribe": "on",
+    "ssh_port": "2222",
+    "ssh_identity": "/keys/id",
+    "ssh_host_key_checking": "accept-new",
+    "remote_python": "/opt/venv/bin/python",
+    "remote_cwd": "/work",
+}
+
+
+@pytest.mark.parametrize("option", [o for o in (*RUN_OPTIONS, *SSH_OPTIONS) if o.env], ids=lambda o: o.name)
+def test_every_declared_fallback_is_read_and_named_in_the_help(option):
+    config = parse_run_args(["t.py"], environ={option.env_name: _ENV_SAMPLES[option.name]})
+    assert getattr(config, option.name) == option.parse(_ENV_SAMPLES[option.name])
+    assert getattr(parse_run_args(["t.py"], environ={}), option.name) != getattr(config, option.name)
+    parser = ArgumentParser(prog="bunsan run")
+    add_run_arguments(parser)
+    assert f"env {option.env_name}" in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("option", [o for o in (*RUN_OPTIONS, *SSH_OPTIONS) if not o.env], ids=lambda o: o.name)
+def test_options_declared_without_fallback_ignore_the_environment(option):
+    value = "/work" if option.name == "job_id" else "1"
+    config = parse_run_args(["t.py"], environ={option.env_name: value})
+    assert config == parse_run_args(["t.py"], environ={})
