@@ -58,8 +58,6 @@ __all__ = [
     "track_optimizer",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
-
 
 class _State:
     info: WorldInfo | None = None
@@ -120,24 +118,11 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
         return _state.info
 
     info = detect_environment()
-    backend = backend or os.environ.get("BUNSAN_BACKEND") or ("nccl" if _group.cuda_available() else "gloo")
+    backend, timeout_s, stall_s = _group.world_settings(backend, timeout_s, stall_s)
     check_choice("backend", backend, ("gloo", "nccl"), hint="gloo on CPU, nccl on CUDA")
     if backend == "nccl" and not _group.cuda_available():
         raise ConfigurationError("backend 'nccl' needs a CUDA device, and none is visible; use backend='gloo'")
-    if timeout_s is None:
-        raw = os.environ.get("BUNSAN_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ConfigurationError(f"BUNSAN_TIMEOUT={raw!r} is not a number of seconds") from None
     timeout_s = check_number("timeout_s", timeout_s, minimum=0, min_inclusive=False, hint="seconds")
-    if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
-        try:
-            stall_s = float(os.environ["BUNSAN_STALL_S"])
-        except ValueError:
-            raise ConfigurationError(
-                f"BUNSAN_STALL_S={os.environ['BUNSAN_STALL_S']!r} is not a number of seconds"
-            ) from None
     _inspector.configure(rank=info.rank, world_size=info.world_size, stall_s=stall_s)
 
     if backend == "nccl":

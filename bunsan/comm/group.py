@@ -31,7 +31,6 @@ names the rank that failed first, not the first process to exit.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import secrets
 import socket
@@ -45,10 +44,13 @@ import torch.distributed as dist
 
 from bunsan.comm import inspector as _inspector
 from bunsan.comm.rendezvous import bind_address, keep_gloo_on_loopback, share_secret, tcp_store
+from bunsan.errors import ConfigurationError
 from bunsan.launch import treewatch
+from bunsan.launch.blame import FailureReport
 from bunsan.launch.plan import REPORT_FD_VARIABLE  # set by `bunsan run`: a pipe to the launcher
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "REPORT_FD_VARIABLE",
     "TREE_VARIABLE",
     "Watchdog",
@@ -66,6 +68,7 @@ __all__ = [
     "note_collective",
     "report",
     "signal_abort",
+    "world_settings",
 ]
 
 _ABORT_KEY = _inspector.ABORT_KEY  # defined there: the inspector ends the job by it too
@@ -73,6 +76,7 @@ _PROGRESS_KEY = "progress/{rank}"
 _PEER_KEY = "peer/{rank}"  # "host pid start-time" of each rank
 _BEAT_KEY = "beat/{rank}"  # a counter the watch advances every poll; "done" once it stopped
 TREE_VARIABLE = treewatch.TREE_VARIABLE  # marks every process this rank starts
+DEFAULT_TIMEOUT_S = 300.0  # bunsan.init()'s collective timeout without BUNSAN_TIMEOUT
 TREE_GRACE_S = 1.0  # SIGTERM to this rank's children, then SIGKILL
 
 
@@ -101,6 +105,30 @@ def note_collective() -> int:
 
 def collectives_started() -> int:
     return _world.collectives
+
+
+def world_settings(
+    backend: str | None, timeout_s: float | None, stall_s: float | None
+) -> tuple[str, float, float | None]:
+    """:func:`bunsan.init`'s arguments, else ``BUNSAN_BACKEND``/``BUNSAN_TIMEOUT``/``BUNSAN_STALL_S``, else defaults.
+
+    The defaults: nccl when a CUDA device is visible, else gloo; :data:`DEFAULT_TIMEOUT_S`;
+    ``None`` for the inspector's own. Unchecked, but a variable that is not a number of
+    seconds raises :class:`~bunsan.errors.ConfigurationError`.
+    """
+
+    def seconds(name: str, raw: str) -> float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigurationError(f"{name}={raw!r} is not a number of seconds") from None
+
+    backend = backend or os.environ.get("BUNSAN_BACKEND") or ("nccl" if cuda_available() else "gloo")
+    if timeout_s is None:
+        timeout_s = seconds("BUNSAN_TIMEOUT", os.environ.get("BUNSAN_TIMEOUT", str(DEFAULT_TIMEOUT_S)))
+    if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
+        stall_s = seconds("BUNSAN_STALL_S", os.environ["BUNSAN_STALL_S"])
+    return backend, timeout_s, stall_s
 
 
 def create_world(
@@ -171,15 +199,11 @@ def create_world(
 def _bind_torch_defaults_before_the_group_exists() -> None:
     """Import ``torch.distributed.nn`` now, while there is no default process group.
 
-    Its functions take ``group=group.WORLD`` as a default argument, evaluated once at
-    import. Imported after ``init_process_group`` (building any torch optimizer imports
-    it, through ``torch._dynamo``), that default holds the live group for the rest of the
-    process, so ``destroy_process_group()`` cannot free it: Gloo's threads outlive the
-    job and, when one of them releases a finished collective while the interpreter is
-    shutting down, it needs the GIL, is ended by Python, and the process dies in
-    ``std::terminate`` (SIGABRT, exit 134) after its work is done (seen with torch 2.13;
-    docs/design-notes.md, "Launcher, runtime and CLI", has the numbers). Imported
-    first, the default is None and the group dies with ``destroy_process_group()``.
+    Its functions bind ``group=group.WORLD`` as a default argument at import. Imported
+    after ``init_process_group`` (any torch optimizer imports it, through
+    ``torch._dynamo``), that default keeps the group alive past
+    ``destroy_process_group()``, and a Gloo thread can end the finished process in
+    ``std::terminate`` at shutdown (docs/design-notes.md, "Launcher, runtime and CLI").
     """
     with contextlib.suppress(ImportError):
         import torch.distributed.nn  # noqa: F401 - imported for its side effect, see the docstring
@@ -247,12 +271,7 @@ def report(event: str, *, peer: int | None = None, code: int = 1, what: str = ""
     """
     if _world.report_fd is None:
         return
-    line = (
-        json.dumps(
-            {"rank": _world.rank, "event": event, "peer": peer, "code": code, "what": what[:300], "time": time.time()}
-        ).encode()
-        + b"\n"
-    )
+    line = FailureReport(_world.rank, event, peer, code, what[:300], time.time()).to_line()
     with contextlib.suppress(OSError):
         os.write(_world.report_fd, line)  # one write below PIPE_BUF: never mixed with another rank's
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from bunsan.launch.plan import exit_code_of
 
@@ -40,6 +40,10 @@ class FailureReport:
     code: int = 1
     what: str = ""
     time: float = 0.0
+
+    def to_line(self) -> bytes:
+        """The report as the worker writes it: one JSON line (``bunsan.comm.group.report``)."""
+        return json.dumps(asdict(self)).encode() + b"\n"
 
     @classmethod
     def from_line(cls, line: bytes) -> FailureReport | None:
