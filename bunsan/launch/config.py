@@ -74,9 +74,55 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message, prog=self.prog)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemoteSettings:
+    """How to reach the remote hosts (``bunsan run`` and ``bunsan doctor``), with their ``BUNSAN_*`` fallbacks applied.
+
+    Keyword-only, so that :class:`LaunchConfig`, which adds the rest of ``bunsan
+    run``'s options to these, keeps ``command`` first.
+
+    Attributes:
+        ssh_port: ``ssh -p`` for every remote host; ``None`` leaves it to ssh.
+        ssh_identity: ``ssh -i`` key file; ``None`` leaves it to ssh.
+        ssh_host_key_checking: ``StrictHostKeyChecking`` (``yes``,
+            ``accept-new``, ``no``); ``None`` leaves it to ssh's config.
+        ssh_options: More ``ssh -o KEY=VALUE`` options.
+        remote_python: Interpreter on the remote hosts; ``None`` means the
+            launcher's own ``sys.executable`` (the same path everywhere).
+        remote_cwd: Working directory on the remote hosts; ``None`` means the
+            launcher's current directory.
+    """
+
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_host_key_checking: str | None = None
+    ssh_options: tuple[str, ...] = ()
+    remote_python: str | None = None
+    remote_cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise UsageError(f"--ssh-port must be in 1..65535, got {self.ssh_port}")
+        if self.ssh_host_key_checking is not None and self.ssh_host_key_checking not in HOST_KEY_CHECKING:
+            raise UsageError(
+                f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
+                f"got {quoted(self.ssh_host_key_checking)}"
+            )
+        for option in self.ssh_options:
+            if not _SSH_OPTION_RE.match(option):
+                raise UsageError(
+                    f"--ssh-option {quoted(option)} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3"
+                )
+        if self.remote_python is not None and not os.path.isabs(self.remote_python):
+            raise UsageError(
+                f"--remote-python must be an absolute path, got {quoted(self.remote_python)}; "
+                "e.g. --remote-python /opt/venv/bin/python"
+            )
+
+
 @dataclass(frozen=True)
-class LaunchConfig:
-    """Everything ``bunsan run`` needs to start a job.
+class LaunchConfig(RemoteSettings):
+    """Everything ``bunsan run`` needs to start a job: the ssh settings of :class:`RemoteSettings` and these.
 
     Attributes:
         command: The worker command: a ``.py`` script (run with the launcher's
@@ -94,15 +140,6 @@ class LaunchConfig:
         exports: ``-x`` values, ``"VAR"`` (take it from the launcher's
             environment) or ``"VAR=value"``, in order.
         env_file: ``--env-file``: a file of ``VAR=value`` lines for the workers.
-        ssh_port: ``ssh -p`` for every remote host; ``None`` leaves it to ssh.
-        ssh_identity: ``ssh -i`` key file; ``None`` leaves it to ssh.
-        ssh_host_key_checking: ``StrictHostKeyChecking`` (``yes``,
-            ``accept-new``, ``no``); ``None`` leaves it to ssh's config.
-        ssh_options: More ``ssh -o KEY=VALUE`` options.
-        remote_python: Interpreter on the remote hosts; ``None`` means the
-            launcher's own ``sys.executable`` (the same path everywhere).
-        remote_cwd: Working directory on the remote hosts; ``None`` means the
-            launcher's current directory.
         max_restarts: Restart the whole job (all hosts, same world size) up
             to this many times after a worker fails.
         job_id: The job's id; ``None`` makes a fresh one.
@@ -123,19 +160,13 @@ class LaunchConfig:
     dry_run: bool = False
     exports: tuple[str, ...] = ()
     env_file: str | None = None
-    ssh_port: int | None = None
-    ssh_identity: str | None = None
-    ssh_host_key_checking: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    remote_python: str | None = None
-    remote_cwd: str | None = None
     max_restarts: int = 0
     job_id: str | None = None
     cleanup: bool = False
     oversubscribe: bool = False
 
     def __post_init__(self) -> None:
-        _check_ssh_fields(self.ssh_port, self.ssh_host_key_checking, self.ssh_options, self.remote_python)
+        super().__post_init__()
         if self.job_id is not None and not _JOB_ID_RE.match(self.job_id):
             raise UsageError(
                 f"--job-id {quoted(self.job_id)} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
@@ -178,25 +209,6 @@ def _check_remote_cwd(remote_cwd: str | None) -> None:
         raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(remote_cwd)}")
 
 
-def _check_ssh_fields(
-    port: int | None, host_key_checking: str | None, options: Sequence[str], remote_python: str | None
-) -> None:
-    if port is not None and not 1 <= port <= 65535:
-        raise UsageError(f"--ssh-port must be in 1..65535, got {port}")
-    if host_key_checking is not None and host_key_checking not in HOST_KEY_CHECKING:
-        raise UsageError(
-            f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, got {quoted(host_key_checking)}"
-        )
-    for option in options:
-        if not _SSH_OPTION_RE.match(option):
-            raise UsageError(f"--ssh-option {quoted(option)} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3")
-    if remote_python is not None and not os.path.isabs(remote_python):
-        raise UsageError(
-            f"--remote-python must be an absolute path, got {quoted(remote_python)}; "
-            "e.g. --remote-python /opt/venv/bin/python"
-        )
-
-
 def _values(options: Sequence[Option], args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
     """The given or ``BUNSAN_*`` values of ``options`` that are set; repeatable ones as tuples, switches as bools."""
     values: dict[str, Any] = {}
@@ -209,18 +221,6 @@ def _values(options: Sequence[Option], args: argparse.Namespace, environ: Mappin
     return values
 
 
-@dataclass(frozen=True)
-class RemoteSettings:
-    """The ssh options of :func:`add_ssh_arguments`, with their ``BUNSAN_*`` fallbacks applied."""
-
-    ssh_port: int | None = None
-    ssh_identity: str | None = None
-    ssh_host_key_checking: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    remote_python: str | None = None
-    remote_cwd: str | None = None
-
-
 def remote_settings(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None, prog: str = "bunsan doctor"
 ) -> RemoteSettings:
@@ -231,9 +231,6 @@ def remote_settings(
     """
     try:
         settings = RemoteSettings(**_values(SSH_OPTIONS, args, os.environ if environ is None else environ))
-        _check_ssh_fields(
-            settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options, settings.remote_python
-        )
         _check_remote_cwd(settings.remote_cwd)
     except UsageError as err:
         raise UsageError(str(err), prog=prog) from None

@@ -277,8 +277,8 @@ def run_job(
 ) -> JobOutcome:
     """Start ``specs`` on this machine, wait for them, leave nothing behind; say how it ended.
 
-    ``bunsan run`` calls it for a job on one machine; the per-host agent of a multi-host job (:mod:`bunsan.launch.remote`)
-    uses the keyword arguments.
+    ``bunsan run`` calls it for a job on one machine; the per-host agent of a
+    multi-host job (:mod:`bunsan.launch.remote`) uses the keyword arguments.
 
     Args:
         specs: The workers, in rank order (see :func:`plan_workers`); their
