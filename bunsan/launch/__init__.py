@@ -1,18 +1,22 @@
 """``bunsan run``: start workers, watch them, leave no process behind, on one host or many.
 
 Imports nothing of the training side (no torch): the launcher only starts and
-watches processes. Host parsing and slot assignment (:mod:`bunsan.launch.hosts`)
-and option parsing (:mod:`bunsan.launch.config`) are pure; planning a job
-is :mod:`bunsan.launch.plan`; starting and watching the workers of one machine
-is :mod:`bunsan.launch.local` (its run loop), :mod:`bunsan.launch.proctree`
-(finding and signalling the job's processes, the janitor),
-:mod:`bunsan.launch.output` (tagged output) and :mod:`bunsan.launch.blame`
-(which rank failed first); the ssh
-fan-out over several hosts is :mod:`bunsan.launch.ssh` (what runs where:
-:mod:`bunsan.launch.ssh_plan`), with one agent per host
-(:mod:`bunsan.launch.remote`, speaking :mod:`bunsan.launch.protocol`); :mod:`bunsan.launch.cleanup` ends what is
-left of a job (``bunsan run --cleanup``) and :mod:`bunsan.launch.doctor`
-checks the hosts before a job (``bunsan doctor``).
+watches processes. The modules, from the pure ones up:
+
+* :mod:`~bunsan.launch.hosts`: host lists, hostfiles, slot assignment;
+* :mod:`~bunsan.launch.options` and :mod:`~bunsan.launch.config`: the options of
+  ``bunsan run``, each declared once, into a :class:`LaunchConfig`;
+* :mod:`~bunsan.launch.plan`: each worker's command line and environment;
+* :mod:`~bunsan.launch.blame`: which rank failed first;
+* :mod:`~bunsan.launch.proctree`: finding and signalling a job's processes, the janitor;
+* :mod:`~bunsan.launch.output`: the workers' output, tagged with their rank;
+* :mod:`~bunsan.launch.local`: the run loop of the workers of one machine;
+* :mod:`~bunsan.launch.ssh_plan`, :mod:`~bunsan.launch.protocol`,
+  :mod:`~bunsan.launch.remote` and :mod:`~bunsan.launch.ssh`: the fan-out over
+  ssh, one agent per host;
+* :mod:`~bunsan.launch.cleanup` (``bunsan run --cleanup``),
+  :mod:`~bunsan.launch.doctor` (``bunsan doctor``) and
+  :mod:`~bunsan.launch.treewatch` (a worker's own children, under any launcher).
 """
 
 from __future__ import annotations
