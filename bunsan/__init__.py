@@ -64,9 +64,50 @@ _EXPORTS: dict[str, str] = {
     "train": "",
 }
 
-# `print` is bunsan.print, not part of `from bunsan import *`: that would silently
-# turn every print of the importing script into a rank-0 print.
-__all__ = sorted(set(_EXPORTS) - {"print"})
+# Every name of _EXPORTS but `print`, sorted (a test checks it): `print` is bunsan.print, not part
+# of `from bunsan import *`, which would silently turn every print of the importing script into a
+# rank-0 print.
+__all__ = [
+    "Algorithm",
+    "AsyncSGD",
+    "Auto",
+    "BlockMomentumSGD",
+    "Checkpoint",
+    "CrossValidation",
+    "DataParallelSGD",
+    "DistributedOptimizer",
+    "ModelAveragingSGD",
+    "RankFilter",
+    "Test",
+    "TrainingSession",
+    "algorithms",
+    "all_reduce_metrics",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "comm",
+    "data",
+    "datasets",
+    "device",
+    "distribute",
+    "errors",
+    "evaluate",
+    "finalize",
+    "hpo",
+    "init",
+    "is_initialized",
+    "is_main",
+    "local_rank",
+    "local_size",
+    "models",
+    "nn",
+    "parallel",
+    "rank",
+    "rank_zero_only",
+    "schedule",
+    "session",
+    "size",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -87,7 +128,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, AsyncSGD, Auto, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
-    from bunsan.console import RankFilter, print, rank_zero_only
+    from bunsan.console import RankFilter, rank_zero_only
+    from bunsan.console import print as print  # bunsan.print: exported by name, not in __all__ (see above)
     from bunsan.evaluation import all_reduce_metrics, evaluate
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.runtime import (

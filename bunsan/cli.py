@@ -1,10 +1,12 @@
-"""The ``bunsan`` command.
+"""The ``bunsan`` command: ``run``, ``bench`` (``compare``, ``throughput``, ``comm``, ``predict``,
+``tta``), ``doctor`` and ``plan``.
 
 One argparse subparser per subcommand; each registers a handler that takes
-the parsed namespace and returns the exit status. Today there is ``run``;
-``bench`` and ``doctor`` plug in the same way, through a ``_add_<name>``
+the parsed namespace and returns the exit status, through a ``_add_<name>``
 function listed in ``_SUBCOMMANDS``. Handlers import what they need
-themselves, so ``bunsan run`` never pays for importing torch.
+themselves, so ``bunsan run`` never pays for importing torch. The options of
+``bunsan run`` and their ``BUNSAN_*`` fallbacks are declared once, in
+:mod:`bunsan.launch.options`.
 
 Exit status 2 means bad input, reported as one line,
 ``bunsan <subcommand>: error: <sentence>``, without a traceback.
@@ -46,6 +48,9 @@ examples:
   bunsan run --cleanup --hostfile hosts --job-id 3f2a91c04b7d11e8"""
 
 
+_COMPARE_HELP = "train every algorithm setting at every worker count; time, speed ratio, error, bytes"
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -79,60 +84,45 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     benchmarks = parser.add_subparsers(
         dest="benchmark", metavar="BENCHMARK", parser_class=ArgumentParser, required=True
     )
-    compare_parser = benchmarks.add_parser(
-        "compare",
-        help="train every algorithm setting at every worker count; time, speed ratio, error, bytes",
-        description=compare.DESCRIPTION,
-        epilog=compare.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    compare.add_arguments(compare_parser)
+    compare_parser = _add_module(benchmarks, "compare", compare, _COMPARE_HELP)
     netns.add_arguments(compare_parser)  # --network: the jobs' workers on a shaped network
-    compare_parser.set_defaults(handler=compare.run)
     for name, module, summary in (
         ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
         ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
         ("predict", predict, "the cost model's predicted step time of every algorithm against the measured one"),
         ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
     ):
-        sub = benchmarks.add_parser(
-            name,
-            help=summary,
-            description=module.DESCRIPTION,
-            epilog=module.EPILOG,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        module.add_arguments(sub)
-        sub.set_defaults(handler=module.run)
+        _add_module(benchmarks, name, module, summary)
 
 
 def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     from bunsan.launch import doctor  # standard library only at the top, as `run`
 
-    parser = subparsers.add_parser(
-        "doctor",
-        help="check the hosts of a hostfile before a multi-host job",
-        description=doctor.DESCRIPTION,
-        epilog="examples:\n  bunsan doctor --hostfile hosts --data /data/train.bin\n"
-        "  bunsan doctor -H node1,node2 --port 29500",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    doctor.add_arguments(parser)
-    parser.set_defaults(handler=doctor.run)
+    epilog = "examples:\n  bunsan doctor --hostfile hosts --data /data/train.bin\n  bunsan doctor -H node1,node2 --port 29500"
+    _add_module(subparsers, "doctor", doctor, "check the hosts of a hostfile before a multi-host job", epilog)
 
 
 def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     from bunsan.bench import plan  # standard library only at the top, as `run`
 
-    parser = subparsers.add_parser(
-        "plan",
-        help="predict step time, scaling efficiency and bytes of every algorithm at 8 to 256 workers",
-        description=plan.DESCRIPTION,
-        epilog=plan.EPILOG,
+    summary = "predict step time, scaling efficiency and bytes of every algorithm at 8 to 256 workers"
+    _add_module(subparsers, "plan", plan, summary)
+
+
+def _add_module(
+    subparsers: argparse._SubParsersAction, name: str, module: Any, summary: str, epilog: str | None = None
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` of a module that has ``DESCRIPTION``, ``add_arguments`` and ``run`` (its handler)."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=module.DESCRIPTION,
+        epilog=module.EPILOG if epilog is None else epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    plan.add_arguments(parser)
-    parser.set_defaults(handler=plan.run)
+    module.add_arguments(parser)
+    parser.set_defaults(handler=module.run)
+    return parser
 
 
 # Subcommands in the order `bunsan --help` lists them.
@@ -198,7 +188,7 @@ def _master_addr(config: LaunchConfig, all_local: bool, rank0_host: str) -> str:
 
 
 def _ssh_options(config: LaunchConfig) -> Any:
-    from bunsan.launch.ssh import SshOptions
+    from bunsan.launch.ssh_plan import SshOptions
 
     return SshOptions(config.ssh_port, config.ssh_identity, config.ssh_host_key_checking, config.ssh_options)
 
@@ -215,8 +205,9 @@ def _read_hosts(config: LaunchConfig) -> list[Any] | None:
 
 def _run(args: argparse.Namespace) -> int:
     """``bunsan run``: plan the job, then print it (``--dry-run``), clean up (``--cleanup``) or run it."""
-    from bunsan.launch import cleanup, local, ssh
+    from bunsan.launch import cleanup, local, ssh, ssh_plan
     from bunsan.launch import hosts as hostlib
+    from bunsan.launch import plan as jobs
     from bunsan.launch.config import parse_env_file, resolve_exports
 
     def fail(message: str) -> int:
@@ -262,9 +253,9 @@ def _run(args: argparse.Namespace) -> int:
                 "list it once with all its slots"
             )
         if remote:
-            plans = ssh.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
+            plans = ssh_plan.plan_hosts(slots, config.command, is_local, config.remote_python, config.remote_cwd)
         else:
-            argv = local.worker_command(config.command)
+            argv = jobs.worker_command(config.command)
         here = sum(1 for slot in slots if slot.host in local_names)  # remote hosts: their agent checks
         warning = (
             hostlib.check_oversubscription(
@@ -278,22 +269,22 @@ def _run(args: argparse.Namespace) -> int:
     if warning is not None and not config.dry_run:
         print(f"bunsan run: warning: {warning}", file=sys.stderr, flush=True)
 
-    job_id = config.job_id or local.new_job_id()
+    job_id = config.job_id or jobs.new_job_id()
     base_env = {**os.environ, **exports}
     if config.dry_run:
-        master_port = config.master_port or local.find_free_port()
+        master_port = config.master_port or jobs.find_free_port()
         master_addr = _master_addr(config, not remote, slots[0].host)
         if remote:
             by_host = {plan.host: plan.argv for plan in plans}
-            specs = [local.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {}) for slot in slots]
+            specs = [jobs.WorkerSpec(slot.rank, slot.local_rank, slot.host, by_host[slot.host], {}) for slot in slots]
         else:
-            specs = local.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
+            specs = jobs.plan_workers(slots, argv, base_env, master_addr, master_port, job_id)
         how = "" if not remote else " (over ssh; the address and the port are checked when the job starts)"
         print(
             f"bunsan run: dry run of job {job_id}: {len(specs)} worker(s) on {len(used)} host(s), "
             f"MASTER_ADDR={master_addr} MASTER_PORT={master_port}{how}"
         )
-        print(local.format_plan(specs))
+        print(jobs.format_plan(specs))
         return 0
 
     ssh_options = _ssh_options(config)
@@ -308,7 +299,7 @@ def _run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(f"bunsan run: {message}", file=sys.stderr, flush=True)
 
-    def attempt(restart: int) -> local.JobOutcome:
+    def attempt(restart: int) -> jobs.JobOutcome:
         if remote:
             return ssh.run_hosts(
                 plans,
@@ -322,8 +313,8 @@ def _run(args: argparse.Namespace) -> int:
                 oversubscribe=config.oversubscribe,
             )
         # A fresh port per attempt: the last attempt's store may linger in TIME_WAIT.
-        port = config.master_port or local.find_free_port()
-        specs = local.plan_workers(
+        port = config.master_port or jobs.find_free_port()
+        specs = jobs.plan_workers(
             slots, argv, base_env, _master_addr(config, True, slots[0].host), port, job_id, restart
         )
         return local.run_job(specs, job_id, tag_output=config.tag_output)

@@ -26,9 +26,10 @@ import builtins
 import functools
 import logging
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from bunsan import comm
+from bunsan._validate import check_int
 from bunsan.errors import ConfigurationError
 
 __all__ = ["RankFilter", "print", "rank_zero_only", "this_rank"]
@@ -59,8 +60,7 @@ def print(*args: Any, rank: int | None = 0, **kwargs: Any) -> None:
     Takes ``print``'s arguments (``sep``, ``end``, ``file``, ``flush``). Not a
     collective: the other ranks return at once.
     """
-    if rank is not None and not (isinstance(rank, int) and not isinstance(rank, bool)):
-        raise TypeError(f"rank must be an int or None, got {type(rank).__name__}")
+    check_int("rank", rank, allow_none=True)
     if rank is None or this_rank() == rank:
         builtins.print(*args, **kwargs)
 
@@ -78,7 +78,7 @@ def rank_zero_only(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if this_rank() == 0 else None
 
-    return wrapper  # type: ignore[return-value]
+    return cast(F, wrapper)  # same parameters (functools.wraps); the result is None off rank 0, as documented
 
 
 class RankFilter(logging.Filter):
@@ -101,8 +101,8 @@ class RankFilter(logging.Filter):
         if ranks is not None:
             if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Collection):
                 raise TypeError(f"ranks must be a collection of ints or None, got {type(ranks).__name__}")
-            if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
-                raise ValueError(f"ranks must hold ranks >= 0, got {list(ranks)!r}")
+            for r in ranks:
+                check_int("each of ranks", r, minimum=0)
         self.ranks = None if ranks is None else frozenset(ranks)
         self.min_level = min_level
 

@@ -6,25 +6,7 @@ the whole job within seconds (see :mod:`bunsan.comm.group`). It is idempotent, a
 a lone ``python train.py`` works too: a world of size 1 where every collective is
 the identity.
 
-Launchers recognised, first match wins (:func:`detect_environment`):
-
-============  ==========================================================  =========================
-launcher      rank / size / local rank / local size                        master address and port
-============  ==========================================================  =========================
-bunsan run,   ``RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE``              ``MASTER_ADDR MASTER_PORT``
-torchrun
-OpenMPI       ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``        see below
-MPICH / PMI   ``PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS``        see below
-Slurm srun    ``SLURM_PROCID SLURM_STEP_NUM_TASKS`` (or ``SLURM_NTASKS``)  first node of
-              ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``             ``SLURM_STEP_NODELIST``
-none          a lone process: 0 / 1 / 0 / 1                                none needed
-============  ==========================================================  =========================
-
-Under MPI, ``MASTER_ADDR`` is taken from the environment when set (``mpirun -x
-MASTER_ADDR=node1``); when all ranks share one host it is 127.0.0.1; otherwise, if
-mpi4py is installed, rank 0's host name is broadcast over MPI; else :func:`init`
-says what to set. Without ``MASTER_PORT`` the port is derived from the job id of
-the launcher (Slurm, OpenMPI), so that every rank computes the same one; else 29500.
+Which launcher started the process, and what it says, is :mod:`bunsan.environment`.
 """
 
 from __future__ import annotations
@@ -32,7 +14,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import signal
 import socket
 import sys
@@ -40,17 +21,23 @@ import threading
 import time
 import traceback
 import types
-import uuid
 import weakref
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from bunsan import comm
+from bunsan._validate import check_choice, check_number
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
+from bunsan.environment import (
+    DEFAULT_PORT,
+    WorldInfo,
+    detect_environment,
+    parse_slurm_nodelist,
+    parse_slurm_tasks_per_node,
+)
 from bunsan.errors import BunsanError, CommunicationError, ConfigurationError
 
 __all__ = [
@@ -71,163 +58,6 @@ __all__ = [
     "track_optimizer",
 ]
 
-DEFAULT_PORT = 29500
-DEFAULT_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class WorldInfo:
-    """Where this process stands in the job, as read from its environment."""
-
-    launcher: str  # "bunsan", "torchrun", "env", "openmpi", "pmi", "slurm" or "none"
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str | None
-    master_port: int
-    job_id: str
-
-
-def _int(environ: Mapping[str, str], name: str) -> int:
-    value = environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigurationError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def _port_from_job(job: str | None, environ: Mapping[str, str]) -> int:
-    if "MASTER_PORT" in environ:
-        return _int(environ, "MASTER_PORT")
-    if job:
-        digits = int(re.sub(r"\D", "", job) or "0") if re.search(r"\d", job) else sum(map(ord, job))
-        return 15000 + digits % 20000  # same on every rank, unlikely to collide with another job
-    return DEFAULT_PORT
-
-
-def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed host list, e.g. ``"gpu[01-03,7],cpu5"``.
-
-    Returns:
-        The host names in order (``["gpu01", "gpu02", "gpu03", "gpu7", "cpu5"]``).
-    """
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if not prefix and not ranges:
-            continue
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise ConfigurationError(f"cannot parse Slurm node list {nodelist!r} (range {part!r})")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")
-    if not hosts:
-        raise ConfigurationError(f"empty Slurm node list {nodelist!r}")
-    return hosts
-
-
-def parse_slurm_tasks_per_node(spec: str) -> list[int]:
-    """Expand Slurm's ``"2(x3),1"`` form into ``[2, 2, 2, 1]``."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            raise ConfigurationError(f"cannot parse Slurm tasks per node {spec!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts
-
-
-def detect_environment(environ: Mapping[str, str] | None = None) -> WorldInfo:
-    """Read rank, world size and rendezvous address from the launcher's variables.
-
-    Pure: it only reads ``environ`` (``os.environ`` by default). See the module
-    docstring for the variables and their precedence.
-    """
-    env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = env.get("BUNSAN_LAUNCHER") or ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "env")
-        rank_, size_ = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank_ = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank_
-        local_size_ = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size_
-        if size_ > 1 and "MASTER_ADDR" not in env:
-            raise ConfigurationError(
-                "RANK and WORLD_SIZE are set but MASTER_ADDR is not; set MASTER_ADDR and MASTER_PORT"
-            )
-        # A restarted attempt gets its own namespace of store keys (an abort key of the
-        # failed attempt must not end the new one).
-        if env.get("BUNSAN_JOB_ID"):
-            job = f"{env['BUNSAN_JOB_ID']}.{env.get('BUNSAN_RESTART', '0')}"
-        else:
-            job = f"{env.get('TORCHELASTIC_RUN_ID', 'env')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        info = WorldInfo(
-            launcher,
-            rank_,
-            size_,
-            local_rank_,
-            local_size_,
-            env.get("MASTER_ADDR", "127.0.0.1"),
-            _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
-            job,
-        )
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        size_ = _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_size_ = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE") if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else size_
-        job = env.get("OMPI_MCA_ess_base_jobid") or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMIX_NAMESPACE")
-        info = WorldInfo(
-            "openmpi",
-            _int(env, "OMPI_COMM_WORLD_RANK"),
-            size_,
-            _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else 0,
-            local_size_,
-            env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
-            _port_from_job(job, env),
-            job or "mpi",
-        )
-    elif "PMI_RANK" in env and "PMI_SIZE" in env:
-        size_ = _int(env, "PMI_SIZE")
-        local_size_ = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else size_
-        job = env.get("PMI_JOBID") or env.get("PMIX_NAMESPACE")
-        info = WorldInfo(
-            "pmi",
-            _int(env, "PMI_RANK"),
-            size_,
-            _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0,
-            local_size_,
-            env.get("MASTER_ADDR") or ("127.0.0.1" if local_size_ == size_ else None),
-            _port_from_job(job, env),
-            job or "pmi",
-        )
-    elif "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env):
-        size_ = _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
-        local_size_ = parse_slurm_tasks_per_node(per_node)[node] if per_node else size_
-        master = env.get("MASTER_ADDR") or (parse_slurm_nodelist(nodelist)[0] if nodelist else "127.0.0.1")
-        job = f"{env.get('SLURM_JOB_ID', '0')}.{env.get('SLURM_STEP_ID', '0')}"
-        info = WorldInfo(
-            "slurm",
-            _int(env, "SLURM_PROCID"),
-            size_,
-            _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            local_size_,
-            master,
-            _port_from_job(env.get("SLURM_JOB_ID"), env),
-            job,
-        )
-    else:
-        info = WorldInfo("none", 0, 1, 0, 1, None, DEFAULT_PORT, "solo")
-    if not 0 <= info.rank < info.world_size:
-        raise ConfigurationError(f"rank {info.rank} is outside 0..{info.world_size - 1} (launcher {info.launcher})")
-    if not 0 <= info.local_rank < max(info.local_world_size, 1):
-        raise ConfigurationError(f"local rank {info.local_rank} is outside 0..{info.local_world_size - 1}")
-    return info
-
 
 class _State:
     info: WorldInfo | None = None
@@ -235,17 +65,18 @@ class _State:
     device: torch.device = torch.device("cpu")
     failed = False
     owns_world = False  # False when the user created the process group themselves
-    previous_excepthook = None
+    previous_excepthook: Callable[[type[BaseException], BaseException, types.TracebackType | None], Any] | None = None
 
 
 _state = _State()
+_SOLO = WorldInfo("none", 0, 1, 0, 1, None, DEFAULT_PORT, "solo")  # what a process is before init()
 
 
 def _resolve_master(info: WorldInfo) -> str:
     if info.master_addr is not None:
         return info.master_addr
     try:
-        from mpi4py import MPI  # type: ignore[import-not-found]
+        from mpi4py import MPI  # type: ignore[import-not-found]  # optional: only MPI jobs across hosts need it
     except ImportError:
         raise ConfigurationError(
             f"bunsan cannot tell which host is rank 0 under {info.launcher} across several hosts: "
@@ -271,8 +102,8 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
 
     On CPU each worker of a job of several (or of any job ``bunsan run`` started)
     uses one intra-op thread unless ``OMP_NUM_THREADS`` is set: several workers on
-    one machine each using every core slowed a step 15x on a 2-core machine. A
-    lone process keeps torch's default.
+    one machine each using every core slow each other down (docs/design-notes.md,
+    "Launcher, runtime and CLI"). A lone process keeps torch's default.
     """
     if _state.info is not None:
         return _state.info
@@ -287,26 +118,11 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
         return _state.info
 
     info = detect_environment()
-    backend = backend or os.environ.get("BUNSAN_BACKEND") or ("nccl" if _group.cuda_available() else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    backend, timeout_s, stall_s = _group.world_settings(backend, timeout_s, stall_s)
+    check_choice("backend", backend, ("gloo", "nccl"), hint="gloo on CPU, nccl on CUDA")
     if backend == "nccl" and not _group.cuda_available():
         raise ConfigurationError("backend 'nccl' needs a CUDA device, and none is visible; use backend='gloo'")
-    if timeout_s is None:
-        raw = os.environ.get("BUNSAN_TIMEOUT", str(DEFAULT_TIMEOUT_S))
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ConfigurationError(f"BUNSAN_TIMEOUT={raw!r} is not a number of seconds") from None
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
-        try:
-            stall_s = float(os.environ["BUNSAN_STALL_S"])
-        except ValueError:
-            raise ConfigurationError(
-                f"BUNSAN_STALL_S={os.environ['BUNSAN_STALL_S']!r} is not a number of seconds"
-            ) from None
+    timeout_s = check_number("timeout_s", timeout_s, minimum=0, min_inclusive=False, hint="seconds")
     _inspector.configure(rank=info.rank, world_size=info.world_size, stall_s=stall_s)
 
     if backend == "nccl":
@@ -397,7 +213,7 @@ def _stop_for_peer(where: str, peer: int, why: str, exc: BaseException) -> None:
     _group.end_process(1)
 
 
-def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
     """End the whole job: print this rank's traceback, tell the others, exit now."""
     _state.failed = True
     info = _state.info
@@ -415,7 +231,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: object) -
             _stop_for_peer(where, dead[0], why, exc)
     # bunsan's own errors already say what the backend said: skip the chained traceback.
     chain = not isinstance(exc, BunsanError)
-    text = "".join(traceback.format_exception(exc_type, exc, tb, chain=chain))  # type: ignore[arg-type]
+    text = "".join(traceback.format_exception(exc_type, exc, tb, chain=chain))
     sys.stderr.write(f"[bunsan] {where} failed; ending the job.\n{text}")
     sys.stderr.flush()
     sys.stdout.flush()
@@ -598,28 +414,29 @@ def _info() -> WorldInfo | None:
     return None
 
 
+def _current() -> WorldInfo:
+    """This process's place in the job; before :func:`init`, a lone process's."""
+    return _info() or _SOLO
+
+
 def rank() -> int:
     """This worker's rank, 0..size()-1 (0 before :func:`init`)."""
-    info = _info()
-    return info.rank if info else 0
+    return _current().rank
 
 
 def size() -> int:
     """Number of workers in the job (1 before :func:`init`)."""
-    info = _info()
-    return info.world_size if info else 1
+    return _current().world_size
 
 
 def local_rank() -> int:
     """This worker's index among the workers on its host."""
-    info = _info()
-    return info.local_rank if info else 0
+    return _current().local_rank
 
 
 def local_size() -> int:
     """Number of workers on this worker's host."""
-    info = _info()
-    return info.local_world_size if info else 1
+    return _current().local_world_size
 
 
 def is_main() -> bool:
@@ -630,7 +447,3 @@ def is_main() -> bool:
 def device() -> torch.device:
     """The device this worker trains on: ``cuda:<local rank>`` with nccl, else the CPU."""
     return _state.device
-
-
-def new_job_id() -> str:
-    return uuid.uuid4().hex[:12]

@@ -20,18 +20,7 @@ a closed gloo/NCCL connection, which raises in the collective and so takes path 
 the watch also checks, every ``poll_s``, that the ranks on its own host are alive,
 and :func:`dead_ranks` tells which rank vanished, so the survivors name it.
 
-What listens on the network, and who may talk to it (issue 15):
-
-* Rank 0's rendezvous store listens on ``MASTER_ADDR`` only (127.0.0.1 for a job
-  on one machine), never on every interface (:func:`bind_address`).
-* Gloo's own sockets: when ``MASTER_ADDR`` is a loopback address, every rank is on
-  this machine, and ``GLOO_SOCKET_IFNAME`` is set to the loopback interface
-  unless the user set it (a multi-host ``bunsan run`` sets it to the interface
-  that reaches rank 0).
-* The store has no authentication. bunsan's own keys (abort, progress, peers)
-  live under a prefix made of the job id and 128 random bits that rank 0 sends
-  to the others over the process group, never through the store: whoever can
-  reach the store cannot guess the abort key and end the job with it.
+What listens on the network, and who may talk to it: :mod:`bunsan.comm.rendezvous`.
 
 A rank that ends the job on its own (a failed peer, a lost store) first ends its
 own child processes (:mod:`bunsan.launch.treewatch`), and tells ``bunsan run``
@@ -42,9 +31,6 @@ names the rank that failed first, not the first process to exit.
 from __future__ import annotations
 
 import contextlib
-import errno
-import ipaddress
-import json
 import os
 import secrets
 import socket
@@ -57,9 +43,14 @@ import torch
 import torch.distributed as dist
 
 from bunsan.comm import inspector as _inspector
+from bunsan.comm.rendezvous import bind_address, keep_gloo_on_loopback, share_secret, tcp_store
+from bunsan.errors import ConfigurationError
 from bunsan.launch import treewatch
+from bunsan.launch.blame import FailureReport
+from bunsan.launch.plan import REPORT_FD_VARIABLE  # set by `bunsan run`: a pipe to the launcher
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "REPORT_FD_VARIABLE",
     "TREE_VARIABLE",
     "Watchdog",
@@ -77,14 +68,15 @@ __all__ = [
     "note_collective",
     "report",
     "signal_abort",
+    "world_settings",
 ]
 
-_ABORT_KEY = "abort"
+_ABORT_KEY = _inspector.ABORT_KEY  # defined there: the inspector ends the job by it too
 _PROGRESS_KEY = "progress/{rank}"
 _PEER_KEY = "peer/{rank}"  # "host pid start-time" of each rank
 _BEAT_KEY = "beat/{rank}"  # a counter the watch advances every poll; "done" once it stopped
-REPORT_FD_VARIABLE = "BUNSAN_REPORT_FD"  # set by `bunsan run`: a pipe to the launcher
 TREE_VARIABLE = treewatch.TREE_VARIABLE  # marks every process this rank starts
+DEFAULT_TIMEOUT_S = 300.0  # bunsan.init()'s collective timeout without BUNSAN_TIMEOUT
 TREE_GRACE_S = 1.0  # SIGTERM to this rank's children, then SIGKILL
 
 
@@ -115,110 +107,28 @@ def collectives_started() -> int:
     return _world.collectives
 
 
-def bind_address(master_addr: str) -> tuple[socket.AddressFamily, str]:
-    """The address rank 0's store listens on: ``master_addr`` itself, resolved. Pure but for DNS.
+def world_settings(
+    backend: str | None, timeout_s: float | None, stall_s: float | None
+) -> tuple[str, float, float | None]:
+    """:func:`bunsan.init`'s arguments, else ``BUNSAN_BACKEND``/``BUNSAN_TIMEOUT``/``BUNSAN_STALL_S``, else defaults.
 
-    Every rank connects to ``master_addr``, so that is the one address the store
-    needs; listening on every interface would expose it to every network the
-    host is on. Returns the address family and the numeric address.
+    The defaults: nccl when a CUDA device is visible, else gloo; :data:`DEFAULT_TIMEOUT_S`;
+    ``None`` for the inspector's own. Unchecked, but a variable that is not a number of
+    seconds raises :class:`~bunsan.errors.ConfigurationError`.
     """
-    family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0]
-    return family, str(sockaddr[0])
 
+    def seconds(name: str, raw: str) -> float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigurationError(f"{name}={raw!r} is not a number of seconds") from None
 
-def _listening_socket(master_addr: str, port: int, all_local: bool = True) -> int:
-    """A socket listening on ``master_addr:port``, for TCPStore's ``master_listen_fd``.
-
-    Falls back to every interface, with a warning, when ``master_addr`` is not an
-    address of this host (a name that resolves to a NAT's address, say), or
-    resolves here to a loopback address while ranks run on other hosts (Debian
-    maps the host's own name to 127.0.1.1): the job must still start.
-    """
-    family, address = bind_address(master_addr)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    wildcard = "::" if family == socket.AF_INET6 else ""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if not all_local and ipaddress.ip_address(address).is_loopback:
-            print(
-                f"[bunsan] rank 0: MASTER_ADDR={master_addr} is {address} here, which other hosts cannot reach; "
-                "the rendezvous store listens on every interface",
-                file=sys.stderr,
-                flush=True,
-            )
-            sock.bind((wildcard, port))
-        else:
-            try:
-                sock.bind((address, port))
-            except OSError as err:
-                if err.errno != errno.EADDRNOTAVAIL:
-                    raise
-                print(
-                    f"[bunsan] rank 0: MASTER_ADDR={master_addr} ({address}) is not an address of this host; "
-                    "the rendezvous store listens on every interface",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                sock.bind((wildcard, port))
-        sock.listen(1024)
-        return sock.detach()
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _tcp_store(
-    addr: str, port: int, world_size: int, is_master: bool, timeout_s: float, all_local: bool = True
-) -> dist.Store:
-    return dist.TCPStore(
-        addr,
-        port,
-        world_size if is_master else None,
-        is_master,
-        timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        # TCPStore alone listens on every interface; hand it a socket bound to addr.
-        master_listen_fd=_listening_socket(addr, port, all_local) if is_master else None,
-    )
-
-
-def _is_loopback(master_addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(bind_address(master_addr)[1]).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def _loopback_interface() -> str | None:
-    """The name of the loopback interface (``lo`` on Linux), or None where it cannot be told."""
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except (OSError, AttributeError):
-        return None
-    if "lo" in names:
-        return "lo"
-    return next((name for name in names if name.startswith("lo")), None)
-
-
-def _keep_gloo_on_loopback(master_addr: str) -> None:
-    """A job whose store is on loopback runs on one machine: keep Gloo's sockets on loopback too.
-
-    Gloo listens on the address the host name resolves to, often an external
-    one. ``GLOO_SOCKET_IFNAME`` is read each time a Gloo group is made, so it stays
-    set for the life of the process (and its children inherit it).
-    """
-    if "GLOO_SOCKET_IFNAME" in os.environ or not _is_loopback(master_addr):
-        return
-    interface = _loopback_interface()
-    if interface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-
-
-def _share_secret() -> str:
-    """128 random bits from rank 0, sent over the process group (not the store). Collective."""
-    token = [secrets.token_hex(16) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    return str(token[0])
+    backend = backend or os.environ.get("BUNSAN_BACKEND") or ("nccl" if cuda_available() else "gloo")
+    if timeout_s is None:
+        timeout_s = seconds("BUNSAN_TIMEOUT", os.environ.get("BUNSAN_TIMEOUT", str(DEFAULT_TIMEOUT_S)))
+    if stall_s is None and os.environ.get("BUNSAN_STALL_S"):
+        stall_s = seconds("BUNSAN_STALL_S", os.environ["BUNSAN_STALL_S"])
+    return backend, timeout_s, stall_s
 
 
 def create_world(
@@ -261,8 +171,8 @@ def create_world(
         _open_report_channel()
         _guard_process_tree(rank, janitor=guard_tree)
         if backend == "gloo" and all_local:
-            _keep_gloo_on_loopback(master_addr)
-        store = _tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s, all_local)
+            keep_gloo_on_loopback(master_addr)
+        store = tcp_store(master_addr, master_port, world_size, rank == 0 and not agent_store, timeout_s, all_local)
     _bind_torch_defaults_before_the_group_exists()
     dist.init_process_group(
         backend,
@@ -272,14 +182,15 @@ def create_world(
         timeout=timedelta(seconds=timeout_s),
     )
     # bunsan's own keys: under a prefix that only the ranks know (see the module docstring).
-    prefix = f"bunsan/{job_id}/" if world_size == 1 else f"bunsan/{job_id}/{_share_secret()}/"
+    prefix = f"bunsan/{job_id}/" if world_size == 1 else f"bunsan/{job_id}/{share_secret()}/"
     _world.store = dist.PrefixStore(prefix, store)
+    _inspector.use_store(_world.store)
     if world_size > 1:
         host = socket.gethostname()
         _world.store.set(_PEER_KEY.format(rank=rank), f"{host} {os.getpid()} {treewatch.start_time(os.getpid())}")
         # A second connection for the watch thread: store calls from two threads
         # on one client would interleave on the socket.
-        client = _tcp_store(master_addr, master_port, world_size, False, min(timeout_s, 30.0))
+        client = tcp_store(master_addr, master_port, world_size, False, min(timeout_s, 30.0))
         _world.watch_store = dist.PrefixStore(prefix, client)
         _world.watchdog = Watchdog(_world.watch_store, rank, poll_s=watch_poll_s, world_size=world_size, host=host)
         _world.watchdog.start()
@@ -288,19 +199,14 @@ def create_world(
 def _bind_torch_defaults_before_the_group_exists() -> None:
     """Import ``torch.distributed.nn`` now, while there is no default process group.
 
-    Its functions take ``group=group.WORLD`` as a default argument, evaluated once at
-    import. Imported after ``init_process_group`` (building any torch optimizer imports
-    it, through ``torch._dynamo``), that default holds the live group for the rest of the
-    process, so ``destroy_process_group()`` cannot free it: Gloo's threads outlive the
-    job and, when one of them releases a finished collective while the interpreter is
-    shutting down, it needs the GIL, is ended by Python, and the process dies in
-    ``std::terminate`` (SIGABRT, exit 134) after its work is done. Measured with
-    torch 2.13: 2 of 12 30-epoch benchmark jobs under load (core file: a ``pt_gloo_runloop`` thread in
-    ``~AsyncAllgatherWork`` -> ``gil_scoped_acquire`` -> ``pthread_exit``). Imported
-    first, the default is None and the group dies with ``destroy_process_group()``.
+    Its functions bind ``group=group.WORLD`` as a default argument at import. Imported
+    after ``init_process_group`` (any torch optimizer imports it, through
+    ``torch._dynamo``), that default keeps the group alive past
+    ``destroy_process_group()``, and a Gloo thread can end the finished process in
+    ``std::terminate`` at shutdown (docs/design-notes.md, "Launcher, runtime and CLI").
     """
     with contextlib.suppress(ImportError):
-        import torch.distributed.nn  # noqa: F401
+        import torch.distributed.nn  # noqa: F401 - imported for its side effect, see the docstring
 
 
 def destroy_world(*, barrier: bool) -> None:
@@ -323,6 +229,7 @@ def destroy_world(*, barrier: bool) -> None:
                 pass
         dist.destroy_process_group()
     _world.store = _world.watch_store = None
+    _inspector.use_store(None)
     _world.world_size, _world.rank = 1, 0
 
 
@@ -364,12 +271,7 @@ def report(event: str, *, peer: int | None = None, code: int = 1, what: str = ""
     """
     if _world.report_fd is None:
         return
-    line = (
-        json.dumps(
-            {"rank": _world.rank, "event": event, "peer": peer, "code": code, "what": what[:300], "time": time.time()}
-        ).encode()
-        + b"\n"
-    )
+    line = FailureReport(_world.rank, event, peer, code, what[:300], time.time()).to_line()
     with contextlib.suppress(OSError):
         os.write(_world.report_fd, line)  # one write below PIPE_BUF: never mixed with another rank's
 

@@ -49,15 +49,30 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
+from bunsan._validate import check_number
+from bunsan.comm.mismatch import (
+    FINALIZE_JOIN,
+    IN_FINALIZE,
+    TRAINING,
+    describe_mismatch,
+    describe_state,
+    forgotten_join,
+    skipped_step,
+)
+
 __all__ = [
+    "ABORT_KEY",
     "CHECK_S",
     "DEFAULT_STALL_S",
+    "FINALIZE_JOIN",
+    "IN_FINALIZE",
     "RING",
+    "TRAINING",
     "activity",
     "begin_wait",
     "collectives_in_world",
@@ -71,42 +86,44 @@ __all__ = [
     "poll",
     "set_activity",
     "skipped_step",
+    "stall_report",
     "started",
+    "use_store",
     "waiting",
 ]
 
 RING = 64  # recent collectives kept per rank for the comparison
 CHECK_S = 1.0  # a wait longer than this publishes the ring and compares it with the peers'
 DEFAULT_STALL_S = 60.0
-TRAINING = "training"
-FINALIZE_JOIN = "in join called by finalize()"
-IN_FINALIZE = "in finalize()"
 
 _STATE_KEY = "inspect/state/{rank}"
 _RING_KEY = "inspect/ring/{rank}"
 _STEPS_KEY = "inspect/steps/{rank}"
+ABORT_KEY = "abort"  # the job's abort key, "<rank>:<reason>"; bunsan.comm.group watches it
 STEPS_KEPT = 512  # (steps completed, first world collective after them) of the recent steps
 
 
 class _Local:
     """This rank's view; written by the main thread, read by the watch thread."""
 
-    rank = 0
-    world_size = 1
-    stall_s = DEFAULT_STALL_S
-    seqs: dict[Any, int] = {}  # per group key: collectives started
-    ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
-    last: tuple[Any, ...] | None = None
-    step_sources: list[weakref.ref[Any]] = []  # algorithms whose .step tags the collectives
-    # Where each recent step count began: (tag, number of the first world collective with it).
-    transitions: deque[tuple[int, int]] = deque(maxlen=STEPS_KEPT)
-    published_ring: tuple[str, int, str, int] | None = None
-    activity = TRAINING
-    wait_since: float | None = None
-    published_state = ""
-    published_ring_for: float | None = None
-    reported_stall_for: float | None = None
-    lock = threading.Lock()
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+        self.stall_s = DEFAULT_STALL_S
+        self.seqs: dict[Any, int] = {}  # per group key: collectives started
+        self.ring: deque[tuple[Any, ...]] = deque(maxlen=RING)
+        self.last: tuple[Any, ...] | None = None
+        self.step_sources: list[weakref.ref[Any]] = []  # algorithms whose .step tags the collectives
+        # Where each recent step count began: (tag, number of the first world collective with it).
+        self.transitions: deque[tuple[int, int]] = deque(maxlen=STEPS_KEPT)
+        self.published_ring: tuple[str, int, str, int] | None = None
+        self.activity = TRAINING
+        self.wait_since: float | None = None
+        self.published_state = ""
+        self.published_ring_for: float | None = None
+        self.reported_stall_for: float | None = None
+        self.lock = threading.Lock()
+        self.store: Any = None  # the world's store, from use_store(); None before init and after finalize
 
 
 _local = _Local()
@@ -114,8 +131,7 @@ _local = _Local()
 
 def configure(*, rank: int, world_size: int, stall_s: float | None = None) -> None:
     """Reset the counters for a new world (called by :func:`bunsan.init`)."""
-    if stall_s is not None and not stall_s > 0:
-        raise ValueError(f"stall_s must be a positive number of seconds, got {stall_s!r}")
+    check_number("stall_s", stall_s, minimum=0, min_inclusive=False, hint="seconds", allow_none=True)
     _local.rank, _local.world_size = rank, world_size
     _local.stall_s = DEFAULT_STALL_S if stall_s is None else float(stall_s)
     _local.seqs = {}
@@ -227,10 +243,18 @@ def _state() -> dict[str, Any]:
     }
 
 
-def _main_store() -> Any:
-    from bunsan.comm import group as _group
+def use_store(store: Any) -> None:
+    """Publish this rank's records through ``store`` (the world's store), or stop publishing (``None``).
 
-    return _group._world.store
+    :mod:`bunsan.comm.group` calls it when the world is created and destroyed; the
+    store is handed over rather than looked up so that this module imports nothing
+    of the group's (no import cycle).
+    """
+    _local.store = store
+
+
+def _main_store() -> Any:
+    return _local.store
 
 
 @contextlib.contextmanager
@@ -258,7 +282,8 @@ def set_activity(name: str) -> None:
         store.set(_STATE_KEY.format(rank=_local.rank), json.dumps(_state()))
 
 
-def _read(store: Any, key: str) -> dict[str, Any] | None:
+def _read(store: Any, key: str) -> Any:
+    """The JSON value a rank published under ``key`` (a state, a ring, step records), or None."""
     try:
         if not store.check([key]):
             return None
@@ -267,158 +292,19 @@ def _read(store: Any, key: str) -> dict[str, Any] | None:
         return None
 
 
-def _describe_state(state: dict[str, Any] | None) -> str:
-    if state is None:
-        return "has published nothing yet"
-    last = state.get("last")
-    where = f"last started {last[0]} collective #{last[1]} {last[2]}" if last else "has started no collective"
-    doing = "waiting in it" if state.get("waiting") else state.get("activity", TRAINING)
-    if state.get("activity") not in (TRAINING, None) and state.get("waiting"):
-        doing = f"{state['activity']}, waiting in it"
-    return f"{doing} ({where})"
-
-
-def describe_mismatch(
-    rings: dict[int, list[list[Any]]],
-    states: dict[int, dict[str, Any] | None],
-    steps_of: Callable[[int], list[list[int]] | None] | None = None,
-) -> str | None:
-    """The sentence for ranks whose recent collectives differ under one number, or None.
-
-    Pure: ``rings`` maps a rank to its recent ``[group, number, op, steps]``
-    entries, ``states`` to its published state. The first difference wins: the
-    operation (a collective skipped or added), else the step tag (the same
-    collective made after different numbers of optimizer steps: a rank skipped
-    ``optimizer.step()``). Finished ranks answering the others' exchanges from
-    ``finalize()`` get the fix for a forgotten ``join()``. ``steps_of(rank)``, read
-    only for a step difference, gives a rank's ``[steps, first collective]``
-    pairs, which name the skipped step when the rings no longer reach back to it.
-    """
-    ranks = sorted(rings)
-    found: tuple[int, str] | None = None
-    for i, a in enumerate(ranks):
-        by_number = {(e[0], e[1]): e for e in rings[a]}
-        for b in ranks[i + 1 :]:
-            for entry_b in rings[b]:
-                entry_a = by_number.get((entry_b[0], entry_b[1]))
-                if entry_a is None:
-                    continue
-                g, n = entry_b[0], entry_b[1]
-                if entry_a[2] != entry_b[2]:
-                    text = _op_mismatch(g, n, a, entry_a, b, entry_b, states)
-                elif (
-                    len(entry_a) > 3
-                    and len(entry_b) > 3
-                    and min(entry_a[3], entry_b[3]) >= 0
-                    and entry_a[3] != entry_b[3]
-                ):
-                    earlier_b = {(e[0], e[1]): e for e in rings[b]}
-                    exact = any(
-                        e[0] == g
-                        and e[1] < n
-                        and len(e) > 3
-                        and (g, e[1]) in earlier_b
-                        and e[3] == earlier_b[(g, e[1])][3] >= 0
-                        for e in rings[a]
-                    )
-                    skipped = None if exact or steps_of is None else skipped_step(steps_of(a), steps_of(b))
-                    text = _step_mismatch(g, n, a, entry_a, b, entry_b, exact, skipped)
-                else:
-                    continue
-                if found is None or n < found[0]:
-                    found = (n, text)
-                break
-    return found[1] if found else None
-
-
-def _op_mismatch(
-    g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], states: dict[int, dict[str, Any] | None]
-) -> str:
-    forgot = _forgotten_join(states)
-    if forgot is not None:
-        return forgot
-    return (
-        f"collectives out of step at {g} collective #{n}: rank {a} called {entry_a[2]} but rank {b} "
-        f"called {entry_b[2]} (a rank skipped or added a collective, e.g. skipped optimizer.step() on one "
-        f"rank only); rank {a} is {_describe_state(states.get(a))}, rank {b} is "
-        f"{_describe_state(states.get(b))}"
-    )
-
-
-def skipped_step(steps_a: list[list[int]] | None, steps_b: list[list[int]] | None) -> int | None:
-    """The step count after which two ranks' collectives diverge, from their ``[steps, first collective]`` pairs.
-
-    In step, every step count begins at the same collective on both ranks. A
-    rank that skipped step ``s`` begins count ``s + 1`` later than the others;
-    returns ``s``, or None when the pairs do not reach back to an agreement.
-    """
-    if not steps_a or not steps_b:
-        return None
-    first_b = {int(t): int(n) for t, n in steps_b}
-    agreed = False
-    for t, n in steps_a:
-        if int(t) not in first_b:
-            continue
-        if first_b[int(t)] == int(n):
-            agreed = True
-        elif agreed:
-            return int(t) - 1
-        else:
-            return None
-    return None
-
-
-def _step_mismatch(
-    g: str, n: int, a: int, entry_a: list[Any], b: int, entry_b: list[Any], exact: bool, skipped: int | None = None
-) -> str:
-    (lo, lo_steps), (hi, hi_steps) = sorted([(a, entry_a[3]), (b, entry_b[3])], key=lambda t: t[1])
-    # Exact when the rings also hold an earlier collective both ranks made after
-    # the same number of steps, or when the step counts' first collectives say where
-    # they parted; otherwise the skip happened before the recent window.
-    if skipped is not None:
-        when = f"at its step {skipped}"
-    else:
-        when = f"at its step {lo_steps}" if exact else f"at or before its step {lo_steps}"
-    return (
-        f"optimizer steps out of step at {g} collective #{n} ({entry_a[2]}): rank {hi} made it after "
-        f"{hi_steps} optimizer steps, rank {lo} after {lo_steps}, so rank {lo} skipped optimizer.step() {when} "
-        "(0-based) while the others stepped; every rank must call optimizer.step() after every backward "
-        "(skip the update on all ranks alike, as GradScaler does after its all-reduced inf check)"
-    )
-
-
-def _forgotten_join(states: dict[int, dict[str, Any] | None]) -> str | None:
-    finished = [
-        r
-        for r, s in sorted(states.items())
-        if s is not None and s.get("activity") in (FINALIZE_JOIN, IN_FINALIZE, "finished")
-    ]
-    training = [r for r, s in sorted(states.items()) if s is not None and s.get("activity") == TRAINING]
-    if not finished or not training:
-        return None
-    who = f"rank {finished[0]}" if len(finished) == 1 else f"ranks {finished}"
-    was = "was" if len(training) == 1 else "were"
-    still = f"rank {training[0]}" if len(training) == 1 else f"ranks {training}"
-    return (
-        f"{who} finished its data and called finalize() while {still} {was} still training: "
-        "call optimizer.join() on every rank after the loop"
-    )
-
-
 def _steps_record(store: Any, rank: int) -> list[list[int]] | None:
     if rank == _local.rank:
         return [list(t) for t in list(_local.transitions)]
-    return _read(store, _STEPS_KEY.format(rank=rank))  # type: ignore[return-value]
+    steps: list[list[int]] | None = _read(store, _STEPS_KEY.format(rank=rank))
+    return steps
 
 
 def _end_job(message: str, store: Any) -> None:
     """Print ``message``, set the abort key so every rank ends, and exit 1."""
-    from bunsan.comm import group as _group
-
     print(f"[bunsan] rank {_local.rank}: {message}", file=sys.stderr, flush=True)
     with contextlib.suppress(Exception):  # the watch thread's own store client, in the abort key's format
-        if not store.check([_group._ABORT_KEY]):
-            store.set(_group._ABORT_KEY, f"{_local.rank}:{message}")
+        if not store.check([ABORT_KEY]):
+            store.set(ABORT_KEY, f"{_local.rank}:{message}")
     time.sleep(0.5)  # let the peers read the key and print their own line
     sys.stdout.flush()
     os._exit(1)
@@ -451,10 +337,13 @@ def _poll(store: Any) -> None:
         neighbour = (_local.rank + 1) % _local.world_size
         theirs = _read(store, _RING_KEY.format(rank=neighbour))
         if theirs is not None:
-            states = {_local.rank: _state(), neighbour: _read(store, _STATE_KEY.format(rank=neighbour))}
+            states: dict[int, dict[str, Any] | None] = {
+                _local.rank: _state(),
+                neighbour: _read(store, _STATE_KEY.format(rank=neighbour)),
+            }
             message = describe_mismatch(
                 {_local.rank: ring, neighbour: theirs},
-                states,  # type: ignore[dict-item]
+                states,
                 lambda r: _steps_record(store, r),
             )
             if message is not None:
@@ -469,15 +358,16 @@ def _poll(store: Any) -> None:
     if _local.published_ring_for != since:
         store.set(_RING_KEY.format(rank=_local.rank), json.dumps(ring))
         _local.published_ring_for = since
-    rings, states = {_local.rank: ring}, {_local.rank: _state()}
+    rings: dict[int, list[list[Any]]] = {_local.rank: ring}
+    states = {_local.rank: _state()}
     for r in range(_local.world_size):
         if r == _local.rank:
             continue
-        states[r] = _read(store, _STATE_KEY.format(rank=r))
-        if states[r] is not None and states[r].get("waiting"):
+        state = states[r] = _read(store, _STATE_KEY.format(rank=r))
+        if state is not None and state.get("waiting"):
             theirs = _read(store, _RING_KEY.format(rank=r))
             if theirs is not None:
-                rings[r] = theirs  # type: ignore[assignment]
+                rings[r] = theirs
     message = describe_mismatch(rings, states)
     if message is not None:
         _end_job(message, store)
@@ -507,7 +397,7 @@ def stall_report(waited: float, states: dict[int, dict[str, Any] | None]) -> str
             and last[1] >= mine[1]
         )
         if not reached:
-            missing.append(f"rank {r} is {_describe_state(s)}")
+            missing.append(f"rank {r} is {describe_state(s)}")
     if not missing:
         return (
             f"{here} has waited {waited:.0f} s; every rank has reached it (the backend is slow "
@@ -580,15 +470,15 @@ def diagnose(timeout_s: float = 2.0) -> str | None:
             store.check([_STATE_KEY.format(rank=rank)])
         except Exception:
             return None
-        states = {rank: _state()}
-        rings = {rank: _ring()}
+        states: dict[int, dict[str, Any] | None] = {rank: _state()}
+        rings: dict[int, list[list[Any]]] = {rank: _ring()}
         for r in range(_local.world_size):
             if r != rank:
                 states[r] = _read(store, _STATE_KEY.format(rank=r))
                 ring = _read(store, _RING_KEY.format(rank=r))
                 if ring is not None:
-                    rings[r] = ring  # type: ignore[assignment]
-        message = _forgotten_join(states) or describe_mismatch(rings, states)
+                    rings[r] = ring
+        message = forgotten_join(states) or describe_mismatch(rings, states)
         if message is not None or time.monotonic() >= deadline:
             return message
         time.sleep(0.25)

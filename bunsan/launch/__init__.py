@@ -1,13 +1,22 @@
 """``bunsan run``: start workers, watch them, leave no process behind, on one host or many.
 
 Imports nothing of the training side (no torch): the launcher only starts and
-watches processes. Host parsing and slot assignment (:mod:`bunsan.launch.hosts`)
-and option parsing (:mod:`bunsan.launch.config`) are pure; starting and
-watching the workers of one machine is :mod:`bunsan.launch.local`; the ssh
-fan-out over several hosts is :mod:`bunsan.launch.ssh`, with one agent per
-host (:mod:`bunsan.launch.remote`); :mod:`bunsan.launch.cleanup` ends what is
-left of a job (``bunsan run --cleanup``) and :mod:`bunsan.launch.doctor`
-checks the hosts before a job (``bunsan doctor``).
+watches processes. The modules, from the pure ones up:
+
+* :mod:`~bunsan.launch.hosts`: host lists, hostfiles, slot assignment;
+* :mod:`~bunsan.launch.options` and :mod:`~bunsan.launch.config`: the options of
+  ``bunsan run``, each declared once, into a :class:`LaunchConfig`;
+* :mod:`~bunsan.launch.plan`: each worker's command line and environment;
+* :mod:`~bunsan.launch.blame`: which rank failed first;
+* :mod:`~bunsan.launch.proctree`: finding and signalling a job's processes, the janitor;
+* :mod:`~bunsan.launch.output`: the workers' output, tagged with their rank;
+* :mod:`~bunsan.launch.local`: the run loop of the workers of one machine;
+* :mod:`~bunsan.launch.ssh_plan`, :mod:`~bunsan.launch.protocol`,
+  :mod:`~bunsan.launch.remote` and :mod:`~bunsan.launch.ssh`: the fan-out over
+  ssh, one agent per host;
+* :mod:`~bunsan.launch.cleanup` (``bunsan run --cleanup``),
+  :mod:`~bunsan.launch.doctor` (``bunsan doctor``) and
+  :mod:`~bunsan.launch.treewatch` (a worker's own children, under any launcher).
 """
 
 from __future__ import annotations
@@ -20,24 +29,11 @@ from bunsan.launch.local import (
     plan_workers,
     run_attempts,
     run_job,
-    run_workers,
     worker_command,
     worker_environment,
 )
-
-# bunsan.launch.ssh imports bunsan.launch.remote, the agent that runs as
-# `python -m bunsan.launch.remote`: imported here eagerly, runpy would warn on
-# every host that the module was imported before it ran. So lazily (PEP 562).
-_LAZY = {"HostPlan", "SshOptions", "plan_hosts", "run_hosts"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        from bunsan.launch import ssh
-
-        return getattr(ssh, name)
-    raise AttributeError(f"module 'bunsan.launch' has no attribute {name!r}")
-
+from bunsan.launch.ssh import run_hosts
+from bunsan.launch.ssh_plan import HostPlan, SshOptions, plan_hosts
 
 __all__ = [
     "Host",
@@ -59,7 +55,6 @@ __all__ = [
     "run_attempts",
     "run_hosts",
     "run_job",
-    "run_workers",
     "worker_command",
     "worker_environment",
 ]

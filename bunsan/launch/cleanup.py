@@ -41,9 +41,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from bunsan.launch import local
+from bunsan.launch import proctree
 from bunsan.launch.quoting import quoted
-from bunsan.launch.ssh import SshOptions, remote_command, ssh_command
+from bunsan.launch.ssh_plan import SshOptions, remote_command, ssh_command
 
 __all__ = [
     "RECORD_TTL_S",
@@ -206,7 +206,7 @@ class HostCleanup:
 
 
 def _cleanup_here(job_id: str, grace_s: float) -> list[int]:
-    return local.sweep_job(job_id, grace_s)
+    return proctree.sweep_job(job_id, grace_s)
 
 
 def cleanup_hosts(
@@ -216,7 +216,7 @@ def cleanup_hosts(
     is_local: Any,
     ssh: SshOptions,
     remote_python: str,
-    grace_s: float = local.GRACE_S,
+    grace_s: float = proctree.GRACE_S,
 ) -> list[HostCleanup]:
     """End every process of job ``job_id`` on ``hosts``, in parallel; one result per host, in order."""
     check_job_id(job_id)
@@ -244,17 +244,17 @@ def cleanup_hosts(
             results[host] = HostCleanup(host, pids if i == 0 else ())
     for host, process in running.items():
         try:
-            out, err = process.communicate(timeout=CLEANUP_TIMEOUT_S)
+            out, errors = process.communicate(timeout=CLEANUP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
-            out, err = process.communicate()
+            process.communicate()
             results[host] = HostCleanup(host, error=f"no answer within {CLEANUP_TIMEOUT_S:.0f} s")
             continue
         try:
             answer = json.loads(out.strip().splitlines()[-1])
             results[host] = HostCleanup(host, tuple(answer["pids"]))
         except (ValueError, IndexError, KeyError):
-            reason = (err.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
+            reason = (errors.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
             results[host] = HostCleanup(host, error=reason)
     return [results[h] for h in hosts]
 
@@ -321,7 +321,7 @@ def run_cleanup(
         python = remote_python or (record.remote_python if record else sys.executable)
         local_names = set(record.local_hosts) if record and job_hosts is None else set()
         results = cleanup_hosts(
-            names, jid, is_local=lambda h: h in local_names or is_local(h), ssh=options, remote_python=python
+            names, jid, is_local=lambda h, here=local_names: h in here or is_local(h), ssh=options, remote_python=python
         )
         print(format_cleanup(jid, results), file=stdout, flush=True)
         unreachable = [r.host for r in results if r.error is not None]
@@ -354,13 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """On one host: end the processes of ``--job-id`` and print ``{"host", "pids"}`` as JSON."""
     parser = argparse.ArgumentParser(prog="python -m bunsan.launch.cleanup")
     parser.add_argument("--job-id", required=True)
-    parser.add_argument("--grace", type=float, default=local.GRACE_S)
+    parser.add_argument("--grace", type=float, default=proctree.GRACE_S)
     args = parser.parse_args(argv)
     try:
         check_job_id(args.job_id)
     except ValueError as err:
         parser.error(str(err))
-    pids = _cleanup_here(args.job_id, min(max(args.grace, 0.0), local.GRACE_S))
+    pids = _cleanup_here(args.job_id, min(max(args.grace, 0.0), proctree.GRACE_S))
     print(json.dumps({"host": socket.gethostname(), "pids": pids}), flush=True)
     return 0
 

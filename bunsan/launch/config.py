@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from bunsan.launch.hosts import parse_hosts
+from bunsan.launch.options import RUN_OPTIONS, SSH_OPTIONS, Option, add_run_arguments, add_ssh_arguments
 from bunsan.launch.quoting import quoted
 
 __all__ = [
@@ -42,9 +43,6 @@ HOST_KEY_CHECKING = ("yes", "accept-new", "no")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _SSH_OPTION_RE = re.compile(r"^[A-Za-z][A-Za-z0-9]*=.*$")
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 class UsageError(ValueError):
@@ -76,9 +74,55 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message, prog=self.prog)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RemoteSettings:
+    """How to reach the remote hosts (``bunsan run`` and ``bunsan doctor``), with their ``BUNSAN_*`` fallbacks applied.
+
+    Keyword-only, so that :class:`LaunchConfig`, which adds the rest of ``bunsan
+    run``'s options to these, keeps ``command`` first.
+
+    Attributes:
+        ssh_port: ``ssh -p`` for every remote host; ``None`` leaves it to ssh.
+        ssh_identity: ``ssh -i`` key file; ``None`` leaves it to ssh.
+        ssh_host_key_checking: ``StrictHostKeyChecking`` (``yes``,
+            ``accept-new``, ``no``); ``None`` leaves it to ssh's config.
+        ssh_options: More ``ssh -o KEY=VALUE`` options.
+        remote_python: Interpreter on the remote hosts; ``None`` means the
+            launcher's own ``sys.executable`` (the same path everywhere).
+        remote_cwd: Working directory on the remote hosts; ``None`` means the
+            launcher's current directory.
+    """
+
+    ssh_port: int | None = None
+    ssh_identity: str | None = None
+    ssh_host_key_checking: str | None = None
+    ssh_options: tuple[str, ...] = ()
+    remote_python: str | None = None
+    remote_cwd: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ssh_port is not None and not 1 <= self.ssh_port <= 65535:
+            raise UsageError(f"--ssh-port must be in 1..65535, got {self.ssh_port}")
+        if self.ssh_host_key_checking is not None and self.ssh_host_key_checking not in HOST_KEY_CHECKING:
+            raise UsageError(
+                f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
+                f"got {quoted(self.ssh_host_key_checking)}"
+            )
+        for option in self.ssh_options:
+            if not _SSH_OPTION_RE.match(option):
+                raise UsageError(
+                    f"--ssh-option {quoted(option)} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3"
+                )
+        if self.remote_python is not None and not os.path.isabs(self.remote_python):
+            raise UsageError(
+                f"--remote-python must be an absolute path, got {quoted(self.remote_python)}; "
+                "e.g. --remote-python /opt/venv/bin/python"
+            )
+
+
 @dataclass(frozen=True)
-class LaunchConfig:
-    """Everything ``bunsan run`` needs to start a job.
+class LaunchConfig(RemoteSettings):
+    """Everything ``bunsan run`` needs to start a job: the ssh settings of :class:`RemoteSettings` and these.
 
     Attributes:
         command: The worker command: a ``.py`` script (run with the launcher's
@@ -96,15 +140,6 @@ class LaunchConfig:
         exports: ``-x`` values, ``"VAR"`` (take it from the launcher's
             environment) or ``"VAR=value"``, in order.
         env_file: ``--env-file``: a file of ``VAR=value`` lines for the workers.
-        ssh_port: ``ssh -p`` for every remote host; ``None`` leaves it to ssh.
-        ssh_identity: ``ssh -i`` key file; ``None`` leaves it to ssh.
-        ssh_host_key_checking: ``StrictHostKeyChecking`` (``yes``,
-            ``accept-new``, ``no``); ``None`` leaves it to ssh's config.
-        ssh_options: More ``ssh -o KEY=VALUE`` options.
-        remote_python: Interpreter on the remote hosts; ``None`` means the
-            launcher's own ``sys.executable`` (the same path everywhere).
-        remote_cwd: Working directory on the remote hosts; ``None`` means the
-            launcher's current directory.
         max_restarts: Restart the whole job (all hosts, same world size) up
             to this many times after a worker fails.
         job_id: The job's id; ``None`` makes a fresh one.
@@ -125,19 +160,13 @@ class LaunchConfig:
     dry_run: bool = False
     exports: tuple[str, ...] = ()
     env_file: str | None = None
-    ssh_port: int | None = None
-    ssh_identity: str | None = None
-    ssh_host_key_checking: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    remote_python: str | None = None
-    remote_cwd: str | None = None
     max_restarts: int = 0
     job_id: str | None = None
     cleanup: bool = False
     oversubscribe: bool = False
 
     def __post_init__(self) -> None:
-        _check_ssh_fields(self.ssh_port, self.ssh_host_key_checking, self.ssh_options, self.remote_python)
+        super().__post_init__()
         if self.job_id is not None and not _JOB_ID_RE.match(self.job_id):
             raise UsageError(
                 f"--job-id {quoted(self.job_id)} is not valid; use 1 to 64 letters, digits, '.', '_' or '-', "
@@ -145,8 +174,7 @@ class LaunchConfig:
             )
         if self.cleanup:
             return  # --cleanup needs no command; the host options are checked as usual
-        if self.remote_cwd is not None and not os.path.isabs(self.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(self.remote_cwd)}")
+        _check_remote_cwd(self.remote_cwd)
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         for export in self.exports:
@@ -176,172 +204,21 @@ class LaunchConfig:
             )
 
 
-def _check_ssh_fields(
-    port: int | None, host_key_checking: str | None, options: Sequence[str], remote_python: str | None
-) -> None:
-    if port is not None and not 1 <= port <= 65535:
-        raise UsageError(f"--ssh-port must be in 1..65535, got {port}")
-    if host_key_checking is not None and host_key_checking not in HOST_KEY_CHECKING:
-        raise UsageError(
-            f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, got {quoted(host_key_checking)}"
-        )
+def _check_remote_cwd(remote_cwd: str | None) -> None:
+    if remote_cwd is not None and not os.path.isabs(remote_cwd):
+        raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(remote_cwd)}")
+
+
+def _values(options: Sequence[Option], args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The given or ``BUNSAN_*`` values of ``options`` that are set; repeatable ones as tuples, switches as bools."""
+    values: dict[str, Any] = {}
     for option in options:
-        if not _SSH_OPTION_RE.match(option):
-            raise UsageError(f"--ssh-option {quoted(option)} is not KEY=VALUE; e.g. --ssh-option ConnectionAttempts=3")
-    if remote_python is not None and not os.path.isabs(remote_python):
-        raise UsageError(
-            f"--remote-python must be an absolute path, got {quoted(remote_python)}; "
-            "e.g. --remote-python /opt/venv/bin/python"
-        )
-
-
-def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {quoted(text)}") from None
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``bunsan run`` and its ``command`` to ``parser``.
-
-    Defaults are left as ``None`` so :func:`config_from_namespace` can tell
-    "not given" from "given", and fall back to the environment.
-    """
-    parser.add_argument(
-        "-np",
-        "-n",
-        "--np",
-        dest="nproc",
-        type=_whole_number,
-        metavar="N",
-        help="number of worker processes (env BUNSAN_NPROC; default: all slots of the hosts, or 1)",
-    )
-    parser.add_argument(
-        "-H",
-        "--hosts",
-        metavar="HOST:SLOTS,...",
-        help="hosts and their slots, e.g. node1:4,node2:4 (env BUNSAN_HOSTS; default: this machine)",
-    )
-    parser.add_argument(
-        "--hostfile",
-        metavar="PATH",
-        help="file of 'HOST slots=N' lines, '#' comments (env BUNSAN_HOSTFILE)",
-    )
-    parser.add_argument(
-        "--master-addr",
-        metavar="ADDR",
-        help="address of rank 0 for the rendezvous (env BUNSAN_MASTER_ADDR; default 127.0.0.1 on one machine)",
-    )
-    parser.add_argument(
-        "--master-port",
-        type=_whole_number,
-        metavar="PORT",
-        help="port of the rendezvous (env BUNSAN_MASTER_PORT; default: a free port)",
-    )
-    parser.add_argument(
-        "--tag-output",
-        action="store_true",
-        default=None,
-        help="prefix every line of worker output with [rank], or [host:rank] on several hosts (env BUNSAN_TAG_OUTPUT)",
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        default=None,
-        help="print the rank, local rank, host and command of every worker, start nothing",
-    )
-    parser.add_argument(
-        "-x",
-        dest="exports",
-        action="append",
-        metavar="VAR[=VALUE]",
-        help="pass VAR (from this environment, or with VALUE) to every worker; repeatable",
-    )
-    parser.add_argument(
-        "--env-file",
-        metavar="PATH",
-        help="file of VAR=value lines ('#' comments) set for every worker (env BUNSAN_ENV_FILE)",
-    )
-    parser.add_argument(
-        "--max-restarts",
-        type=_whole_number,
-        metavar="K",
-        help="after a worker fails, restart all workers on all hosts up to K times "
-        "(env BUNSAN_MAX_RESTARTS; default 0); workers see BUNSAN_RESTART=1, 2, ...",
-    )
-    parser.add_argument(
-        "--job-id",
-        metavar="ID",
-        help="the job's id (BUNSAN_JOB_ID; default: a fresh one); with --cleanup, the job to clean up",
-    )
-    parser.add_argument(
-        "--cleanup",
-        action="store_true",
-        default=None,
-        help="end what is left of job --job-id (or of every job whose launcher is gone) on its hosts, "
-        "found by BUNSAN_JOB_ID in /proc/*/environ; starts nothing",
-    )
-    parser.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        default=None,
-        help="start more workers than a host has CPU cores without a warning, and more than "
-        "8 per core at all (refused otherwise) (env BUNSAN_OVERSUBSCRIBE)",
-    )
-    add_ssh_arguments(parser)
-    parser.add_argument(
-        "command",
-        nargs=argparse.REMAINDER,
-        metavar="[--] COMMAND ...",
-        help="script.py (run with this Python) or an executable, then its arguments",
-    )
-
-
-def add_ssh_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options that say how to reach remote hosts (``bunsan run`` and ``bunsan doctor``)."""
-    group = parser.add_argument_group("remote hosts (ssh)")
-    group.add_argument(
-        "--ssh-port",
-        type=_whole_number,
-        metavar="PORT",
-        help="ssh port of every remote host (env BUNSAN_SSH_PORT; default: ssh's own)",
-    )
-    group.add_argument("--ssh-identity", metavar="KEYFILE", help="ssh private key, ssh -i (env BUNSAN_SSH_IDENTITY)")
-    group.add_argument(
-        "--ssh-host-key-checking",
-        metavar="yes|accept-new|no",
-        help="StrictHostKeyChecking; 'no' also skips known_hosts (env BUNSAN_SSH_HOST_KEY_CHECKING)",
-    )
-    group.add_argument(
-        "--ssh-option",
-        dest="ssh_options",
-        action="append",
-        metavar="KEY=VALUE",
-        help="another ssh -o option; repeatable",
-    )
-    group.add_argument(
-        "--remote-python",
-        metavar="PATH",
-        help="Python on the remote hosts (env BUNSAN_REMOTE_PYTHON; default: this Python's path)",
-    )
-    group.add_argument(
-        "--remote-cwd",
-        metavar="DIR",
-        help="working directory on the remote hosts (env BUNSAN_REMOTE_CWD; default: the current one)",
-    )
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """The ssh options of :func:`add_ssh_arguments`, with their ``BUNSAN_*`` fallbacks applied."""
-
-    ssh_port: int | None = None
-    ssh_identity: str | None = None
-    ssh_host_key_checking: str | None = None
-    ssh_options: tuple[str, ...] = ()
-    remote_python: str | None = None
-    remote_cwd: str | None = None
+        value = getattr(args, option.name, None)
+        if value is None and option.env and option.parse is not None:
+            value = _from_environ(environ, option.env_name, option.parse, option.expected)
+        if value is not None:
+            values[option.name] = tuple(value) if option.action == "append" else value
+    return values
 
 
 def remote_settings(
@@ -352,26 +229,9 @@ def remote_settings(
     Raises:
         UsageError: A value is invalid.
     """
-    environ = os.environ if environ is None else environ
-
-    def pick(name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
-        value = getattr(args, name, None)
-        return value if value is not None else _from_environ(environ, f"BUNSAN_{name.upper()}", convert, expected)
-
     try:
-        settings = RemoteSettings(
-            pick("ssh_port", int, "a port number"),
-            pick("ssh_identity", str, "a path"),
-            pick("ssh_host_key_checking", str, "yes, accept-new or no"),
-            tuple(getattr(args, "ssh_options", None) or ()),
-            pick("remote_python", str, "a path"),
-            pick("remote_cwd", str, "a path"),
-        )
-        _check_ssh_fields(
-            settings.ssh_port, settings.ssh_host_key_checking, settings.ssh_options, settings.remote_python
-        )
-        if settings.remote_cwd is not None and not os.path.isabs(settings.remote_cwd):
-            raise UsageError(f"--remote-cwd must be an absolute path, got {quoted(settings.remote_cwd)}")
+        settings = RemoteSettings(**_values(SSH_OPTIONS, args, os.environ if environ is None else environ))
+        _check_remote_cwd(settings.remote_cwd)
     except UsageError as err:
         raise UsageError(str(err), prog=prog) from None
     return settings
@@ -436,22 +296,11 @@ def _from_environ(environ: Mapping[str, str], name: str, convert: Callable[[str]
         ) from None
 
 
-def _boolean(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ValueError(text)
-
-
 def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Build the config from parsed arguments, filling gaps from ``BUNSAN_*`` variables.
 
-    Field ``x_y`` falls back to ``BUNSAN_X_Y`` (``nproc`` to ``BUNSAN_NPROC``).
-    ``--dry-run`` and ``--cleanup`` have no environment fallback: a stray
-    variable must never turn a launch into a no-op. Neither have ``-x``,
-    ``--ssh-option`` and ``--job-id`` (every worker carries ``BUNSAN_JOB_ID``).
+    Field ``x_y`` falls back to ``BUNSAN_X_Y`` (``nproc`` to ``BUNSAN_NPROC``),
+    except the options declared without one (see :class:`bunsan.launch.options.Option`).
 
     Args:
         args: The namespace of a parser set up by :func:`add_run_arguments`.
@@ -462,37 +311,10 @@ def config_from_namespace(args: argparse.Namespace, environ: Mapping[str, str] |
         UsageError: An option or environment variable is invalid.
     """
     environ = os.environ if environ is None else environ
-
-    def pick(name: str, convert: Callable[[str], _T], expected: str) -> _T | None:
-        value = getattr(args, name)
-        return value if value is not None else _from_environ(environ, f"BUNSAN_{name.upper()}", convert, expected)
-
     command = list(args.command)
     if command and command[0] == "--":  # `bunsan run -np 2 -- train.py`
         command = command[1:]
-    max_restarts = pick("max_restarts", int, "a whole number")
-    return LaunchConfig(
-        command=tuple(command),
-        nproc=pick("nproc", int, "a whole number"),
-        hosts=pick("hosts", str, "a host list"),
-        hostfile=pick("hostfile", str, "a path"),
-        master_addr=pick("master_addr", str, "an address"),
-        master_port=pick("master_port", int, "a port number"),
-        tag_output=bool(pick("tag_output", _boolean, "a boolean (1/0, true/false)")),
-        dry_run=bool(args.dry_run),
-        exports=tuple(args.exports or ()),
-        env_file=pick("env_file", str, "a path"),
-        ssh_port=pick("ssh_port", int, "a port number"),
-        ssh_identity=pick("ssh_identity", str, "a path"),
-        ssh_host_key_checking=pick("ssh_host_key_checking", str, "yes, accept-new or no"),
-        ssh_options=tuple(args.ssh_options or ()),
-        remote_python=pick("remote_python", str, "a path"),
-        remote_cwd=pick("remote_cwd", str, "a path"),
-        max_restarts=0 if max_restarts is None else max_restarts,
-        job_id=args.job_id,  # no BUNSAN_JOB_ID fallback: workers carry it, and a nested launch is another job
-        cleanup=bool(args.cleanup),  # no environment fallback, as --dry-run
-        oversubscribe=bool(pick("oversubscribe", _boolean, "a boolean (1/0, true/false)")),
-    )
+    return LaunchConfig(command=tuple(command), **_values((*RUN_OPTIONS, *SSH_OPTIONS), args, environ))
 
 
 def parse_run_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> LaunchConfig:

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from bunsan.launch.ssh import SshOptions, remote_command, ssh_command
+from bunsan._table import format_table
+from bunsan.launch.ssh_plan import SshOptions, remote_command, ssh_command
 
 __all__ = [
     "HostReport",
@@ -173,7 +174,7 @@ def check_hosts(
         if process is None:
             continue
         try:
-            out, err = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            out, errors = process.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
@@ -184,7 +185,7 @@ def check_hosts(
             report.info = json.loads(lines[-1])
             report.reachable = True
         except (ValueError, IndexError):
-            reason = (err.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
+            reason = (errors.strip().splitlines() or [f"exit code {process.returncode}"])[-1]
             if process.returncode == 255:
                 report.error = f"ssh failed: {reason}"
             elif process.returncode in (126, 127):
@@ -198,6 +199,11 @@ def _first(reports: Sequence[HostReport], key: Callable[[HostReport], Any]) -> A
     return next((key(r) for r in reports if r.reachable and key(r) is not None), None)
 
 
+def _reference(reports: Sequence[HostReport], item: str) -> Any:
+    """The value of ``item`` (python, torch, bunsan) on the first reachable host that has it."""
+    return _first(reports, lambda r: r.info.get(item))
+
+
 def problems_of(reports: Sequence[HostReport]) -> list[str]:
     """One sentence per problem, comparing every host with the first one that has the item. Pure."""
     problems: list[str] = []
@@ -205,7 +211,7 @@ def problems_of(reports: Sequence[HostReport]) -> list[str]:
         if not r.reachable:
             problems.append(f"{r.host}: {r.error}")
     for item in ("python", "torch", "bunsan"):
-        reference = _first(reports, lambda r, item=item: r.info.get(item))
+        reference = _reference(reports, item)
         owner = next((r.host for r in reports if r.reachable and r.info.get(item) == reference), None)
         for r in reports:
             if not r.reachable:
@@ -257,7 +263,7 @@ def format_report(reports: Sequence[HostReport], data: str | None, port: int | N
     if port:
         columns.append(f"port {port}")
     columns.append("all-reduce")
-    refs = {item: _first(reports, lambda r, item=item: r.info.get(item)) for item in ("python", "torch", "bunsan")}
+    refs = {item: _reference(reports, item) for item in ("python", "torch", "bunsan")}
     data_ref = _first(reports, lambda r: (r.info.get("data") or {}).get("sha256"))
     rows = []
     for r in reports:
@@ -287,8 +293,7 @@ def format_report(reports: Sequence[HostReport], data: str | None, port: int | N
             row.append("-" if p is None else "free" if p["free"] else "IN USE!")
         row.append(r.allreduce if r.allreduce is not None else "not run")
         rows.append(row)
-    widths = [max(len(str(row[i])) for row in [columns, *rows]) for i in range(len(columns))]
-    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [columns, *rows])
+    return format_table(columns, [[str(cell) for cell in row] for row in rows], rule=False)
 
 
 def _run_allreduce(
@@ -321,7 +326,7 @@ def _run_allreduce(
         return
     results: dict[int, dict[str, Any]] = {}
     for line in result.stdout.splitlines():
-        tag, _, payload = line.partition(" ")
+        _tag, _, payload = line.partition(" ")
         with contextlib.suppress(ValueError):
             answer = json.loads(payload)
             results[int(answer["rank"])] = answer
@@ -341,14 +346,14 @@ def _run_allreduce(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bunsan doctor``."""
-    from bunsan.launch.config import _whole_number, add_ssh_arguments
+    from bunsan.launch.options import add_ssh_arguments, whole_number
 
     parser.add_argument("-H", "--hosts", metavar="HOST[:SLOTS],...", help="hosts to check, e.g. node1,node2")
     parser.add_argument("--hostfile", metavar="PATH", help="file of 'HOST slots=N' lines to check")
     parser.add_argument("--data", metavar="PATH", help="a file or directory that must be equal on every host")
     parser.add_argument(
         "--port",
-        type=_whole_number,
+        type=whole_number,
         default=DEFAULT_PORT,
         metavar="PORT",
         help=f"rendezvous port that must be free on every host (default {DEFAULT_PORT}; 0 skips)",

@@ -8,6 +8,8 @@ input goes through :func:`quoted`.
 
 from __future__ import annotations
 
+from bunsan._validate import check_int
+
 __all__ = ["MAX_QUOTED", "quoted"]
 
 MAX_QUOTED = 80  # characters of user input shown in a message
@@ -23,8 +25,7 @@ def quoted(value: object, limit: int = MAX_QUOTED) -> str:
     Raises:
         ValueError: ``limit`` < 1.
     """
-    if limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
+    check_int("limit", limit, minimum=1)
     text = str(value)
     if len(text) <= limit:
         return repr(text)

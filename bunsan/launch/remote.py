@@ -25,23 +25,7 @@ even where several "hosts" share one process table. Every worker still
 carries ``BUNSAN_JOB_ID=<job id>``, by which ``bunsan run --cleanup`` finds
 all of them.
 
-Protocol (private between the launcher and the agent of the same version):
-
-* launcher to agent, on stdin: one JSON object per line. First ``init``
-  (what to run, see :class:`AgentInit`), then ``start`` with
-  ``master_addr`` and ``master_port``, ``ping`` every second, and ``stop``
-  with the signal to forward.
-* agent to launcher, on stdout: frames ``KIND RANK LENGTH\\n`` followed by
-  ``LENGTH`` bytes (:func:`encode_frame`, :class:`FrameDecoder`). ``o`` and
-  ``e`` carry whole lines of a worker's stdout and stderr, ``m`` a message of
-  the agent, ``s`` a status event in JSON: ``ready`` (host name, the ssh
-  connection's addresses, the checked port), ``error`` (cannot start:
-  working directory, script or port), ``report`` (a worker raised: it is
-  about to exit and the job will end because of it), ``failed`` (a worker
-  failed, with the time, sent before the others are stopped; ``origin`` false
-  when it only stopped because a rank of another host failed) and ``done``
-  (the outcome, once every worker here is gone). The agent's own stderr is not framed: a traceback
-  of the agent itself reaches the launcher's stderr as it is.
+The protocol between the launcher and the agents is :mod:`bunsan.launch.protocol`.
 """
 
 from __future__ import annotations
@@ -58,11 +42,12 @@ import struct
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bunsan.launch import local
+from bunsan.launch import local, plan
 from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
+from bunsan.launch.output import read_available
+from bunsan.launch.protocol import HEARTBEAT_TIMEOUT_S, AgentInit, Frame, FrameDecoder, encode_frame
 from bunsan.launch.quoting import quoted
 
 __all__ = [
@@ -76,130 +61,10 @@ __all__ = [
     "main",
 ]
 
-HEARTBEAT_TIMEOUT_S = 30.0  # no message from the launcher for this long: it is gone
 INIT_TIMEOUT_S = 60.0  # the launcher sends init right after starting ssh
 OUTBOX_STALL_S = 30.0  # output that cannot be sent for this long: the connection is gone
 FLUSH_AT_EXIT_S = 5.0
 _SIOCGIFADDR = 0x8915  # from <linux/sockios.h>
-_FRAME_KINDS = frozenset(b"oems")
-
-
-# ---------------------------------------------------------------------------
-# Frames: agent to launcher. Pure.
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One unit of the agent's stdout: ``kind`` is ``"o"``, ``"e"``, ``"m"`` or ``"s"``."""
-
-    kind: str
-    rank: int
-    payload: bytes
-
-
-def encode_frame(kind: str, rank: int, payload: bytes) -> bytes:
-    """Return the bytes of one frame (see the module docstring)."""
-    return f"{kind} {rank} {len(payload)}\n".encode() + payload
-
-
-class FrameDecoder:
-    """Split a byte stream into :class:`Frame` objects, whatever the chunking.
-
-    Anything that is not a frame header (for instance a shell's greeting
-    printed before the agent started) is returned as a frame of kind ``"?"``
-    so that it is shown, not lost.
-    """
-
-    _MAX_HEADER = 64
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, data: bytes) -> list[Frame]:
-        self._buffer += data
-        frames: list[Frame] = []
-        while self._buffer:
-            newline = self._buffer.find(b"\n", 0, self._MAX_HEADER)
-            if newline < 0:
-                if len(self._buffer) >= self._MAX_HEADER:  # no header can be this long
-                    frames.append(Frame("?", -1, self._buffer))
-                    self._buffer = b""
-                break
-            header = self._buffer[:newline].split(b" ")
-            if len(header) != 3 or len(header[0]) != 1 or header[0][0] not in _FRAME_KINDS:
-                frames.append(Frame("?", -1, self._buffer[: newline + 1]))
-                self._buffer = self._buffer[newline + 1 :]
-                continue
-            try:
-                rank, length = int(header[1]), int(header[2])
-            except ValueError:
-                frames.append(Frame("?", -1, self._buffer[: newline + 1]))
-                self._buffer = self._buffer[newline + 1 :]
-                continue
-            end = newline + 1 + length
-            if len(self._buffer) < end:
-                break
-            frames.append(Frame(header[0].decode(), rank, self._buffer[newline + 1 : end]))
-            self._buffer = self._buffer[end:]
-        return frames
-
-    def rest(self) -> bytes:
-        """Bytes of an incomplete frame left at the end of the stream."""
-        rest, self._buffer = self._buffer, b""
-        return rest
-
-
-# ---------------------------------------------------------------------------
-# What the launcher sends first.
-
-
-@dataclass(frozen=True)
-class AgentInit:
-    """The ``init`` message: everything an agent needs but the master address and port.
-
-    Attributes:
-        job_id: The job's id (``BUNSAN_JOB_ID``), the same on every host and attempt.
-        group_rank: Index of this host among the hosts of the job.
-        hosts: Number of hosts in the job.
-        restart: 0 for the first attempt, then 1, 2, ... (``BUNSAN_RESTART``).
-        cwd: Working directory of the workers.
-        argv: The worker command, already resolved for this host.
-        script: A ``.py`` script that must exist in ``cwd``, or ``None``.
-        env: Variables added to this host's own environment for the workers.
-        slots: ``[rank, local_rank, world_size, local_world_size]`` of each worker here.
-        check_port: Port to check (0: pick a free one), or ``None`` on hosts other than rank 0's.
-        grace_s: Seconds between SIGTERM and SIGKILL when the job stops.
-        heartbeat_timeout_s: Silence from the launcher that counts as its death.
-        oversubscribe: ``--oversubscribe``: more workers than this host has cores are fine.
-    """
-
-    job_id: str
-    group_rank: int
-    hosts: int
-    restart: int
-    cwd: str
-    argv: list[str]
-    script: str | None
-    env: dict[str, str]
-    slots: list[list[int]]
-    check_port: int | None = None
-    grace_s: float = local.GRACE_S
-    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
-    oversubscribe: bool = False
-    op: str = field(default="init")
-
-    def to_line(self) -> bytes:
-        return json.dumps(asdict(self)).encode() + b"\n"
-
-    @classmethod
-    def from_message(cls, message: Mapping[str, Any]) -> AgentInit:
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in message.items() if k in names})
-
-    @property
-    def host_job_id(self) -> str:
-        """The value of ``BUNSAN_HOST_JOB_ID`` for this host's workers."""
-        return f"{self.job_id}.h{self.group_rank}"
 
 
 # ---------------------------------------------------------------------------
@@ -325,12 +190,9 @@ class _Inbox:
     def poll(self) -> list[dict[str, Any]]:
         messages = []
         while not self.eof:
-            try:
-                chunk = os.read(self._fd, 1 << 16)
-            except BlockingIOError:
+            chunk = read_available(self._fd)
+            if chunk is None:
                 break
-            except OSError:
-                chunk = b""
             if not chunk:
                 self.eof = True
                 break
@@ -375,9 +237,9 @@ def _slots(init: AgentInit) -> list[Slot]:
 
 
 def _worker_base_env(init: AgentInit, master_addr: str, environ: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in environ.items() if k != local.HOST_JOB_VARIABLE}
+    env = {k: v for k, v in environ.items() if k != plan.HOST_JOB_VARIABLE}
     env.update(init.env)
-    env[local.HOST_JOB_VARIABLE] = init.host_job_id
+    env[plan.HOST_JOB_VARIABLE] = init.host_job_id
     if init.hosts > 1 and "GLOO_SOCKET_IFNAME" not in env:
         interface = interface_for(master_addr)
         if interface is not None:
@@ -458,7 +320,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         return None
 
     master_addr, master_port = str(message["master_addr"]), int(message["master_port"])
-    specs = local.plan_workers(
+    specs = plan.plan_workers(
         _slots(init),
         init.argv,
         _worker_base_env(init, master_addr, os.environ),
@@ -472,7 +334,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         init.host_job_id,
         tag_output=True,
         grace_s=init.grace_s,
-        variable=local.HOST_JOB_VARIABLE,
+        variable=plan.HOST_JOB_VARIABLE,
         sink=lambda rank, stream, data: outbox.send("o" if stream == 1 else "e", rank, data),
         interrupt=interrupt,
         log=outbox.message,

@@ -1,26 +1,11 @@
 """Fan a job out over ssh: one agent per host, one launcher that watches them all.
 
-Design decision: our own per-host agent, not ``torchrun`` per host.
 ``bunsan run`` opens one plain ssh connection per host (the system's OpenSSH
-client, ``BatchMode=yes``: never a password prompt) and runs
-``python -m bunsan.launch.remote`` there (:mod:`bunsan.launch.remote`). The
-agent starts that host's workers with the same hygiene as a job on one
-machine and streams their output back. We chose this over ``torchrun`` with a
-static rendezvous on every host because
-
-* torchrun does not notice that the launcher is gone: a plain ssh client
-  that dies leaves the remote command running (measured here), and
-  ``ssh -tt`` only helps when the client dies, not when the connection
-  stalls, and it mangles output through a pseudo terminal. Our agent
-  watches its stdin (end-of-file, heartbeats) and stops its workers;
-* torchrun knows nothing of ``BUNSAN_JOB_ID``: workers that leave their
-  process group survive its teardown, and ``bunsan run --cleanup`` could not
-  find them;
-* torchrun restarts the workers of one host on its own; we restart all
-  hosts together with a fresh port, as one attempt of the job;
-* the agent checks, before any worker starts, the working directory, the
-  script and the rendezvous port of rank 0's host, and reports the exact
-  problem as one sentence; and it needs nothing but bunsan on the host.
+client, ``BatchMode=yes``: never a password prompt) and runs ``python -m
+bunsan.launch.remote`` there: an agent that starts that host's workers with the
+same hygiene as a job on one machine and streams their output back. Why an
+agent of our own and not ``torchrun`` per host: docs/design-notes.md,
+"Launcher: why an agent per host, not torchrun".
 
 What the launcher does, per attempt:
 
@@ -62,9 +47,7 @@ import contextlib
 import json
 import os
 import selectors
-import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -73,219 +56,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bunsan.launch import local
-from bunsan.launch.config import HOST_KEY_CHECKING
-from bunsan.launch.hosts import Slot
-from bunsan.launch.quoting import quoted
-from bunsan.launch.remote import AgentInit, Frame, FrameDecoder
+from bunsan.launch.output import read_available
+from bunsan.launch.plan import HOST_JOB_VARIABLE, JOB_ID_VARIABLE, JobOutcome, exit_code_of
+from bunsan.launch.proctree import GRACE_S, POLL_S, Signals, die_with_launcher_hook, start_janitor, stop_janitor
+from bunsan.launch.protocol import AgentInit, Frame, FrameDecoder
+from bunsan.launch.ssh_plan import (
+    HostPlan,
+    SshOptions,
+    agent_command,
+    master_address,
+    ssh_command,
+)
 
-__all__ = [
-    "HOST_KEY_CHECKING",
-    "HostPlan",
-    "SshOptions",
-    "agent_command",
-    "master_address",
-    "plan_hosts",
-    "remote_command",
-    "run_hosts",
-    "ssh_command",
-]
+__all__ = ["run_hosts"]
 
 START_TIMEOUT_S = 60.0  # every agent must be ready within this (ssh ConnectTimeout is less)
 PING_S = 1.0
 _STDERR_TAIL = 5
-
-
-@dataclass(frozen=True)
-class SshOptions:
-    """How to reach the hosts with the system's ``ssh`` client.
-
-    Attributes:
-        port: ``-p``; ``None`` leaves it to ssh (its config, or 22).
-        identity: ``-i`` key file; ``None`` leaves it to ssh.
-        host_key_checking: ``StrictHostKeyChecking``: ``"yes"``, ``"accept-new"``
-            or ``"no"``; ``"no"`` also keeps the keys out of ``known_hosts``
-            (``UserKnownHostsFile=/dev/null``). ``None`` leaves it to ssh's config.
-        options: More ``-o KEY=VALUE`` options, passed as given.
-        connect_timeout_s: ``ConnectTimeout``.
-        executable: The ssh client.
-    """
-
-    port: int | None = None
-    identity: str | None = None
-    host_key_checking: str | None = None
-    options: tuple[str, ...] = ()
-    connect_timeout_s: int = 10
-    executable: str = "ssh"
-
-    def __post_init__(self) -> None:
-        if self.host_key_checking is not None and self.host_key_checking not in HOST_KEY_CHECKING:
-            raise ValueError(
-                f"--ssh-host-key-checking must be one of {', '.join(HOST_KEY_CHECKING)}, "
-                f"got {quoted(self.host_key_checking)}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "port": self.port,
-            "identity": self.identity,
-            "host_key_checking": self.host_key_checking,
-            "options": list(self.options),
-            "connect_timeout_s": self.connect_timeout_s,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SshOptions:
-        return cls(
-            data.get("port"),
-            data.get("identity"),
-            data.get("host_key_checking"),
-            tuple(data.get("options", ())),
-            int(data.get("connect_timeout_s", 10)),
-        )
-
-
-def ssh_command(host: str, command: str, options: SshOptions) -> list[str]:
-    """Return the argv that runs the shell command ``command`` on ``host``. Pure.
-
-    ``BatchMode=yes``: a missing key fails at once instead of prompting for a
-    password. ``-T``: no pseudo terminal, so output stays byte-exact and
-    stderr separate. Keep-alives make a dead connection end the client
-    within 15 s, which the launcher reports as a lost host.
-    """
-    argv = [
-        options.executable,
-        "-T",
-        "-x",
-        "-a",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        f"ConnectTimeout={options.connect_timeout_s}",
-        "-o",
-        "ServerAliveInterval=5",
-        "-o",
-        "ServerAliveCountMax=3",
-        "-o",
-        "LogLevel=ERROR",
-    ]
-    if options.host_key_checking is not None:
-        argv += ["-o", f"StrictHostKeyChecking={options.host_key_checking}"]
-        if options.host_key_checking == "no":
-            argv += ["-o", "UserKnownHostsFile=/dev/null"]
-    for option in options.options:
-        argv += ["-o", option]
-    if options.port is not None:
-        argv += ["-p", str(options.port)]
-    if options.identity is not None:
-        argv += ["-i", options.identity]
-    return [*argv, "--", host, command]
-
-
-def remote_command(python: str, module: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> str:
-    """The shell command that runs ``python -m module args`` on a host, with ``env`` set. Pure.
-
-    ``exec`` replaces the login shell, so the agent is the ssh session's
-    own child and nothing sits between them.
-    """
-    assignments = [f"{name}={value}" for name, value in (env or {}).items()]
-    prefix = ["env", *assignments] if assignments else []
-    return "exec " + shlex.join([*prefix, python, "-m", module, *args])
-
-
-def agent_command(python: str, job_id: str) -> str:
-    """The shell command that starts the agent of job ``job_id`` (it carries ``BUNSAN_JOB_ID``)."""
-    return remote_command(python, "bunsan.launch.remote", env={local.JOB_ID_VARIABLE: job_id})
-
-
-def master_address(rank0_host: str, rank0_is_local: bool, ssh_connections: Mapping[str, str]) -> str:
-    """Choose ``MASTER_ADDR`` from what the agents saw of their ssh connections. Pure.
-
-    Args:
-        rank0_host: The host of rank 0, as the user wrote it.
-        rank0_is_local: Whether that host is this machine.
-        ssh_connections: ``SSH_CONNECTION`` (``"client_ip client_port
-            server_ip server_port"``) of each remote host's agent, in host order.
-
-    Returns:
-        For a remote rank 0, the address the launcher reached it at; for rank 0
-        here, this machine's address as the first remote host sees it. Where
-        that is unknown or a loopback address (an ssh tunnel), the host name.
-    """
-
-    def usable(address: str) -> bool:
-        return bool(address) and not address.startswith("127.") and address != "::1"
-
-    if rank0_is_local:
-        for connection in ssh_connections.values():
-            fields = connection.split()
-            if len(fields) == 4 and usable(fields[0]):
-                return fields[0]
-        return socket.gethostname()
-    fields = ssh_connections.get(rank0_host, "").split()
-    if len(fields) == 4 and usable(fields[2]):
-        return fields[2]
-    return rank0_host.rsplit("@", 1)[-1]
-
-
-@dataclass(frozen=True)
-class HostPlan:
-    """One host of a multi-host job and what its agent runs.
-
-    Attributes:
-        host: Host name, as the user wrote it.
-        group_rank: Index of the host among the hosts of the job.
-        local: This machine: its agent runs without ssh.
-        slots: ``[rank, local_rank, world_size, local_world_size]`` per worker.
-        argv: The worker command, resolved for this host.
-        script: A ``.py`` script the agent checks for, or ``None``.
-        python: The interpreter that runs the agent (and ``.py`` scripts).
-        cwd: The workers' working directory.
-    """
-
-    host: str
-    group_rank: int
-    local: bool
-    slots: tuple[tuple[int, int, int, int], ...]
-    argv: tuple[str, ...]
-    script: str | None
-    python: str
-    cwd: str
-
-
-def plan_hosts(
-    slots: Sequence[Slot],
-    command: Sequence[str],
-    is_local: Callable[[str], bool],
-    remote_python: str | None = None,
-    remote_cwd: str | None = None,
-) -> list[HostPlan]:
-    """Group the slots by host and resolve each host's command. Pure but for the local script check.
-
-    Raises:
-        ValueError: The command cannot be resolved for this machine (a local host).
-    """
-    hosts = list(dict.fromkeys(slot.host for slot in slots))
-    plans = []
-    for host in hosts:
-        mine = [s for s in slots if s.host == host]
-        here = is_local(host)
-        python = sys.executable if here else (remote_python or sys.executable)
-        argv = local.worker_command(command, python=python, check=here)
-        script = command[0] if command[0].endswith(".py") else None
-        plans.append(
-            HostPlan(
-                host,
-                mine[0].group_rank,
-                here,
-                tuple((s.rank, s.local_rank, s.world_size, s.local_world_size) for s in mine),
-                tuple(argv),
-                script,
-                python,
-                os.getcwd() if here else (remote_cwd or os.getcwd()),
-            )
-        )
-    return plans
 
 
 # ---------------------------------------------------------------------------
@@ -422,31 +209,19 @@ class _Fanout:
                 )
             )
         elif event == "failed":
-            cause = f"{status.get('cause')} on host {agent.host}"
-            self.fail(
-                _Failure(
-                    int(status["code"]),
-                    "failed",
-                    cause,
-                    status.get("rank"),
-                    float(status["time"]),
-                    bool(status.get("origin", True)),
-                )
-            )
+            self.fail(self._host_failure(agent, status, float(status["time"])))
         elif event == "done":
             agent.done = status
             if status.get("kind") == "failed" and status.get("code"):
-                cause = f"{status.get('cause')} on host {agent.host}"
-                self.fail(
-                    _Failure(
-                        int(status["code"]),
-                        "failed",
-                        cause,
-                        status.get("rank"),
-                        time.time(),
-                        bool(status.get("origin", True)),
-                    )
-                )
+                self.fail(self._host_failure(agent, status, time.time()))
+
+    @staticmethod
+    def _host_failure(agent: _Agent, status: Mapping[str, Any], when: float) -> _Failure:
+        """The failure an agent's ``failed`` or ``done`` status names, with the host in its cause."""
+        cause = f"{status.get('cause')} on host {agent.host}"
+        return _Failure(
+            int(status["code"]), "failed", cause, status.get("rank"), when, bool(status.get("origin", True))
+        )
 
     def fail(self, failure: _Failure) -> None:
         """Keep the failure that ended the job: a host's own failure before a consequence, then the earliest."""
@@ -467,12 +242,9 @@ class _Fanout:
     def pump(self, timeout_s: float) -> None:
         for key, _ in self.selector.select(timeout_s):
             agent, is_stdout = key.data
-            try:
-                chunk = os.read(key.fd, 1 << 16)
-            except BlockingIOError:
+            chunk = read_available(key.fd)
+            if chunk is None:
                 continue
-            except OSError:
-                chunk = b""
             if not chunk:
                 self.selector.unregister(key.fileobj)
                 if is_stdout:
@@ -518,7 +290,7 @@ class _Fanout:
                 else:
                     self.fail(
                         _Failure(
-                            255 if code in (0, None) else local.exit_code_of(code),
+                            255 if code in (0, None) else exit_code_of(code),
                             "lost",
                             f"lost host {agent.host} (exit code {code}): {tail}",
                         )
@@ -533,12 +305,12 @@ class _Fanout:
         while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
             for agent in self.agents:
                 agent.flush()
-            self.pump(local.POLL_S)
+            self.pump(POLL_S)
         for agent in self.agents:
             agent.close_stdin()  # end-of-file: an agent that missed "stop" stops now
         deadline = time.monotonic() + 1.0
         while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
-            self.pump(local.POLL_S)
+            self.pump(POLL_S)
         for sig_ in (signal.SIGTERM, signal.SIGKILL):
             for agent in self.agents:
                 if not agent.exited():
@@ -546,7 +318,7 @@ class _Fanout:
                         agent.process.send_signal(sig_)
             deadline = time.monotonic() + 1.0
             while any(not a.exited() for a in self.agents) and time.monotonic() < deadline:
-                self.pump(local.POLL_S)
+                self.pump(POLL_S)
         self.pump(0.0)
 
     def close(self) -> None:
@@ -569,9 +341,9 @@ def _start_agent(
     env = dict(os.environ)
     # The launcher's mark: its janitor sweeps the ssh clients (and local
     # agents) by it, and only them, if the launcher is SIGKILLed.
-    env[local.HOST_JOB_VARIABLE] = f"{job_id}.launcher"
+    env[HOST_JOB_VARIABLE] = f"{job_id}.launcher"
     if plan.local:
-        env[local.JOB_ID_VARIABLE] = job_id
+        env[JOB_ID_VARIABLE] = job_id
         argv = [plan.python, "-m", "bunsan.launch.remote"]
     else:
         argv = ssh_command(plan.host, agent_command(plan.python, job_id), ssh)
@@ -596,12 +368,12 @@ def run_hosts(
     master_addr: str | None = None,
     master_port: int | None = None,
     tag_output: bool = False,
-    grace_s: float = local.GRACE_S,
+    grace_s: float = GRACE_S,
     start_timeout_s: float = START_TIMEOUT_S,
     stdout: IO[Any] | None = None,
     stderr: IO[Any] | None = None,
     oversubscribe: bool = False,
-) -> local.JobOutcome:
+) -> JobOutcome:
     """Run one attempt of a multi-host job: an agent per host, until the job ends everywhere.
 
     Must be called from the main thread (signals, ``PR_SET_PDEATHSIG``).
@@ -628,10 +400,10 @@ def run_hosts(
     fanout = _Fanout(tag_output, sys.stdout if stdout is None else stdout, sys.stderr if stderr is None else stderr)
     hosts = len(plans)
     launcher_mark = f"{job_id}.launcher"
-    with local._Signals() as signals:
-        janitor = local.start_janitor(launcher_mark, grace_s, local.HOST_JOB_VARIABLE)
+    with Signals() as signals:
+        janitor = start_janitor(launcher_mark, grace_s, HOST_JOB_VARIABLE)
         try:
-            preexec = local.die_with_launcher_hook()
+            preexec = die_with_launcher_hook()
             for plan in plans:
                 try:
                     process = _start_agent(plan, job_id, ssh, preexec)
@@ -658,17 +430,17 @@ def run_hosts(
             return _watch(fanout, plans, signals, master_addr, start_timeout_s, grace_s)
         finally:
             fanout.close()
-            local.stop_janitor(janitor)
+            stop_janitor(janitor)
 
 
 def _watch(
     fanout: _Fanout,
     plans: Sequence[HostPlan],
-    signals: Any,
+    signals: Signals,
     master_addr: str | None,
     start_timeout_s: float,
     grace_s: float,
-) -> local.JobOutcome:
+) -> JobOutcome:
     started = False
     start_deadline = time.monotonic() + start_timeout_s
     next_ping = time.monotonic() + PING_S
@@ -678,16 +450,19 @@ def _watch(
             sig = signals.received[0]
             fanout.say(f"got {signal.Signals(sig).name}; stopping the job on {len(agents)} host(s)")
             fanout.stop(sig, grace_s)
-            return local.JobOutcome(
+            return JobOutcome(
                 128 + sig, "signal", cause=f"stopped by {signal.Signals(sig).name}", unconfirmed=_unconfirmed(fanout)
             )
-        fanout.pump(local.POLL_S)
+        fanout.pump(POLL_S)
         fanout.check_exits()
         now = time.monotonic()
-        if not started and len(agents) == len(plans) and all(a.ready is not None for a in agents):
-            connections = {a.host: str(a.ready.get("ssh_connection", "")) for a in agents if not a.plan.local}
+        ready = [a.ready for a in agents if a.ready is not None]
+        if not started and len(agents) == len(plans) and len(ready) == len(agents):
+            connections = {
+                a.host: str(r.get("ssh_connection", "")) for a, r in zip(agents, ready, strict=True) if not a.plan.local
+            }
             addr = master_addr or master_address(plans[0].host, plans[0].local, connections)
-            port = int(agents[0].ready["port"])  # type: ignore[index]
+            port = int(ready[0]["port"])
             for agent in agents:
                 agent.send({"op": "start", "master_addr": addr, "master_port": port})
                 agent.started = True
@@ -699,7 +474,7 @@ def _watch(
         if started and all(a.done is not None or a.exited() for a in agents) and fanout.failure is None:
             fanout.check_exits()
             if fanout.failure is None:
-                return local.JobOutcome(0, "ok", unconfirmed=_unconfirmed(fanout))
+                return JobOutcome(0, "ok", unconfirmed=_unconfirmed(fanout))
         if now >= next_ping:
             for agent in agents:
                 agent.send(b'{"op": "ping"}\n')
@@ -715,7 +490,7 @@ def _watch(
     assert final is not None
     if final is not failure:
         fanout.say(f"the first failure was: {final.cause}")
-    return local.JobOutcome(final.code, final.kind, final.rank, final.cause, _unconfirmed(fanout))
+    return JobOutcome(final.code, final.kind, final.rank, final.cause, _unconfirmed(fanout))
 
 
 def _unconfirmed(fanout: _Fanout) -> tuple[str, ...]:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from bunsan.comm import group
-from bunsan.launch import local, treewatch
-from bunsan.launch.local import FailureReport, attribute_failure
+from bunsan.comm import group, rendezvous
+from bunsan.launch import plan, treewatch
+from bunsan.launch.blame import FailureReport, attribute_failure
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and pidfds: Linux only")
 
@@ -74,7 +74,7 @@ def test_report_lines_parse_and_junk_is_ignored():
     assert report == FailureReport(1, "stopped", 0, 1, "x" * 300, 5.0)
     for junk in (b"", b"{", b"[]", b'{"event": "raised"}', b"\xff\xfe"):
         assert FailureReport.from_line(junk) is None
-    assert local.REPORT_FD_VARIABLE == group.REPORT_FD_VARIABLE
+    assert plan.REPORT_FD_VARIABLE == group.REPORT_FD_VARIABLE
 
 
 # --------------------------------------------------------------------------- item 5: what the store binds
@@ -83,14 +83,14 @@ def test_report_lines_parse_and_junk_is_ignored():
 def test_the_store_binds_the_master_address_itself():
     assert group.bind_address("127.0.0.1") == (socket.AF_INET, "127.0.0.1")
     assert group.bind_address("localhost")[1] in ("127.0.0.1", "::1")
-    assert group._is_loopback("127.0.0.1") and not group._is_loopback("192.0.2.1")
-    fd = group._listening_socket("127.0.0.1", 0)
+    assert rendezvous._is_loopback("127.0.0.1") and not rendezvous._is_loopback("192.0.2.1")
+    fd = rendezvous._listening_socket("127.0.0.1", 0)
     with socket.socket(fileno=fd) as sock:
         assert sock.getsockname()[0] == "127.0.0.1"
 
 
 def test_an_address_of_another_host_falls_back_to_every_interface_with_a_warning(capsys):
-    fd = group._listening_socket("192.0.2.123", 0)  # TEST-NET-1: never an address of this machine
+    fd = rendezvous._listening_socket("192.0.2.123", 0)  # TEST-NET-1: never an address of this machine
     with socket.socket(fileno=fd) as sock:
         assert sock.getsockname()[0] == "0.0.0.0"
     assert "is not an address of this host" in capsys.readouterr().err

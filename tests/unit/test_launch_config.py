@@ -9,19 +9,27 @@ from pathlib import Path
 import pytest
 
 from bunsan.launch.cleanup import JobRecord, check_job_id, jobs_dir, list_job_records, write_job_record
-from bunsan.launch.config import LaunchConfig, UsageError, parse_env_file, parse_run_args, resolve_exports
+from bunsan.launch.config import (
+    ArgumentParser,
+    LaunchConfig,
+    UsageError,
+    parse_env_file,
+    parse_run_args,
+    resolve_exports,
+)
 from bunsan.launch.hosts import Host, assign_slots
-from bunsan.launch.local import (
+from bunsan.launch.local import run_attempts
+from bunsan.launch.options import RUN_OPTIONS, SSH_OPTIONS, add_run_arguments
+from bunsan.launch.plan import (
     JobOutcome,
     exit_code_of,
     first_failure,
     format_plan,
-    is_job_environ,
     plan_workers,
-    run_attempts,
     worker_command,
     worker_environment,
 )
+from bunsan.launch.proctree import is_job_environ
 
 # ---------------------------------------------------------------------------
 # Parsing
@@ -91,7 +99,7 @@ def test_dry_run_has_no_environment_fallback():
     ],
 )
 def test_bad_environment_is_named(environ, message):
-    with pytest.raises(UsageError, match="fix or unset it|pass the number") as info:
+    with pytest.raises(UsageError, match=r"fix or unset it|pass the number") as info:
         parse_run_args(["t.py"], environ=environ)
     assert message in str(info.value)
 
@@ -172,9 +180,9 @@ def test_worker_command_runs_scripts_with_this_python(tmp_path):
     script.write_text("")
     assert worker_command([str(script), "--lr", "0.1"]) == [sys.executable, "-u", str(script), "--lr", "0.1"]
     assert worker_command(["sh", "-c", "true"]) == ["sh", "-c", "true"]
-    with pytest.raises(ValueError, match="script .*missing.py' does not exist"):
+    with pytest.raises(ValueError, match=r"script .*missing.py' does not exist"):
         worker_command([str(tmp_path / "missing.py")])
-    with pytest.raises(ValueError, match="'no-such-program-xyz' is neither a .py script nor an executable on PATH"):
+    with pytest.raises(ValueError, match=r"'no-such-program-xyz' is neither a .py script nor an executable on PATH"):
         worker_command(["no-such-program-xyz"])
 
 
@@ -289,7 +297,7 @@ def test_env_file_and_exports():
         "HOME": "/root",
         "E": "x=y",
     }
-    with pytest.raises(ValueError, match="^vars:2: cannot read 'oops'; expected VAR=value$"):
+    with pytest.raises(ValueError, match=r"^vars:2: cannot read 'oops'; expected VAR=value$"):
         parse_env_file("A=1\noops\n", "vars")
     with pytest.raises(UsageError, match="-x MISSING: MISSING is not set in this environment"):
         resolve_exports(["MISSING"], {})
@@ -344,3 +352,40 @@ def test_job_records_and_job_ids(tmp_path):
     for bad in ("", "-x", "a/b", "a b", "x" * 65):
         with pytest.raises(ValueError, match="is not valid"):
             check_job_id(bad)
+
+
+# One declaration per option (bunsan.launch.options): the parser, the help and the
+# BUNSAN_* fallback all come from it.
+_ENV_SAMPLES = {
+    "nproc": "3",
+    "hosts": "a:2,b:2",
+    "hostfile": "hosts.txt",
+    "master_addr": "10.0.0.2",
+    "master_port": "29600",
+    "tag_output": "yes",
+    "env_file": "vars.env",
+    "max_restarts": "2",
+    "oversubscribe": "on",
+    "ssh_port": "2222",
+    "ssh_identity": "/keys/id",
+    "ssh_host_key_checking": "accept-new",
+    "remote_python": "/opt/venv/bin/python",
+    "remote_cwd": "/work",
+}
+
+
+@pytest.mark.parametrize("option", [o for o in (*RUN_OPTIONS, *SSH_OPTIONS) if o.env], ids=lambda o: o.name)
+def test_every_declared_fallback_is_read_and_named_in_the_help(option):
+    config = parse_run_args(["t.py"], environ={option.env_name: _ENV_SAMPLES[option.name]})
+    assert getattr(config, option.name) == option.parse(_ENV_SAMPLES[option.name])
+    assert getattr(parse_run_args(["t.py"], environ={}), option.name) != getattr(config, option.name)
+    parser = ArgumentParser(prog="bunsan run")
+    add_run_arguments(parser)
+    assert f"env {option.env_name}" in " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("option", [o for o in (*RUN_OPTIONS, *SSH_OPTIONS) if not o.env], ids=lambda o: o.name)
+def test_options_declared_without_fallback_ignore_the_environment(option):
+    value = "/work" if option.name == "job_id" else "1"
+    config = parse_run_args(["t.py"], environ={option.env_name: value})
+    assert config == parse_run_args(["t.py"], environ={})

@@ -28,7 +28,7 @@ def test_quoted_keeps_short_input_and_cuts_long_input():
     assert quoted("node1 slot=4") == "'node1 slot=4'"
     long = quoted("x" * 5_000_133)
     assert long == repr("x" * MAX_QUOTED) + "... (5,000,133 characters)"
-    with pytest.raises(ValueError, match="limit must be >= 1"):
+    with pytest.raises(ValueError, match="limit must be an int >= 1"):
         quoted("x", limit=0)
 
 

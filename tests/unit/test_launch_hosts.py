@@ -16,7 +16,7 @@ from bunsan.launch.hosts import (
     read_hostfile,
 )
 from bunsan.launch.remote import AgentInit, Frame, FrameDecoder, encode_frame
-from bunsan.launch.ssh import SshOptions, agent_command, master_address, plan_hosts, remote_command, ssh_command
+from bunsan.launch.ssh_plan import SshOptions, agent_command, master_address, plan_hosts, remote_command, ssh_command
 
 # ---------------------------------------------------------------------------
 # -H / --hosts
@@ -81,7 +81,7 @@ def test_parse_hostfile_errors_name_file_and_line(text, lineno, message):
 
 
 def test_parse_hostfile_without_hosts_is_an_error():
-    with pytest.raises(ValueError, match="hosts.txt lists no hosts"):
+    with pytest.raises(ValueError, match=r"hosts.txt lists no hosts"):
         parse_hostfile("# nothing yet\n\n", "hosts.txt")
 
 
@@ -95,7 +95,7 @@ def test_read_hostfile_names_the_path(tmp_path):
 
 
 def test_read_hostfile_missing_file_is_a_value_error(tmp_path):
-    with pytest.raises(ValueError, match="cannot read hostfile .*missing.*No such file"):
+    with pytest.raises(ValueError, match=r"cannot read hostfile .*missing.*No such file"):
         read_hostfile(tmp_path / "missing")
 
 

@@ -50,6 +50,13 @@ def test_top_level_names_of_the_contract():
         assert name in bunsan.__all__
 
 
+def test_top_level_all_is_every_export_but_print():
+    # __all__ is a literal (so that linters and type checkers read it); it must stay the
+    # lazily imported names of _EXPORTS, less bunsan.print (see bunsan/__init__.py).
+    assert bunsan.__all__ == sorted(set(bunsan._EXPORTS) - {"print"})
+    assert "print" in bunsan._EXPORTS and "print" in dir(bunsan)
+
+
 def test_comm_is_the_only_package_calling_torch_distributed():
     import pathlib
     import re
