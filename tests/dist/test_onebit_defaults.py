@@ -1,4 +1,5 @@
-"""DataParallelSGD(bits=1) defaults: rotated chunks of 1024, capped workers' momentum with the step kept."""
+"""DataParallelSGD(bits=1) defaults: plain chunks of 512 with SGD (rotated 1024 with Adam), capped workers' momentum
+with the step kept."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from bunsan.algorithms.data_parallel import QUANTIZED_MOMENTUM_1BIT, DataParalle
 
 def test_one_bit_defaults_and_bad_values():
     one = DataParallelSGD(bits=1)
-    assert one.rotate and one._quantizer.chunk_size == 1024 and one.quantized_momentum == QUANTIZED_MOMENTUM_1BIT
+    assert not one.rotate and one._quantizer.chunk_size == 512 and one.quantized_momentum == QUANTIZED_MOMENTUM_1BIT
     two = DataParallelSGD(bits=2)
     assert not two.rotate and two._quantizer.chunk_size == 512 and two.quantized_momentum is None
     assert not DataParallelSGD(bits=1, rotate=False).rotate
+    assert DataParallelSGD(bits=1, rotate=True)._quantizer.chunk_size == 1024
     with pytest.raises(ValueError, match="quantized_momentum"):
         DataParallelSGD(bits=1, quantized_momentum=1.0)
 
@@ -58,3 +60,36 @@ def test_capped_momentum_is_applied_early(workers, nesterov):
     k = 4 if nesterov else 3
     expected = -0.01 * torch.tensor([1.0, -2.0, 0.5, 3.0]) / 0.1 * (1 - 0.5**k)
     torch.testing.assert_close(capped, expected, rtol=1e-3, atol=0)
+
+
+def _body_rotation_follows_the_optimizer(rank, world_size, optimizer, rotate, chunk_size):
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4))
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "adamw": lambda p: torch.optim.AdamW(p)}
+    algorithm = DataParallelSGD(bits=1, warm_start=10**6, rotate=rotate, chunk_size=chunk_size)
+    model, opt = bunsan.distribute(model, make[optimizer](model.parameters()), algorithm)
+    for _ in range(2):  # the exchange runs with the stripes planned for the codec chosen
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    return type(algorithm._quantizer).__name__, algorithm.rotate, algorithm._quantizer.chunk_size
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "rotate", "chunk_size", "expected"),
+    [
+        ("sgd", None, None, ("Quantizer", False, 512)),
+        ("adamw", None, None, ("RotatedQuantizer", True, 1024)),
+        ("adamw", None, 256, ("RotatedQuantizer", True, 256)),
+        ("adamw", False, None, ("Quantizer", False, 512)),
+        ("sgd", True, None, ("RotatedQuantizer", True, 1024)),
+    ],
+)
+def test_rotation_default_follows_the_optimizer(workers, optimizer, rotate, chunk_size, expected):
+    """rotate=None: plain chunks for SGD, rotated for 1-bit Adam; an explicit choice is kept."""
+    results = workers.run(
+        f"{__name__}:_body_rotation_follows_the_optimizer",
+        optimizer=optimizer,
+        rotate=rotate,
+        chunk_size=chunk_size,
+    )
+    assert [tuple(r) for r in results] == [expected, expected]

@@ -70,11 +70,13 @@ class DataParallelSGD(BucketExchange):
             the codec's 512).
         rotate: quantize every chunk after a fixed random rotation (random signs, then
             Walsh-Hadamard; DRIVE, Vargaftik et al. 2021), with the residual kept in
-            the original coordinates (:mod:`bunsan.compression.rotation`). Default
-            (None): on for ``bits=1``, off otherwise. Same bytes;
-            heavy-tailed chunks lose far less, which is what 1 bit with SGD momentum
-            0.9 needs (docs/design-notes.md). Costs ``log2(chunk_size)`` butterfly
-            passes each way; ``chunk_size`` must be a power of two.
+            the original coordinates (:mod:`bunsan.compression.rotation`). Same bytes,
+            2-5x the codec's CPU (``log2(chunk_size)`` butterfly passes each way;
+            ``chunk_size`` must be a power of two). Default (None): decided when the
+            optimizer is attached: on for ``bits=1`` with Adam/AdamW (1-bit Adam needs
+            it), off otherwise (with SGD the capped ``quantized_momentum`` keeps 1 bit
+            as accurate as exact SGD without it); measured in docs/design-notes.md,
+            "1-bit defaults".
         quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
             workers apply while quantizing, at most; the gradient is scaled by
             ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
@@ -132,7 +134,11 @@ class DataParallelSGD(BucketExchange):
         self.bucket_size_mb = float(bucket_size_mb)
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
-        self.rotate = bits == 1 if rotate is None else bool(rotate)  # docs/design-notes.md, "1-bit defaults"
+        # rotate=None: decided by the optimizer at attach_optimizer() (rotated chunks for 1-bit Adam,
+        # plain two-means chunks for SGD); measured in docs/design-notes.md, "1-bit defaults".
+        self._rotate_default = rotate is None
+        self._chunk_default = chunk_size is None
+        self.rotate = bool(rotate)
         if quantized_momentum == "auto":
             quantized_momentum = QUANTIZED_MOMENTUM_1BIT if bits == 1 else None
         hint = "'auto', None, or a momentum in [0, 1)"
@@ -148,10 +154,7 @@ class DataParallelSGD(BucketExchange):
             hint=hint,
         )
         self.quantized_momentum = None if quantized_momentum is None else float(quantized_momentum)
-        codec = RotatedQuantizer if self.rotate else Quantizer
-        if chunk_size is None:
-            chunk_size = ROTATED_CHUNK_SIZE if self.rotate else DEFAULT_CHUNK_SIZE
-        self._quantizer = None if bits == 32 else codec(bits, chunk_size)
+        self._quantizer = None if bits == 32 else self._make_quantizer(chunk_size)
         self.quantizing = False  # this step's exchange is quantized (decided identically on every rank)
         self._stripes: dict[int, Stripes] = {}
         self._loaded_residuals: dict[str, dict[str, Tensor]] | None = None
@@ -177,12 +180,36 @@ class DataParallelSGD(BucketExchange):
             f"DataParallelSGD(bits={self.bits}, compression={self.compression!r}, warm_start={self.warm_start}{rotate})"
         )
 
+    def _make_quantizer(self, chunk_size: int | None) -> Quantizer | RotatedQuantizer:
+        codec = RotatedQuantizer if self.rotate else Quantizer
+        if chunk_size is None:
+            chunk_size = ROTATED_CHUNK_SIZE if self.rotate else DEFAULT_CHUNK_SIZE
+        return codec(self.bits, chunk_size)
+
+    def _choose_rotation(self, optimizer: torch.optim.Optimizer) -> None:
+        """``rotate=None`` at 1 bit: rotated chunks for Adam's preconditioned momentum, plain for SGD.
+
+        Measured (docs/design-notes.md, "1-bit defaults"): with SGD momentum capped while
+        quantizing, plain two-means chunks of 512 matched exact SGD at 2 and 4 workers and
+        encode at about the speed of a memory copy; 1-bit Adam without rotation ended
+        several times further from the task's best than exact training, with it within 1.1x.
+        """
+        rotate = self.bits == 1 and self.local_momentum and is_adam(optimizer)
+        if not self._rotate_default or rotate == self.rotate:
+            return
+        self.rotate = rotate
+        chunk = None if self._chunk_default else self._quantizer.chunk_size if self._quantizer else None
+        self._quantizer = self._make_quantizer(chunk)
+        if self._buckets:  # stripes follow the chunk size: plan them again
+            self.setup(self.named_params)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         super().attach_optimizer(optimizer)
         self._group_of = {}
         self._adam = None
         if self.bits == 32:
             return
+        self._choose_rotation(optimizer)
         if is_adam(optimizer) and self.local_momentum:
             # 1-bit Adam (bunsan.algorithms.onebit_adam): exact warm-up, then frozen variance.
             self._adam = FrozenVarianceAdam(optimizer)
@@ -200,7 +227,9 @@ class DataParallelSGD(BucketExchange):
                         stacklevel=3,
                     )
             return
-        warning = optimizer_warning(optimizer, self.bits, rotate=self.rotate)
+        warning = optimizer_warning(
+            optimizer, self.bits, rotate=self.rotate, cap=self.quantized_momentum if self.local_momentum else None
+        )
         if warning is not None and get_rank(self.group) == 0:
             warnings.warn(warning, stacklevel=3)
 

@@ -30,13 +30,16 @@ HEAVY_MOMENTUM_1BIT = 0.7
 QUANTIZED_MOMENTUM_1BIT = 0.5
 
 
-def optimizer_warning(optimizer: torch.optim.Optimizer, bits: int, *, rotate: bool) -> str | None:
+def optimizer_warning(
+    optimizer: torch.optim.Optimizer, bits: int, *, rotate: bool, cap: float | None = None
+) -> str | None:
     """What to warn about quantized gradients (``bits < 32``) with ``optimizer`` (not Adam), or None.
 
     An optimizer that is neither SGD (momentum taken per worker before compression) nor
     Adam with local momentum folds the quantization error into its per-coordinate
     statistics; 1 bit without rotation and SGD momentum >= :data:`HEAVY_MOMENTUM_1BIT`
-    was measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum").
+    applied by the workers (``cap``: the ``quantized_momentum`` they apply at most) was
+    measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum").
     """
     name = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.SGD):
@@ -54,6 +57,8 @@ def optimizer_warning(optimizer: torch.optim.Optimizer, bits: int, *, rotate: bo
     if bits != 1 or rotate:
         return None
     heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
+    if cap is not None:  # the workers apply at most `cap` while quantizing (quantized_momentum)
+        heavy = min(heavy, cap)
     if heavy < HEAVY_MOMENTUM_1BIT:
         return None
     return (
