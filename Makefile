@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bunsan-installed
 
-.PHONY: demo test test-all bench golden golden-update bench-docs bench-docs-dry-run clean
+.PHONY: demo test test-all lint bench golden golden-update bench-docs bench-docs-dry-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,11 +21,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/bunsan run -np 2 examples/train_digits_distributed.py
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest
 
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -m "not gpu"
+
+# ruff (lint and format) and mypy, versions pinned in the test extra; configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check bunsan
+	$(VENV)/bin/ruff format --check bunsan tests examples
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/bunsan run -np 2 $(PY) -m bunsan.bench.ddp_overhead
