@@ -111,8 +111,8 @@ class FrozenVarianceAdam:
 
     def momentum_step(
         self,
-        momentum: dict[str, Tensor],
-        name: str,
+        buf: Tensor | None,
+        out: Tensor,
         p: Tensor,
         grad: Tensor,
         group: dict[str, Any],
@@ -121,28 +121,28 @@ class FrozenVarianceAdam:
         """This worker's Adam momentum, preconditioned: returns ``m_i / (sqrt(v_hat) + eps)``.
 
         ``m_i = beta1 * m_i + (1 - beta1) * d``, with ``d`` the gradient (negated
-        under ``maximize``, plus ``weight_decay * p`` for Adam's L2 form). The first
-        time, ``m_i`` continues from the optimizer's ``exp_avg``, which the exact
-        warm-up made equal on every rank. What travels is the momentum divided by
-        the frozen denominator, the update itself: its coordinates share one scale,
-        which is what a chunk's two means fit, whereas a raw momentum's small
-        coordinates would get the chunk's error at their own, tiny, scale and have
-        it multiplied by their large ``1 / sqrt(v_hat)``. The map is linear and the
-        same on every rank, so error feedback in these coordinates loses nothing.
-        ``cap``: the workers' ``beta1`` at most (Adam's momentum averages, so the steady
-        value is kept whatever ``beta1`` is).
+        under ``maximize``, plus ``weight_decay * p`` for Adam's L2 form), written into
+        ``out`` (``buf``, the committed ``m_i``, is only read: the caller commits ``out``
+        once the step's exchange is known to be finite). The first time (``buf`` None),
+        ``m_i`` continues from the optimizer's ``exp_avg``, which the exact warm-up made
+        equal on every rank. What travels is the momentum divided by the frozen
+        denominator, the update itself: its coordinates share one scale, which is what
+        a chunk's two means fit, whereas a raw momentum's small coordinates would get
+        the chunk's error at their own, tiny, scale and have it multiplied by their
+        large ``1 / sqrt(v_hat)``. The map is linear and the same on every rank, so
+        error feedback in these coordinates loses nothing. ``cap``: the workers'
+        ``beta1`` at most (Adam's momentum averages, so the steady value is kept
+        whatever ``beta1`` is).
         """
         d = -grad if group["maximize"] else grad
         if group["weight_decay"] and not _decoupled(self.optimizer, group):
             d = d.add(p.detach(), alpha=group["weight_decay"])
         beta1 = float(group["betas"][0]) if cap is None else min(float(group["betas"][0]), cap)
-        buf = momentum.get(name)
         if buf is None:
             held = self.optimizer.state.get(p, {}).get("exp_avg")
-            buf = held.detach().clone() if held is not None else torch.zeros_like(p, dtype=torch.float32)
-            momentum[name] = buf
-        buf.mul_(beta1).add_(d, alpha=1 - beta1)
-        return buf / self.denominator(p, group)
+            buf = held.detach() if held is not None else torch.zeros_like(p, dtype=torch.float32)
+        torch.mul(buf, beta1, out=out).add_(d, alpha=1 - beta1)
+        return out / self.denominator(p, group)
 
     def hide(self, params: list[Tensor]) -> None:
         """Take ``p.grad`` away from the torch optimizer for this step (it skips a parameter without one)."""

@@ -205,7 +205,7 @@ class Quantizer:
             self.decode_native(payload, numel, out)
             return out
         params = self._read_params(payload, numel)
-        packed = payload[self._params_bytes(numel) :]
+        packed = payload[self.params_bytes(numel) :]
         if (self.chunk_size * self.bits) % 8:  # chunks do not start on byte boundaries
             return self._reconstruct(unpack_bits(packed, self.bits, numel), params, out)
         # Unpack block by block, so that the codes are still in cache when they are scaled.
@@ -236,7 +236,8 @@ class Quantizer:
 
     # Internals. ``values`` is always a flat contiguous float32 tensor.
 
-    def _params_bytes(self, numel: int) -> int:
+    def params_bytes(self, numel: int) -> int:
+        """Bytes at the start of a payload of ``numel`` elements that hold the chunks' float32 parameters."""
         return 4 * _PARAMS_PER_CHUNK * self.num_chunks(numel)
 
     def _payload_buffer(self, numel: int, device: torch.device, out: Tensor | None) -> Tensor:
@@ -258,7 +259,7 @@ class Quantizer:
 
     def _read_params(self, payload: Tensor, numel: int) -> Tensor:
         """(2, chunks) float32 view of the payload's parameters (a copy if misaligned)."""
-        raw = payload[: self._params_bytes(numel)]
+        raw = payload[: self.params_bytes(numel)]
         if raw.storage_offset() % 4:
             raw = raw.clone()
         return raw.view(torch.float32).view(_PARAMS_PER_CHUNK, -1)
@@ -283,7 +284,7 @@ class Quantizer:
         """1 bit on CPU: decode into ``out`` (or add to it), in place; the caller checked the sizes."""
         params = self._read_params(payload, numel)
         native.onebit_decode(
-            params[0], params[1], payload[self._params_bytes(numel) :], numel, self.chunk_size, out, accumulate
+            params[0], params[1], payload[self.params_bytes(numel) :], numel, self.chunk_size, out, accumulate
         )
 
     def decode_add(self, payload: Tensor, numel: int, out: Tensor) -> Tensor:
@@ -321,7 +322,7 @@ class Quantizer:
                 addend = addend.contiguous() if addend.dtype == torch.float32 else addend.float().contiguous()
             else:  # read only
                 values = values.contiguous()
-            params_bytes = self._params_bytes(numel)
+            params_bytes = self.params_bytes(numel)
             raw = payload[:params_bytes]
             aligned = raw.storage_offset() % 4 == 0
             params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)

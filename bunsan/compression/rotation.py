@@ -138,6 +138,10 @@ class RotatedQuantizer:
         whole, tail = divmod(numel, self.chunk_size)
         return whole * self.chunk_size + (_next_power_of_two(tail) if tail else 0)
 
+    def params_bytes(self, numel: int) -> int:
+        """Bytes at the start of a payload of ``numel`` elements that hold the chunks' float32 parameters."""
+        return self.inner.params_bytes(self.padded_numel(numel))
+
     def payload_bytes(self, numel: int) -> int:
         return self.inner.payload_bytes(self.padded_numel(numel))
 
@@ -180,7 +184,7 @@ class RotatedQuantizer:
         payload = self.inner._payload_buffer(self.padded_numel(n), values.device, out)
         if n == 0:
             return payload
-        params_bytes = self.inner._params_bytes(self.padded_numel(n))
+        params_bytes = self.inner.params_bytes(self.padded_numel(n))
         raw = payload[:params_bytes]
         aligned = raw.storage_offset() % 4 == 0
         params = raw.view(torch.float32) if aligned else torch.empty(params_bytes // 4, dtype=torch.float32)
@@ -245,7 +249,7 @@ class RotatedQuantizer:
             for payload in payloads:
                 payload = self.inner._check_payload(payload, padded)
                 chunk_params = self.inner._read_params(payload, padded)
-                params.append((chunk_params[0], chunk_params[1], payload[self.inner._params_bytes(padded) :]))
+                params.append((chunk_params[0], chunk_params[1], payload[self.inner.params_bytes(padded) :]))
             native.onebit_decode_rotated_sum(params, numel, self.chunk_size, self._signs_on(out.device), out)
             return out
         rotated = self.inner.decode(payloads[0], padded)
@@ -260,7 +264,7 @@ class RotatedQuantizer:
         native.onebit_decode_rotated(
             params[0],
             params[1],
-            payload[self.inner._params_bytes(padded) :],
+            payload[self.inner.params_bytes(padded) :],
             numel,
             self.chunk_size,
             self._signs_on(out.device),

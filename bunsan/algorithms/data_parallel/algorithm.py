@@ -126,6 +126,9 @@ class DataParallelSGD(BucketExchange):
         self.error_feedback = bool(error_feedback)
         self.local_momentum = bool(local_momentum)
         self._momentum: dict[str, Tensor] = {}  # this worker's momentum buffers (quantized steps)
+        self._momentum_pending: dict[str, Tensor] = {}  # this step's, committed once the exchange is finite
+        self._momentum_spare: dict[str, Tensor] = {}
+        self._sent_finite: list[Tensor] = []
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._held: list[tuple[dict[str, Any], dict[str, Any]]] = []  # param groups whose momentum we hold
@@ -285,7 +288,8 @@ class DataParallelSGD(BucketExchange):
             self.setup(self.named_params)
 
     def _meta_slots(self) -> int:
-        return 2 + len(self.named_params) + (len(self.buffer_sync) if self.buffer_sync is not None else 0)
+        buffers = len(self.buffer_sync) if self.buffer_sync is not None else 0
+        return 2 + len(self.named_params) + buffers + (self._quantizer is not None)
 
     def begin_accumulation(self) -> None:
         self._accumulating = True
@@ -383,6 +387,8 @@ class DataParallelSGD(BucketExchange):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._momentum = {k: v.clone() for k, v in (state.get("local_momentum") or {}).items()}
+        self._momentum_pending.clear()
+        self._momentum_spare.clear()
         saved = state.get("residuals") or {"residual": {}, "owner_residual": {}}
         if self._quantizer is None or not any(saved.values()):
             self._update_mode()

@@ -154,6 +154,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         values = [float(samples), float(active), *self._has_grad]
         if self.buffer_sync is not None:
             values += self.buffer_sync.changed() if active else [0.0] * len(self.buffer_sync)
+        if self._quantizer is not None:  # ranks that encoded an inf or NaN (GradScaler's overflow steps)
+            values.append(self._local_nonfinite())
         meta.copy_(torch.tensor(values, dtype=meta.dtype))
 
     # -- in optimizer.step() ------------------------------------------------------
@@ -203,6 +205,12 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         if quantized:
             self._finish_stripes(n_active)  # also does the scaling to the active ranks
             self._quantized_bytes += self.traffic.sent - sent_before
+            # Any rank's inf or NaN decodes into every rank's gradient, so GradScaler skips the
+            # step everywhere; the workers' momentum and residuals must not keep this round.
+            finite = sums[-1] == 0
+            self._settle_momentum(finite)
+            if not finite:
+                self._drop_residuals()
         if active:
             scale = self.world_size / n_active if n_active != self.world_size and not quantized else None
             for bucket in self._buckets:
@@ -218,7 +226,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
                     # else: no rank had a gradient for p; it keeps grad None, as in one process
         if self.buffer_sync is not None:
             self.buffer_sync.finish_riding(n_active)
-            self.buffer_sync.average(sums[2 + n_params :], contribute=active, contributors=n_active, ride=True)
+            flags = sums[2 + n_params : 2 + n_params + len(self.buffer_sync)]
+            self.buffer_sync.average(flags, contribute=active, contributors=n_active, ride=True)
         for bucket in self._buckets:
             bucket.ready, bucket.work, bucket.wire, bucket.filled = set(), None, None, False
         self._next_launch = 0

@@ -77,7 +77,9 @@ class LocalMomentum(Algorithm):
     local_momentum: bool
     quantized_momentum: float | None
     _adam: FrozenVarianceAdam | None
-    _momentum: dict[str, Tensor]
+    _momentum: dict[str, Tensor]  # committed: the workers' momentum after the last finite step
+    _momentum_pending: dict[str, Tensor]  # this step's, until the exchange is known finite
+    _momentum_spare: dict[str, Tensor]  # the other buffer of each pair, reused every step
     _name_of: dict[Tensor, str]
     _group_of: dict[Tensor, dict[str, Any]]
     _held: list[tuple[dict[str, Any], dict[str, Any]]]
@@ -96,24 +98,35 @@ class LocalMomentum(Algorithm):
         return group
 
     def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
-        """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient."""
+        """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient.
+
+        The new buffer is written into a spare one and only committed by
+        :meth:`_settle_momentum` once the step's exchange came out finite on every rank:
+        a step that ``GradScaler`` skips (an inf or NaN on any rank) leaves every
+        worker's momentum as it was, as it leaves the optimizer's (the arithmetic is
+        that of the in-place update, so the bits are the same).
+        """
+        name = self._name_of[p]
+        buf = self._momentum.get(name)
+        out = self._momentum_spare.pop(name, None)
+        if out is None:
+            out = torch.empty_like(p, dtype=torch.float32) if self._adam is not None else torch.empty_like(grad)
+        self._momentum_pending[name] = out
         if self._adam is not None:
-            return self._adam.momentum_step(
-                self._momentum, self._name_of[p], p, grad, group, cap=self.quantized_momentum
-            )
+            return self._adam.momentum_step(buf, out, p, grad, group, cap=self.quantized_momentum)
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])
         beta = group["momentum"]
         if beta == 0:
+            del self._momentum_pending[name]
+            self._momentum_spare[name] = out
             return d
         # While quantizing, the workers' momentum may be lower than the optimizer's (see
         # quantized_momentum), with the gradient scaled by keep = (1 - applied) / (1 - beta)
         # so that the steady step lr / (1 - beta) is the same. keep = 1 when they agree.
         applied = beta if self.quantized_momentum is None else min(beta, self.quantized_momentum)
         keep = (1 - applied) / (1 - beta)
-        name = self._name_of[p]
-        buf = self._momentum.get(name)
         if buf is None:
             # At the switch from exact averaging the optimizer's buffer is the global
             # momentum, equal on every rank: continue from it, so the mean of the
@@ -121,13 +134,26 @@ class LocalMomentum(Algorithm):
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             held = state.get("momentum_buffer")
             if held is not None:
-                buf = held.detach().clone().mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
+                torch.mul(held.detach(), applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
             else:
-                buf = d.detach().clone().mul_(keep)
-            self._momentum[name] = buf
+                torch.mul(d.detach(), keep, out=out)
         else:
-            buf.mul_(applied).add_(d, alpha=keep * (1 - group["dampening"]))
-        return d.mul(keep).add_(buf, alpha=applied) if group["nesterov"] else buf
+            torch.mul(buf, applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
+        return d.mul(keep).add_(out, alpha=applied) if group["nesterov"] else out
+
+    def _settle_momentum(self, finite: bool) -> None:
+        """After a quantized exchange: commit this step's momentum buffers, or drop them.
+
+        ``finite`` is the same on every rank (it comes from the exchange's metadata).
+        """
+        for name, new in self._momentum_pending.items():
+            spare: Tensor | None = new
+            if finite:
+                spare = self._momentum.get(name)
+                self._momentum[name] = new
+            if spare is not None:
+                self._momentum_spare[name] = spare
+        self._momentum_pending.clear()
 
     def _hold_momentum(self) -> None:
         """For this (quantized) step the optimizer must not apply momentum or weight decay again."""

@@ -40,6 +40,7 @@ class QuantizedExchange(Algorithm):
     _encode_s: float
     _decode_s: float
     _exact_bytes: int
+    _sent_finite: list[Tensor]  # this round: per bucket, whether what this rank encoded is finite
 
     def _launch_stripes(self, bucket: Bucket) -> None:
         """Phase 1: quantize every stripe (with this rank's residual) and send it to its owner."""
@@ -57,6 +58,8 @@ class QuantizedExchange(Algorithm):
                 else:  # a joined rank sends zeros and keeps its residual for nobody
                     quantizer.encode(values[lo : lo + length], out=out)
         self._encode_s += time.perf_counter() - start
+        if active:
+            self._sent_finite.append(q.sent_finite())
         q.work = all_to_all(q.received, q.send, group=self.group, traffic=self.traffic, async_op=True)
         bucket.work = q.work
 
@@ -155,6 +158,22 @@ class QuantizedExchange(Algorithm):
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
+
+    def _local_nonfinite(self) -> float:
+        """1.0 if this rank encoded an inf or NaN in this round (its slot in the metadata), else 0.0."""
+        checks, self._sent_finite = self._sent_finite, []
+        return 0.0 if all(bool(c) for c in checks) else 1.0
+
+    def _drop_residuals(self) -> None:
+        """A round that carried an inf or NaN (every rank knows it from the metadata): restart error feedback.
+
+        The rank that sent it has a non-finite residual, and what the others kept would be
+        fed back against a step the optimizer skips (``GradScaler``), so every rank starts
+        again from zero; the quantization error of one step is lost, nothing else.
+        """
+        for q in self._stripes.values():
+            q.residual.zero_()
+            q.owner_residual.zero_()
 
     def _merge_loaded_owner_residuals(self) -> None:
         """Collective: give each owner the whole of the loaded owner residuals of its stripe."""

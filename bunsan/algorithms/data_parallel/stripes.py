@@ -77,7 +77,16 @@ class Stripes:
     scratch: Tensor  # float32 [largest stripe]
     own_payload: Tensor  # uint8 [payload]
     gathered: Tensor  # uint8 [world_size x payload]
+    params_index: Tensor  # int64: the bytes of ``send`` that hold the chunks' parameters (float32)
     work: Any = None
+
+    def sent_finite(self) -> Tensor:
+        """Whether every chunk parameter this rank encoded into ``send`` is finite (a 0-d bool tensor).
+
+        An inf or NaN anywhere in a chunk makes its two means non-finite, so reading the
+        parameters (about 1/64 of the payload) finds it without a pass over the values.
+        """
+        return torch.isfinite(self.send[self.params_index].view(torch.float32)).all()
 
 
 def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world_size: int) -> Stripes:
@@ -107,6 +116,13 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
     def octets(k: int) -> Tensor:
         return torch.zeros(k, dtype=torch.uint8, device=device)
 
+    index = [
+        torch.arange(j * payload + at, j * payload + at + quantizer.params_bytes(length), dtype=torch.int64)
+        for j, stripe in enumerate(segments)
+        for _, length, at in stripe
+    ]
+    params_index = (torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)).to(device)
+
     return Stripes(
         segments,
         payload,
@@ -118,4 +134,5 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
         floats(longest),
         octets(payload),
         octets(n * payload),
+        params_index,
     )
