@@ -128,8 +128,6 @@ class DataParallelSGD(BucketExchange):
         self._momentum: dict[str, Tensor] = {}  # this worker's momentum buffers (quantized steps)
         self._momentum_pending: dict[str, Tensor] = {}  # this step's, committed once the exchange is finite
         self._momentum_spare: dict[str, Tensor] = {}
-        self._nesterov_previous: dict[str, Tensor] = {}
-        self._nesterov_applied: dict[str, float] = {}
         self._sent_finite: list[Tensor] = []
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
@@ -384,7 +382,6 @@ class DataParallelSGD(BucketExchange):
             which: {k: v.clone() for k, v in views.items()} for which, views in self.residuals().items()
         }
         state["local_momentum"] = {k: v.clone() for k, v in self._momentum.items()}
-        state["nesterov_previous"] = {k: v.clone() for k, v in self._nesterov_previous.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -392,7 +389,6 @@ class DataParallelSGD(BucketExchange):
         self._momentum = {k: v.clone() for k, v in (state.get("local_momentum") or {}).items()}
         self._momentum_pending.clear()
         self._momentum_spare.clear()
-        self._nesterov_previous = {k: v.clone() for k, v in (state.get("nesterov_previous") or {}).items()}
         saved = state.get("residuals") or {"residual": {}, "owner_residual": {}}
         if self._quantizer is None or not any(saved.values()):
             self._update_mode()

@@ -211,11 +211,6 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             self._settle_momentum(finite)
             if not finite:
                 self._drop_residuals()
-            elif active and self._nesterov_applied:
-                for bucket in self._buckets:
-                    for name, slot in zip(bucket.names, bucket.slots, strict=True):
-                        self._nesterov_update(name, slot)
-            self._nesterov_applied.clear()
         if active:
             scale = self.world_size / n_active if n_active != self.world_size and not quantized else None
             for bucket in self._buckets:

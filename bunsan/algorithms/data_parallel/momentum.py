@@ -80,8 +80,6 @@ class LocalMomentum(Algorithm):
     _momentum: dict[str, Tensor]  # committed: the workers' momentum after the last finite step
     _momentum_pending: dict[str, Tensor]  # this step's, until the exchange is known finite
     _momentum_spare: dict[str, Tensor]  # the other buffer of each pair, reused every step
-    _nesterov_previous: dict[str, Tensor]  # Nesterov: the decoded mean momentum of the last finite step
-    _nesterov_applied: dict[str, float]  # Nesterov: the momentum the workers applied in this step
     _name_of: dict[Tensor, str]
     _group_of: dict[Tensor, dict[str, Any]]
     _held: list[tuple[dict[str, Any], dict[str, Any]]]
@@ -139,31 +137,9 @@ class LocalMomentum(Algorithm):
                 torch.mul(held.detach(), applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
             else:
                 torch.mul(d.detach(), keep, out=out)
-            if group["nesterov"] and name not in self._nesterov_previous:
-                self._nesterov_previous[name] = held.detach().clone() if held is not None else torch.zeros_like(out)
         else:
             torch.mul(buf, applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
-        if group["nesterov"]:
-            # Nesterov's update keep * d + applied * m_t is (1 + applied) * m_t - applied * m_{t-1}:
-            # send the momentum m_t itself (smoother than a mix with the raw gradient, so 1 bit
-            # loses less of it) and form the update from the decoded mean after the exchange.
-            self._nesterov_applied[name] = applied
-        return out
-
-    def _nesterov_update(self, name: str, decoded: Tensor) -> None:
-        """Turn the decoded mean momentum ``m_t`` into Nesterov's update, in place; keep ``m_t`` for next time.
-
-        ``(1 + a) * m_t - a * m_{t-1}`` equals the mean of the workers' ``keep * d + a * m_t``
-        (a linear map with gain 1 at rest, the same on every rank, so error feedback still
-        loses nothing and the steady step is torch's). Only after a finite round.
-        """
-        applied = self._nesterov_applied.get(name)
-        previous = self._nesterov_previous.get(name)
-        if applied is None or previous is None:
-            return
-        update = torch.mul(decoded, 1 + applied).sub_(previous, alpha=applied)
-        previous.copy_(decoded)
-        decoded.copy_(update)
+        return d.mul(keep).add_(out, alpha=applied) if group["nesterov"] else out
 
     def _settle_momentum(self, finite: bool) -> None:
         """After a quantized exchange: commit this step's momentum buffers, or drop them.
