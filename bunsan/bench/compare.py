@@ -285,6 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate, the same for all; default %(default)s")
     parser.add_argument("--momentum", type=float, default=0.9, help="local SGD momentum; default %(default)s")
+    parser.add_argument("--nesterov", action="store_true", help="Nesterov momentum (torch.optim.SGD(nesterov=True))")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay; default %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="initial model and data order; default %(default)s")
     add_job_arguments(parser, "compare", timeout_s=1800.0)
@@ -336,6 +337,7 @@ def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path, wo
         "batch": batch,
         "lr": args.lr,
         "momentum": args.momentum,
+        "nesterov": getattr(args, "nesterov", False),
         "weight_decay": args.weight_decay,
         "seed": args.seed,
         "out": str(out),

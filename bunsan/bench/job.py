@@ -79,6 +79,7 @@ class JobSpec:
         batch: Global minibatch; each of N workers takes ``batch / N``.
         lr: Learning rate of the local ``torch.optim.SGD``, the same for every worker count.
         momentum: Momentum of the local SGD.
+        nesterov: Nesterov momentum in the local SGD.
         weight_decay: Weight decay of the local SGD.
         seed: Initial model and data order.
         out: Where rank 0 writes the JSON result; ``None`` prints it.
@@ -93,6 +94,7 @@ class JobSpec:
     batch: int = 64
     lr: float = 0.05
     momentum: float = 0.9
+    nesterov: bool = False
     weight_decay: float = 0.0
     seed: int = 0
     out: str | None = None
@@ -116,6 +118,7 @@ def spec_from_args(argv: list[str] | None = None) -> JobSpec:
     parser.add_argument("--batch", type=int, help="global minibatch, split evenly over the workers")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--momentum", type=float)
+    parser.add_argument("--nesterov", action="store_const", const=True, default=None)
     parser.add_argument("--weight-decay", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--out", help="JSON result file written by rank 0 (default: print it)")
@@ -138,7 +141,19 @@ def spec_from_args(argv: list[str] | None = None) -> JobSpec:
         unknown = sorted(set(values) - {f.name for f in fields(JobSpec)})
         if unknown:
             parser.error(f"--spec has unknown fields {unknown}")
-    for name in ("model", "dataset", "epochs", "batch", "lr", "momentum", "weight_decay", "seed", "out", "curves"):
+    for name in (
+        "model",
+        "dataset",
+        "epochs",
+        "batch",
+        "lr",
+        "momentum",
+        "nesterov",
+        "weight_decay",
+        "seed",
+        "out",
+        "curves",
+    ):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.algorithm is not None:
@@ -252,7 +267,9 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
     train_set, test_set = datasets.load(spec.dataset, "train"), datasets.load(spec.dataset, "test")
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, info)
-    local = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    local = torch.optim.SGD(
+        model.parameters(), lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov, weight_decay=spec.weight_decay
+    )
     algorithm = algorithms.create(spec.algorithm, **spec.options)
     x0, y0 = train_set[:local_batch]
     _warm_up(model, x0, y0)
