@@ -85,6 +85,8 @@ class BufferSync:
         self.syncs = 0  # buffer all-reduces run
         self.riding: list[int] = []  # modules averaged at every exchange, beside the gradients
         self._flat: Tensor | None = None  # float64 staging of the riding buffers
+        self._views: list[Tensor] = []  # each riding buffer's place in _flat
+        self._riding_ids: list[int] = []  # the riding buffers _flat was laid out for
         self._work: Any = None
 
     def __len__(self) -> int:
@@ -98,8 +100,12 @@ class BufferSync:
         return [(id(b), b._version) for b in self._buffers(i)]
 
     def changed(self) -> list[float]:
-        """One flag per module: 1.0 where any of its buffers changed since the last sync on this rank."""
-        return [1.0 if self._stamp(i) != seen else 0.0 for i, seen in enumerate(self._seen)]
+        """One flag per module: 1.0 where any of its buffers changed since the last sync on this rank.
+
+        Riding modules are averaged at every exchange whatever their flag, so they are not looked at.
+        """
+        riding = set(self.riding)
+        return [0.0 if i in riding or self._stamp(i) == seen else 1.0 for i, seen in enumerate(self._seen)]
 
     def _copy_back(self, tensors: Sequence[Tensor], flat: Tensor) -> None:
         offset = 0
@@ -141,20 +147,33 @@ class BufferSync:
         for i in range(len(self.modules)):
             self._seen[i] = self._stamp(i)
 
+    def _riding_layout(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The riding buffers and their views in the float64 staging buffer, rebuilt when a buffer is replaced."""
+        tensors = [b for i in self.riding for b in self._buffers(i)]
+        ids = [id(t) for t in tensors]
+        if self._flat is None or ids != self._riding_ids:
+            self._flat = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.float64, device=tensors[0].device)
+            self._views, offset = [], 0
+            for t in tensors:
+                self._views.append(self._flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+            self._riding_ids = ids
+        return tensors, self._views
+
     @torch.no_grad()
     def launch_riding(self, *, contribute: bool) -> None:
-        """Collective: start the all-reduce of the riding modules' buffers (this rank's values, or zeros)."""
-        if not self.riding:
+        """Collective: start the all-reduce of the riding modules' buffers (this rank's values, or zeros).
+
+        Called once per round, as early as the buffers are final (``DataParallelSGD``: at
+        the first gradient of backward, so the all-reduce overlaps the rest of backward);
+        a second call in the same round does nothing.
+        """
+        if not self.riding or self._work is not None:
             return
-        tensors = [b for i in self.riding for b in self._buffers(i)]
-        total = sum(t.numel() for t in tensors)
-        if self._flat is None or self._flat.numel() != total:
-            self._flat = torch.zeros(total, dtype=torch.float64, device=tensors[0].device)
+        tensors, views = self._riding_layout()
+        assert self._flat is not None
         if contribute:
-            offset = 0
-            for t in tensors:
-                self._flat[offset : offset + t.numel()].copy_(t.reshape(-1))
-                offset += t.numel()
+            torch._foreach_copy_(views, tensors)  # one call, float32/int64 -> float64
         else:
             self._flat.zero_()
         self._work = all_reduce(self._flat, group=self.group, traffic=self.traffic, async_op=True)
@@ -162,13 +181,19 @@ class BufferSync:
     @torch.no_grad()
     def finish_riding(self, contributors: int) -> None:
         """Collective: wait for :meth:`launch_riding`'s all-reduce; the riding buffers become the mean."""
-        if not self.riding or self._flat is None:
+        if not self.riding or self._flat is None or self._work is None:
             return
         wait(self._work, "buffer all-reduce")
         self._work = None
         if contributors > 0:
             self._flat.div_(contributors)
-            self._copy_back([b for i in self.riding for b in self._buffers(i)], self._flat)
+            tensors, views = self._riding_layout()
+            floats = [(t, v) for t, v in zip(tensors, views, strict=True) if t.dtype.is_floating_point]
+            if floats:
+                torch._foreach_copy_([t for t, _ in floats], [v for _, v in floats])
+            for t, v in zip(tensors, views, strict=True):
+                if not t.dtype.is_floating_point:  # counters (num_batches_tracked): the rounded mean
+                    t.copy_(v.round())
             self.syncs += 1
         for i in self.riding:
             self._seen[i] = self._stamp(i)

@@ -70,6 +70,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             notify_join_context(self)  # inside a torch Join: before this round's collectives
             self._round = (self._take_local_samples(), 1.0)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            if self.buffer_sync is not None:  # final since the forward: overlap their all-reduce with backward
+                self.buffer_sync.launch_riding(contribute=True)
         if self.quantizing:  # per-worker momentum and residuals: one parameter at a time
             self._copy_in(bucket, i)
             bucket.ready.add(i)
@@ -181,13 +183,13 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
                         self._has_grad[bucket.indices[i]] = 0.0
                 bucket.filled = True
             bucket.ready = set(range(len(bucket.params)))
+        if self.buffer_sync is not None:  # before any bucket, as the first gradient hook does it
+            self.buffer_sync.launch_riding(contribute=active)
         self._launch_in_order()
         meta_work = None
         if self._separate_meta is not None:
             self._fill_meta(self._separate_meta)
             meta_work = all_reduce(self._separate_meta, group=self.group, async_op=True, traffic=self.traffic)
-        if self.buffer_sync is not None:
-            self.buffer_sync.launch_riding(contribute=active)  # beside the gradients: no extra wait
         quantized = self.quantizing
         sent_before = self.traffic.sent
         if not quantized:
