@@ -129,6 +129,7 @@ class DataParallelSGD(BucketExchange):
         self._momentum_pending: dict[str, Tensor] = {}  # this step's, committed once the exchange is finite
         self._momentum_spare: dict[str, Tensor] = {}
         self._sent_finite: list[Tensor] = []
+        self._in_gradient_units: list[tuple[Tensor, tuple[float, float, float, Tensor | None]]] = []
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._held: list[tuple[dict[str, Any], dict[str, Any]]] = []  # param groups whose momentum we hold
@@ -312,6 +313,7 @@ class DataParallelSGD(BucketExchange):
         self.complete_exchange()
         self._exchanged = False
         if self._last_quantized:
+            self._from_gradient_units()  # after the user's clipping or unscaling
             self._hold_momentum()  # the workers applied momentum before compression
 
     def join(self) -> None:

@@ -213,6 +213,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             self._settle_momentum(finite)
             if not finite:
                 self._drop_residuals()
+            elif active:
+                self._to_gradient_units()
         if active:
             scale = self.world_size / n_active if n_active != self.world_size and not quantized else None
             for bucket in self._buckets:
