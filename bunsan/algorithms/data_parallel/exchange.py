@@ -214,7 +214,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             if not finite:
                 self._drop_residuals()
             elif active:
-                self._to_gradient_units()
+                self._to_gradient_units(used)
         if active:
             scale = self.world_size / n_active if n_active != self.world_size and not quantized else None
             for bucket in self._buckets:

@@ -11,6 +11,7 @@ With Adam, :mod:`bunsan.algorithms.onebit_adam` takes the step instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -158,7 +159,7 @@ class LocalMomentum(Algorithm):
                 self._momentum_spare[name] = spare
         self._momentum_pending.clear()
 
-    def _to_gradient_units(self) -> None:
+    def _to_gradient_units(self, used: Sequence[float]) -> None:
         """After a finite quantized exchange: ``p.grad`` shows the mean gradient the update came from.
 
         Between backward and ``step()`` users clip (``clip_grad_norm_``), unscale
@@ -184,7 +185,9 @@ class LocalMomentum(Algorithm):
         """
         self._in_gradient_units = []
         for bucket in self._buckets:
-            for p, slot in zip(bucket.params, bucket.slots, strict=True):
+            for p, slot, index in zip(bucket.params, bucket.slots, bucket.indices, strict=True):
+                if not used[index]:  # no rank used p this round: it keeps grad None and its state
+                    continue
                 group = self._momentum_group(p)
                 if group is None:
                     continue
