@@ -36,6 +36,7 @@ from torch import Tensor
 
 __all__ = [
     "available",
+    "axpby",
     "onebit_decode",
     "onebit_decode_rotated",
     "onebit_decode_rotated_sum",
@@ -109,6 +110,9 @@ def _compile_with(extra: list[str]) -> ctypes.CDLL:
     library.bunsan_onebit_decode_rotated.restype = None
     library.bunsan_onebit_decode_rotated_sum.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
     library.bunsan_onebit_decode_rotated_sum.restype = None
+    f32 = ctypes.c_float
+    library.bunsan_axpby.argtypes = [ptr, f32, ptr, f32, ptr, ptr, f32, i64]
+    library.bunsan_axpby.restype = None
     return library
 
 
@@ -250,3 +254,14 @@ def onebit_decode_rotated_sum(
     library.bunsan_onebit_decode_rotated_sum(
         k, pointers[0], pointers[1], pointers[2], numel, chunk_size, _ptr(signs), _ptr(scales), _ptr(work), _ptr(out)
     )
+
+
+def axpby(
+    x: Tensor | None, a: float, y: Tensor, b: float, out: Tensor, scaled: Tensor | None = None, divisor: float = 1.0
+) -> None:
+    """``out = a * x + b * y`` (``x`` None: ``b * y``) and, with ``scaled``, ``scaled = out / divisor``, in one
+    pass. Float32 arithmetic with one rounding per operation (no fused multiply-add); the arrays may be the
+    same. The caller checks that all are contiguous CPU float32 of ``y``'s number of elements."""
+    library = _load()
+    assert library is not None
+    library.bunsan_axpby(_ptr(x), a, _ptr(y), b, _ptr(out), _ptr(scaled), divisor, y.numel())

@@ -336,3 +336,29 @@ void bunsan_onebit_decode_rotated_sum(int k, const float *const *offsets, const 
         for (int64_t i = 0; i < len; i++) o[i] = (work[i] * signs[i]) * scale;
     }
 }
+
+/* ---- One pass for the local momentum's linear combinations (bunsan/algorithms/data_parallel) ----
+ *
+ * out = a * x + b * y (x NULL: out = b * y), and with scaled, also scaled = out / divisor. torch
+ * takes one pass over memory per operation (mul, add, div: three); this takes one. Any of x, y,
+ * out, scaled may be the same array (each element is read before it is written). */
+void bunsan_axpby(const float *x, float a, const float *y, float b, float *out, float *scaled, float divisor,
+                  int64_t n) {
+    if (x && scaled) {
+        for (int64_t i = 0; i < n; i++) {
+            float m = a * x[i] + b * y[i];
+            out[i] = m;
+            scaled[i] = m / divisor;
+        }
+    } else if (x) {
+        for (int64_t i = 0; i < n; i++) out[i] = a * x[i] + b * y[i];
+    } else if (scaled) {
+        for (int64_t i = 0; i < n; i++) {
+            float m = b * y[i];
+            out[i] = m;
+            scaled[i] = m / divisor;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = b * y[i];
+    }
+}

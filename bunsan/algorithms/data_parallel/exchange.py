@@ -118,7 +118,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         self._has_grad[bucket.indices[i]] = 1.0
         group = self._momentum_group(p) if self.quantizing else None
         if group is not None:
-            torch.div(self._momentum_step(p, grad, group), self._n, out=view)
+            self._momentum_step(p, grad, group, view, self._n)
         elif grad.data_ptr() == view.data_ptr():
             view.div_(self._n)  # the gradient already lives in the bucket
         else:

@@ -20,8 +20,9 @@ from torch import Tensor
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam
+from bunsan.compression import native
 
-__all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "LocalMomentum", "optimizer_warning"]
+__all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "LocalMomentum", "lincomb", "optimizer_warning"]
 
 # SGD momentum from which 1-bit training without rotation is warned about; measured in
 # docs/design-notes.md, "1 bit and heavy momentum".
@@ -30,6 +31,41 @@ HEAVY_MOMENTUM_1BIT = 0.7
 # lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
 # extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
 QUANTIZED_MOMENTUM_1BIT = 0.5
+
+
+def _fits_native(*tensors: Tensor | None) -> bool:
+    """Whether the one-pass C kernel takes these: contiguous CPU float32 of one size."""
+    present = [t for t in tensors if t is not None]
+    numel = present[0].numel()
+    return (
+        all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
+            for t in present
+        )
+        and native.available()
+    )
+
+
+def lincomb(
+    x: Tensor | None, a: float, y: Tensor, b: float, out: Tensor, scaled: Tensor | None = None, divisor: float = 1.0
+) -> None:
+    """``out = a * x + b * y`` (``x`` None: ``b * y``), and with ``scaled`` also ``scaled = out / divisor``.
+
+    The local momentum's arithmetic, each a single pass over memory with the C kernel
+    (:func:`bunsan.compression.native.axpby`); torch operations (up to three passes)
+    where it is not available or the tensors do not fit it. ``x``, ``y``, ``out`` and
+    ``scaled`` may be the same tensor. The two agree to rounding (torch may fuse a
+    multiply-add).
+    """
+    if _fits_native(x, y, out, scaled):
+        native.axpby(x, a, y, b, out, scaled, divisor)
+        return
+    if x is None:
+        torch.mul(y, b, out=out)
+    else:
+        torch.mul(x, a, out=out).add_(y, alpha=b)
+    if scaled is not None:
+        torch.div(out, divisor, out=scaled)
 
 
 def optimizer_warning(
@@ -101,14 +137,15 @@ class LocalMomentum(Algorithm):
             return None
         return group
 
-    def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> Tensor:
+    def _momentum_step(self, p: Tensor, grad: Tensor, group: dict[str, Any], scaled: Tensor, n: float) -> None:
         """torch.optim.SGD's (or Adam's) momentum arithmetic, on this worker's own gradient.
 
         The new buffer is written into a spare one and only committed by
         :meth:`_settle_momentum` once the step's exchange came out finite on every rank:
         a step that ``GradScaler`` skips (an inf or NaN on any rank) leaves every
-        worker's momentum as it was, as it leaves the optimizer's (the arithmetic is
-        that of the in-place update, so the bits are the same).
+        worker's momentum as it was, as it leaves the optimizer's. What is exchanged,
+        the momentum (or the gradient, with weight decay alone) divided by ``n``, is
+        written into ``scaled``: with plain momentum in the same pass (:func:`lincomb`).
         """
         name = self._name_of[p]
         buf = self._momentum.get(name)
@@ -117,7 +154,8 @@ class LocalMomentum(Algorithm):
             out = torch.empty_like(p, dtype=torch.float32) if self._adam is not None else torch.empty_like(grad)
         self._momentum_pending[name] = out
         if self._adam is not None:
-            return self._adam.momentum_step(buf, out, p, grad, group, cap=self.quantized_momentum)
+            torch.div(self._adam.momentum_step(buf, out, p, grad, group, cap=self.quantized_momentum), n, out=scaled)
+            return
         d = -grad if group.get("maximize") else grad
         if group["weight_decay"]:
             d = d.add(p.detach(), alpha=group["weight_decay"])
@@ -125,25 +163,28 @@ class LocalMomentum(Algorithm):
         if beta == 0:
             del self._momentum_pending[name]
             self._momentum_spare[name] = out
-            return d
+            torch.div(d, n, out=scaled)
+            return
         # While quantizing, the workers' momentum may be lower than the optimizer's (see
         # quantized_momentum), with the gradient scaled by keep = (1 - applied) / (1 - beta)
         # so that the steady step lr / (1 - beta) is the same. keep = 1 when they agree.
         applied = beta if self.quantized_momentum is None else min(beta, self.quantized_momentum)
         keep = (1 - applied) / (1 - beta)
+        into = None if group["nesterov"] else scaled  # Nesterov sends keep * d + applied * out (below)
         if buf is None:
             # At the switch from exact averaging the optimizer's buffer is the global
             # momentum, equal on every rank: continue from it, so the mean of the
             # workers' buffers follows the same recursion. Else start as torch does.
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
-            held = state.get("momentum_buffer")
-            if held is not None:
-                torch.mul(held.detach(), applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                lincomb(None, 0.0, d.detach(), keep, out, into, n)
             else:
-                torch.mul(d.detach(), keep, out=out)
+                lincomb(buf.detach(), applied, d, keep * (1 - group["dampening"]), out, into, n)
         else:
-            torch.mul(buf, applied, out=out).add_(d, alpha=keep * (1 - group["dampening"]))
-        return d.mul(keep).add_(out, alpha=applied) if group["nesterov"] else out
+            lincomb(buf, applied, d, keep * (1 - group["dampening"]), out, into, n)
+        if group["nesterov"]:
+            torch.div(d.mul(keep).add_(out, alpha=applied), n, out=scaled)
 
     def _settle_momentum(self, finite: bool) -> None:
         """After a quantized exchange: commit this step's momentum buffers, or drop them.
@@ -212,11 +253,11 @@ class LocalMomentum(Algorithm):
                     state["momentum_buffer"] = torch.zeros_like(slot)
                 previous = state["momentum_buffer"]
                 if group["nesterov"]:
-                    slot.sub_(previous, alpha=a * a).div_(keep * (1 + a))
+                    lincomb(slot, 1.0, previous, -a * a, slot, slot, keep * (1 + a))
                     self._in_gradient_units.append((p, (a, keep, 1.0, None)))
                 else:
                     k = keep * (1 - group["dampening"])
-                    slot.sub_(previous, alpha=a).div_(k)
+                    lincomb(slot, 1.0, previous, -a, slot, slot, k)  # (U - a * B) / k, one pass
                     self._in_gradient_units.append((p, (a, k, 0.0, None)))
 
     def _from_gradient_units(self) -> None:
@@ -229,11 +270,12 @@ class LocalMomentum(Algorithm):
             if denominator is not None:  # Adam: the mean first moment, then the preconditioned update
                 grad.mul_(k).add_(state["exp_avg"], alpha=a).div_(denominator)
                 continue
-            buffer = state["momentum_buffer"].mul_(a).add_(grad, alpha=k)
+            buffer = state["momentum_buffer"]
             if nesterov:  # keep * g + a * B_new (k is keep: Nesterov has no dampening)
-                grad.mul_(k).add_(buffer, alpha=a)
+                lincomb(buffer, a, grad, k, buffer)
+                lincomb(buffer, a, grad, k, grad)
             else:
-                grad.copy_(buffer)
+                lincomb(buffer, a, grad, k, buffer, grad)  # B = a * B + k * g, and p.grad = B: one pass
         self._in_gradient_units = []
 
     def _hold_momentum(self) -> None:
