@@ -40,6 +40,7 @@ __all__ = [
     "onebit_decode",
     "onebit_decode_rotated",
     "onebit_decode_rotated_sum",
+    "onebit_decode_sum_then",
     "onebit_encode",
     "onebit_encode_rotated",
 ]
@@ -110,6 +111,9 @@ def _compile_with(extra: list[str]) -> ctypes.CDLL:
     library.bunsan_onebit_decode_rotated.restype = None
     library.bunsan_onebit_decode_rotated_sum.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr]
     library.bunsan_onebit_decode_rotated_sum.restype = None
+    library.bunsan_onebit_decode_sum_then.argtypes = [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]
+    library.bunsan_onebit_decode_sum_then.argtypes += [ctypes.c_int, ptr, ptr, ptr, ptr, ptr]
+    library.bunsan_onebit_decode_sum_then.restype = None
     f32 = ctypes.c_float
     library.bunsan_axpby.argtypes = [ptr, f32, ptr, f32, ptr, ptr, f32, i64]
     library.bunsan_axpby.restype = None
@@ -265,3 +269,27 @@ def axpby(
     library = _load()
     assert library is not None
     library.bunsan_axpby(_ptr(x), a, _ptr(y), b, _ptr(out), _ptr(scaled), divisor, y.numel())
+
+
+def onebit_decode_sum_then(
+    params: list[tuple[Tensor, Tensor, Tensor]],
+    numel: int,
+    chunk_size: int,
+    out: Tensor,
+    pieces: list[tuple[int, int, Tensor, float, float]],
+) -> None:
+    """The sum of several plain payloads ``(offsets, steps, packed)`` decoded into ``out`` in the given order,
+    then for each piece ``(lo, hi, prev, a, divisor)``: ``out[lo:hi] = (out[lo:hi] - a * prev) / divisor``, all
+    in one pass over ``out``. Pieces sorted and disjoint; ``prev``: contiguous float32 of ``hi - lo``."""
+    library = _load()
+    assert library is not None and params and chunk_size % 8 == 0
+    k, m = len(params), len(pieces)
+    pointers = [(ctypes.c_void_p * k)(*(_ptr(t[i]) for t in params)) for i in range(3)]
+    lo = (ctypes.c_int64 * m)(*(piece[0] for piece in pieces))
+    hi = (ctypes.c_int64 * m)(*(piece[1] for piece in pieces))
+    prev = (ctypes.c_void_p * m)(*(_ptr(piece[2]) for piece in pieces))
+    a = (ctypes.c_float * m)(*(piece[3] for piece in pieces))
+    divisor = (ctypes.c_float * m)(*(piece[4] for piece in pieces))
+    library.bunsan_onebit_decode_sum_then(
+        k, pointers[0], pointers[1], pointers[2], numel, chunk_size, _ptr(out), m, lo, hi, prev, a, divisor
+    )

@@ -362,3 +362,28 @@ void bunsan_axpby(const float *x, float a, const float *y, float b, float *out, 
         for (int64_t i = 0; i < n; i++) out[i] = b * y[i];
     }
 }
+
+/* The sum of k plain payloads decoded into out[0..n) (in the given order, each chunk summed while
+ * it is in L1), then, in the same pass, for each of m pieces q: out[lo..hi) = (out - a * prev) / div,
+ * where prev[q][0] goes with out[lo[q]]. Pieces are sorted and disjoint. With k = 1 and m = 0 it is
+ * bunsan_onebit_decode; the pieces are the local momentum's inversion (momentum.py). */
+void bunsan_onebit_decode_sum_then(int k, const float *const *offsets, const float *const *steps,
+                                   const uint8_t *const *packed, int64_t n, int64_t chunk, float *out, int m,
+                                   const int64_t *lo, const int64_t *hi, const float *const *prev, const float *a,
+                                   const float *div) {
+    int first = 0;
+    for (int64_t start = 0, j = 0; start < n; start += chunk, j++) {
+        int64_t len = n - start < chunk ? n - start : chunk, end = start + len;
+        float zero = 0.0f, one = 1.0f;
+        for (int r = 0; r < k; r++)
+            expand(packed[r] + (start >> 3), len, zero * steps[r][j] + offsets[r][j], one * steps[r][j] + offsets[r][j],
+                   out + start, r > 0);
+        while (first < m && hi[first] <= start) first++;
+        for (int q = first; q < m && lo[q] < end; q++) {
+            int64_t from = lo[q] > start ? lo[q] : start, to = hi[q] < end ? hi[q] : end;
+            const float *b = prev[q] - lo[q];
+            float aq = a[q], dq = div[q];
+            for (int64_t i = from; i < to; i++) out[i] = (out[i] - aq * b[i]) / dq;
+        }
+    }
+}

@@ -63,6 +63,8 @@ float16 or bfloat16. Non-finite inputs give unspecified codes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,8 @@ DEFAULT_CHUNK_SIZE = 512
 CLIP_ALPHA: dict[int, float] = {2: 1.50, 3: 2.05, 4: 2.50}
 
 _PARAMS_PER_CHUNK = 2
+# (lo, hi, b, a, divisor): out[lo:hi] = (out[lo:hi] - a * b) / divisor after a decode_sum.
+_Piece = tuple[int, int, Tensor, float, float]
 # Elements per block of chunks on CPU: 128 K floats (512 KiB) per buffer stay in a 2 MiB L2.
 _CPU_BLOCK_ELEMENTS = 1 << 17
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -297,17 +301,38 @@ class Quantizer:
             out.add_(self.decode(payload, numel))
         return out
 
-    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor, then: Sequence[_Piece] = ()) -> Tensor:
         """``out = decode(payloads[0]) + decode(payloads[1]) + ...`` in place, added in that order.
 
-        The first payload is decoded into ``out`` and the others added to it, so
-        ``out`` is written once per payload and no temporary is needed.
+        ``then``: pieces ``(lo, hi, b, a, divisor)``, sorted and disjoint, applied to the
+        sum: ``out[lo:hi] = (out[lo:hi] - a * b) / divisor`` (``b``: ``hi - lo`` float32
+        values). At 1 bit on CPU all of it is one pass over ``out`` (the C kernel decodes
+        a chunk's payloads while it is in cache); elsewhere the first payload is decoded
+        into ``out``, the others added to it, then the pieces, with torch operations.
         """
         if not payloads:
             raise ValueError("decode_sum needs at least one payload")
+        fits = all(
+            b.dtype == torch.float32 and b.device.type == "cpu" and b.numel() == hi - lo for lo, hi, b, *_ in then
+        )
+        if numel and fits and self._native(out) and out.dtype == torch.float32 and out.is_contiguous():
+            payloads = [self._check_payload(payload, numel) for payload in payloads]
+            out = _check_out(out, numel, torch.float32, payloads[0].device, "out")
+            params = [self._read_params(payload, numel) for payload in payloads]
+            start = self.params_bytes(numel)
+            native.onebit_decode_sum_then(
+                [(q[0], q[1], payload[start:]) for q, payload in zip(params, payloads, strict=True)],
+                numel,
+                self.chunk_size,
+                out,
+                [(lo, hi, b.reshape(-1), a, divisor) for lo, hi, b, a, divisor in then],
+            )
+            return out
         self.decode(payloads[0], numel, out=out)
         for payload in payloads[1:]:
             self.decode_add(payload, numel, out)
+        for lo, hi, b, a, divisor in then:
+            out[lo:hi].sub_(b.reshape(-1) * a).div_(divisor)  # two roundings, as the C kernel
         return out
 
     def _encode_into(self, values: Tensor, payload: Tensor, addend: Tensor | None = None) -> None:

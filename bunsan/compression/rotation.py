@@ -30,6 +30,8 @@ repeats: ``payload_bytes``, ``encode``, ``encode_with_feedback``, ``decode``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -234,13 +236,25 @@ class RotatedQuantizer:
             return out
         return out.add_(self.decode(payload, numel))
 
-    def decode_sum(self, payloads: list[Tensor], numel: int, out: Tensor) -> Tensor:
+    def decode_sum(
+        self,
+        payloads: list[Tensor],
+        numel: int,
+        out: Tensor,
+        then: Sequence[tuple[int, int, Tensor, float, float]] = (),
+    ) -> Tensor:
         """``out`` = the sum of the payloads' values, in place: the payloads are decoded and summed
         in rotated coordinates, in the given order, and rotated back once (the rotation is linear),
-        so k payloads cost one inverse transform. Bit for bit the same on the C and torch paths."""
+        so k payloads cost one inverse transform. Bit for bit the same on the C and torch paths.
+        ``then``: as :meth:`Quantizer.decode_sum`'s, applied afterwards with torch operations."""
         if not payloads:
             raise ValueError("decode_sum needs at least one payload")
         out = _check_out(out, numel, torch.float32, payloads[0].device, "out")
+        if then:
+            self.decode_sum(payloads, numel, out)
+            for lo, hi, b, a, divisor in then:
+                out[lo:hi].sub_(b.reshape(-1) * a).div_(divisor)  # two roundings, as the C kernel
+            return out
         if numel == 0:
             return out
         padded = self.padded_numel(numel)

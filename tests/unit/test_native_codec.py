@@ -146,3 +146,45 @@ def test_the_sse2_and_avx2_builds_give_the_same_bits(monkeypatch):
         results.append((payload, r, codec.decode(payload, numel)))
     (p0, r0, d0), (p1, r1, d1) = results
     assert torch.equal(p0, p1) and torch.equal(r0, r1) and torch.equal(d0, d1)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rotate", [False, True])
+def test_decode_sum_then_takes_pieces_out_of_momentum_units_on_both_paths(monkeypatch, rotate):
+    """The pieces (lo, hi, b, a, divisor): out[lo:hi] = (sum - a * b) / divisor, elsewhere the plain sum."""
+    codec = RotatedQuantizer(1, 1024) if rotate else Quantizer(1)
+    numel = 3 * 1024 + 300
+    g = torch.Generator().manual_seed(12)
+    payloads = [codec.encode(torch.randn(numel, generator=g)) for _ in range(2)]
+    # Pieces that start and end inside chunks, one spanning two chunks, and a gap between them.
+    b1, b2 = torch.randn(700, generator=g), torch.randn(1000, generator=g)
+    then = [(100, 800, b1, 0.5, 0.25), (1500, 2500, b2, 0.81, 1.9)]
+    fast = codec.decode_sum(payloads, numel, torch.empty(numel), then=then)
+    plain = codec.decode_sum(payloads, numel, torch.empty(numel))
+    expected = plain.clone()
+    for lo, hi, b, a, divisor in then:
+        expected[lo:hi] = (plain[lo:hi] - a * b) / divisor
+    assert torch.equal(fast, expected)  # the same operations in the same order: the same bits
+    assert torch.equal(fast[:100], plain[:100]) and torch.equal(fast[800:1500], plain[800:1500])
+    _torch_path(monkeypatch)
+    assert torch.equal(codec.decode_sum(payloads, numel, torch.empty(numel), then=then), fast)
+
+
+@needs_compiler
+def test_axpby_is_torch_arithmetic_in_one_pass(monkeypatch):
+    from bunsan.algorithms.data_parallel.momentum import lincomb
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(10_003, generator=g), torch.randn(10_003, generator=g)
+    out, scaled = torch.empty_like(x), torch.empty_like(x)
+    lincomb(x, 0.9, y, 0.1, out, scaled, 2.0)
+    assert torch.equal(out, 0.9 * x + 0.1 * y) and torch.equal(scaled, out / 2.0)
+    lincomb(None, 0.0, y, 0.3, out)
+    assert torch.equal(out, 0.3 * y)
+    same = x.clone()
+    lincomb(same, 1.0, y, -0.5, same, same, 0.7)  # every argument the same tensor as out: read before written
+    assert torch.equal(same, (x - 0.5 * y) / 0.7)
+    _torch_path(monkeypatch)
+    slow = torch.empty_like(x)
+    lincomb(x, 0.9, y, 0.1, slow)
+    assert torch.equal(slow, out.copy_(0.9 * x + 0.1 * y))

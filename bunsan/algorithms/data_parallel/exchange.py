@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Joinable
 
 from bunsan.algorithms.data_parallel.buckets import Bucket
-from bunsan.algorithms.data_parallel.momentum import LocalMomentum
+from bunsan.algorithms.data_parallel.momentum import LocalMomentum, Piece
 from bunsan.algorithms.data_parallel.quantized import QuantizedExchange
 from bunsan.comm import all_reduce, get_rank, wait
 from bunsan.comm.join import notify_join_context
@@ -205,15 +205,19 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         n_params = len(self.named_params)
         used = sums[2 : 2 + n_params]
         if quantized:
-            self._finish_stripes(n_active)  # also does the scaling to the active ranks
-            self._quantized_bytes += self.traffic.sent - sent_before
             # Any rank's inf or NaN decodes into every rank's gradient, so GradScaler skips the
             # step everywhere; the workers' momentum and residuals must not keep this round.
             finite = sums[-1] == 0
+            pieces: dict[int, list[Piece]] | None = None
+            if finite and active and n_active == self.world_size and self._fuses_gradient_units():
+                pieces = {}  # SGD's p.grad in gradient units: done by the decode, in its pass
+                self._to_gradient_units(used, pieces=pieces)
+            self._finish_stripes(n_active, pieces)  # also does the scaling to the active ranks
+            self._quantized_bytes += self.traffic.sent - sent_before
             self._settle_momentum(finite)
             if not finite:
                 self._drop_residuals()
-            elif active:
+            elif active and pieces is None:
                 self._to_gradient_units(used)
         if active:
             scale = self.world_size / n_active if n_active != self.world_size and not quantized else None

@@ -20,7 +20,12 @@ from torch import Tensor
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam
-from bunsan.compression import native
+from bunsan.compression import Quantizer, native
+from bunsan.compression.rotation import RotatedQuantizer
+
+# A part of a bucket's buffer to take out of momentum units as it is decoded:
+# (lo, hi, previous momentum B, a, divisor), U[lo:hi] = (U[lo:hi] - a * B) / divisor.
+Piece = tuple[int, int, Tensor, float, float]
 
 __all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "LocalMomentum", "lincomb", "optimizer_warning"]
 
@@ -54,8 +59,7 @@ def lincomb(
     The local momentum's arithmetic, each a single pass over memory with the C kernel
     (:func:`bunsan.compression.native.axpby`); torch operations (up to three passes)
     where it is not available or the tensors do not fit it. ``x``, ``y``, ``out`` and
-    ``scaled`` may be the same tensor. The two agree to rounding (torch may fuse a
-    multiply-add).
+    ``scaled`` may be the same tensor. Both round each operation once: the same bits.
     """
     if _fits_native(x, y, out, scaled):
         native.axpby(x, a, y, b, out, scaled, divisor)
@@ -63,7 +67,7 @@ def lincomb(
     if x is None:
         torch.mul(y, b, out=out)
     else:
-        torch.mul(x, a, out=out).add_(y, alpha=b)
+        torch.mul(x, a, out=out).add_(y * b)  # rounded as the kernel (add_ with alpha may fuse)
     if scaled is not None:
         torch.div(out, divisor, out=scaled)
 
@@ -115,6 +119,7 @@ class LocalMomentum(Algorithm):
     local_momentum: bool
     quantized_momentum: float | None
     _adam: FrozenVarianceAdam | None
+    _quantizer: Quantizer | RotatedQuantizer | None
     _momentum: dict[str, Tensor]  # committed: the workers' momentum after the last finite step
     _momentum_pending: dict[str, Tensor]  # this step's, until the exchange is known finite
     _momentum_spare: dict[str, Tensor]  # the other buffer of each pair, reused every step
@@ -186,6 +191,15 @@ class LocalMomentum(Algorithm):
         if group["nesterov"]:
             torch.div(d.mul(keep).add_(out, alpha=applied), n, out=scaled)
 
+    def _fuses_gradient_units(self) -> bool:
+        """Whether the decode can take SGD's updates out of momentum units in its own pass (plain chunks,
+        float32 buckets; :meth:`_to_gradient_units` with ``pieces``)."""
+        return (
+            self._adam is None
+            and type(self._quantizer) is Quantizer
+            and all(bucket.buffer.dtype == torch.float32 for bucket in self._buckets)
+        )
+
     def _settle_momentum(self, finite: bool) -> None:
         """After a quantized exchange: commit this step's momentum buffers, or drop them.
 
@@ -200,7 +214,7 @@ class LocalMomentum(Algorithm):
                 self._momentum_spare[name] = spare
         self._momentum_pending.clear()
 
-    def _to_gradient_units(self, used: Sequence[float]) -> None:
+    def _to_gradient_units(self, used: Sequence[float], *, pieces: dict[int, list[Piece]] | None = None) -> None:
         """After a finite quantized exchange: ``p.grad`` shows the mean gradient the update came from.
 
         Between backward and ``step()`` users clip (``clip_grad_norm_``), unscale
@@ -223,6 +237,11 @@ class LocalMomentum(Algorithm):
         gives back ``U`` and a clipped one the update one process would take from the
         clipped gradient. The workers' own buffers do not see the clipping: what it removed
         comes back once, times ``a``, in the next step's gradient (docs/design-notes.md).
+
+        With ``pieces`` (called before the exchange is decoded, SGD only) the SGD
+        inversions are not done here but listed per bucket as ``(lo, hi, B, a, divisor)``
+        over the bucket's buffer, ``U = (U - a * B) / divisor``, for the decode to apply
+        in its own pass (:meth:`~bunsan.compression.Quantizer.decode_sum`).
         """
         self._in_gradient_units = []
         for bucket in self._buckets:
@@ -252,13 +271,18 @@ class LocalMomentum(Algorithm):
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(slot)
                 previous = state["momentum_buffer"]
-                if group["nesterov"]:
-                    lincomb(slot, 1.0, previous, -a * a, slot, slot, keep * (1 + a))
+                if group["nesterov"]:  # U = keep * (1 + a) * g + a * a * B
+                    scale, divisor = a * a, keep * (1 + a)
                     self._in_gradient_units.append((p, (a, keep, 1.0, None)))
-                else:
-                    k = keep * (1 - group["dampening"])
-                    lincomb(slot, 1.0, previous, -a, slot, slot, k)  # (U - a * B) / k, one pass
+                else:  # U = a * B + k * g
+                    scale = a
+                    divisor = k = keep * (1 - group["dampening"])
                     self._in_gradient_units.append((p, (a, k, 0.0, None)))
+                if pieces is None:
+                    lincomb(slot, 1.0, previous, -scale, slot, slot, divisor)  # (U - scale * B) / divisor, one pass
+                else:
+                    lo = int(slot.storage_offset() - bucket.buffer.storage_offset())
+                    pieces.setdefault(bucket.index, []).append((lo, lo + int(slot.numel()), previous, scale, divisor))
 
     def _from_gradient_units(self) -> None:
         """In ``step()``: the (possibly clipped or unscaled) gradient in ``p.grad`` back into the update."""

@@ -18,12 +18,23 @@ from torch import Tensor
 
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.data_parallel.buckets import Bucket
+from bunsan.algorithms.data_parallel.momentum import Piece
 from bunsan.algorithms.data_parallel.stripes import Stripes
 from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
 from bunsan.compression import Quantizer
 from bunsan.compression.rotation import RotatedQuantizer
 
 __all__ = ["QuantizedExchange"]
+
+
+def _within(pieces: list[Piece], lo: int, length: int) -> list[Piece]:
+    """The parts of ``pieces`` (over a bucket's buffer) that fall in ``[lo, lo + length)``, relative to ``lo``."""
+    inside = []
+    for start, end, b, a, divisor in pieces:
+        first, last = max(start, lo), min(end, lo + length)
+        if first < last:
+            inside.append((first - lo, last - lo, b.reshape(-1)[first - start : last - start], a, divisor))
+    return inside
 
 
 class QuantizedExchange(Algorithm):
@@ -63,8 +74,12 @@ class QuantizedExchange(Algorithm):
         q.work = all_to_all(q.received, q.send, group=self.group, traffic=self.traffic, async_op=True)
         bucket.work = q.work
 
-    def _finish_stripes(self, n_active: int) -> None:
-        """Phases 2 and 3: owners sum, re-quantize and share their stripes; all decode."""
+    def _finish_stripes(self, n_active: int, pieces: dict[int, list[Piece]] | None = None) -> None:
+        """Phases 2 and 3: owners sum, re-quantize and share their stripes; all decode.
+
+        ``pieces``: per bucket, what the decode also takes out of momentum units in its pass
+        (:meth:`LocalMomentum._to_gradient_units`); only when every rank was active.
+        """
         assert self._quantizer is not None
         quantizer, n, me = self._quantizer, self.world_size, get_rank(self.group)
         for bucket in self._buckets:
@@ -74,7 +89,7 @@ class QuantizedExchange(Algorithm):
         if self._merge_owner_residuals:
             self._merge_loaded_owner_residuals()
         if n == 2:
-            self._finish_two_ranks(n_active)
+            self._finish_two_ranks(n_active, pieces)
             return
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
@@ -100,19 +115,24 @@ class QuantizedExchange(Algorithm):
             wait(q.work, "quantized gradient gather")
             start = time.perf_counter()
             decoded = bucket.buffer if bucket.buffer.dtype == torch.float32 else None
+            mine = pieces.get(bucket.index, []) if pieces is not None else []
             for j, stripe in enumerate(q.segments):
                 for lo, length, at in stripe:
                     base = j * q.payload + at
                     payload = q.gathered[base : base + quantizer.payload_bytes(length)]
                     if decoded is not None:
-                        quantizer.decode(payload, length, out=decoded[lo : lo + length])
+                        then = _within(mine, lo, length)
+                        if then:
+                            quantizer.decode_sum([payload], length, decoded[lo : lo + length], then=then)
+                        else:
+                            quantizer.decode(payload, length, out=decoded[lo : lo + length])
                     else:
                         bucket.buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
 
-    def _finish_two_ranks(self, n_active: int) -> None:
+    def _finish_two_ranks(self, n_active: int, pieces: dict[int, list[Piece]] | None = None) -> None:
         """Phases 2 and 3 for 2 ranks: no second quantization, at the same bytes.
 
         Each rank sends its own first-stage payload of the stripe it owns, instead of
@@ -140,6 +160,7 @@ class QuantizedExchange(Algorithm):
             q = self._stripes[bucket.index]
             wait(q.work, "quantized gradient gather")
             start = time.perf_counter()
+            mine = pieces.get(bucket.index, []) if pieces is not None else []
             for j, stripe in enumerate(q.segments):
                 # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
                 # (j == me, in received) or now (j == other, in gathered, which it owns).
@@ -150,7 +171,8 @@ class QuantizedExchange(Algorithm):
                     size = quantizer.payload_bytes(length)
                     summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
                     # rank order: the same sum on both ranks
-                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed)
+                    then = _within(mine, lo, length) if direct else []
+                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed, then=then)
                     if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
                         summed.mul_(2 / n_active)
                     if not direct:
