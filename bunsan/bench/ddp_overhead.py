@@ -7,9 +7,12 @@ Run on 2 workers::
     bunsan run -np 2 python -m bunsan.bench.ddp_overhead --models many-small --profile 20   # where the time goes
 
 Both trainers live in the same processes, start from the same weights and take
-the same batches. Rounds alternate between them, and the one that goes first
+the same batches. They alternate step by step, and the one that goes first
 alternates too (DDP, bunsan, then bunsan, DDP, ...), so that whatever else the
-machine is doing slows both alike; each round times ``--steps`` steps. Printed
+machine is doing slows both alike (alternating whole rounds of steps lets a
+burst of load fall on one trainer only: per-round ratios of 0.81-1.35 on the
+digits CNN in one run on this shared 2-core machine); a round times ``--steps``
+steps of each. Printed
 per model: the median step time of each, ``ratio`` = the median over rounds of
 the paired ratio bunsan/DDP (with its minimum and maximum), and the largest
 difference between the two models' parameters at the end (0 when both did the
@@ -113,13 +116,17 @@ def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dic
     time_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
     time_steps(ours, our_opt, batches[:3])
     ddp_times, our_times = [], []
-    for r in range(rounds):
-        if r % 2 == 0:
-            ddp_times.append(time_steps(ddp, ddp_opt, batches))
-            our_times.append(time_steps(ours, our_opt, batches))
-        else:
-            our_times.append(time_steps(ours, our_opt, batches))
-            ddp_times.append(time_steps(ddp, ddp_opt, batches))
+    for _ in range(rounds):
+        ddp_s = our_s = 0.0
+        for i, pair in enumerate(batches):  # step by step, the first of each pair alternating
+            if i % 2 == 0:
+                ddp_s += time_steps(ddp, ddp_opt, [pair])
+                our_s += time_steps(ours, our_opt, [pair])
+            else:
+                our_s += time_steps(ours, our_opt, [pair])
+                ddp_s += time_steps(ddp, ddp_opt, [pair])
+        ddp_times.append(ddp_s / len(batches))
+        our_times.append(our_s / len(batches))
     ratios = [o / d for o, d in zip(our_times, ddp_times, strict=True)]
     with torch.no_grad():
         pairs = zip(ddp.module.parameters(), ours.parameters(), strict=True)
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, help="per-worker batch (default: the model's, 32 for resnet20, else 64)")
     parser.add_argument("--steps", type=int, help="steps per round (default: the model's, 5 for resnet20, else 20)")
-    parser.add_argument("--rounds", type=int, default=12, help="alternating rounds per trainer")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds of --steps steps of each trainer")
     parser.add_argument(
         "--profile",
         type=int,
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if bunsan.is_main():
         print(
             f"DataParallelSGD vs DistributedDataParallel, {bunsan.size()} workers, {torch.get_num_threads()} "
-            f"thread(s) each, {args.rounds} alternating rounds; ratio = median of bunsan/DDP per round"
+            f"thread(s) each, {args.rounds} rounds of steps alternating one by one; ratio = median of bunsan/DDP per round"
         )
         columns = [("model", "{model}"), ("tensors", "{tensors}"), ("batch", "{batch}")]
         columns += [("DDP ms/step", "{ddp_ms:.3f}"), ("bunsan ms/step", "{bunsan_ms:.3f}"), ("ratio", "{ratio:.3f}")]

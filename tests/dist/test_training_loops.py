@@ -677,7 +677,11 @@ def _body_grad_norm_seen_while_quantizing(rank, world_size, kind):
         optimizer.zero_grad()
         F.cross_entropy(model(x[rank::world_size]), y[rank::world_size]).backward()
         ours.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)))
+        before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
         optimizer.step()
+        if kind == "sgd":  # the optimizer stepped along the momentum; p.grad is the gradient again, as in one process
+            for p, g in zip(model.parameters(), before, strict=True):
+                assert (p.grad is None and g is None) or torch.equal(p.grad, g)
     return ours, theirs
 
 

@@ -124,6 +124,7 @@ class LocalMomentum(Algorithm):
     _momentum_pending: dict[str, Tensor]  # this step's, until the exchange is known finite
     _momentum_spare: dict[str, Tensor]  # the other buffer of each pair, reused every step
     _in_gradient_units: list[tuple[Tensor, tuple[float, float, float, Tensor | None]]]  # until step()
+    _shown: list[tuple[Tensor, Tensor]]  # (p, its gradient) while the optimizer steps along the momentum
     _buckets: list[Bucket]
     _name_of: dict[Tensor, str]
     _group_of: dict[Tensor, dict[str, Any]]
@@ -298,8 +299,10 @@ class LocalMomentum(Algorithm):
             if nesterov:  # keep * g + a * B_new (k is keep: Nesterov has no dampening)
                 lincomb(buffer, a, grad, k, buffer)
                 lincomb(buffer, a, grad, k, grad)
-            else:
-                lincomb(buffer, a, grad, k, buffer, grad)  # B = a * B + k * g, and p.grad = B: one pass
+            else:  # B = a * B + k * g, and the optimizer steps along B: one pass, B written only
+                lincomb(buffer, a, grad, k, buffer)
+                self._shown.append((p, grad))
+                p.grad = buffer  # until after_step; then p.grad is the gradient again, as in one process
         self._in_gradient_units = []
 
     def _hold_momentum(self) -> None:
@@ -316,7 +319,11 @@ class LocalMomentum(Algorithm):
                 group.update(momentum=0.0, weight_decay=0.0, nesterov=False, dampening=0.0)
 
     def _release_momentum(self) -> None:
-        """After the optimizer's step: give the param groups their momentum and weight decay back."""
+        """After the optimizer's step: give the param groups their momentum and weight decay back, and
+        ``p.grad`` the gradient it showed before ``step()``."""
         for group, saved in self._held:
             group.update(saved)
         self._held = []
+        for p, grad in self._shown:
+            p.grad = grad
+        self._shown = []
