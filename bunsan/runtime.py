@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bunsan import comm
+from bunsan import _allocator, comm
 from bunsan._validate import check_choice, check_number
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
@@ -103,7 +103,9 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
     On CPU each worker of a job of several (or of any job ``bunsan run`` started)
     uses one intra-op thread unless ``OMP_NUM_THREADS`` is set: several workers on
     one machine each using every core slow each other down (docs/design-notes.md,
-    "Launcher, runtime and CLI"). A lone process keeps torch's default.
+    "Launcher, runtime and CLI"). A lone process keeps torch's default. The same
+    workers keep memory freed by a step for the next one (glibc malloc's thresholds
+    fixed, :mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off).
     """
     if _state.info is not None:
         return _state.info
@@ -135,6 +137,8 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
         # default threads. `bunsan run -np 1` still gets one thread, as documented.
         if "OMP_NUM_THREADS" not in os.environ and (info.world_size > 1 or info.launcher == "bunsan"):
             torch.set_num_threads(1)
+        if info.world_size > 1 or info.launcher == "bunsan":
+            _allocator.tune()  # no page faults from memory handed back between steps (bunsan/_allocator.py)
 
     master = _resolve_master(info) if info.world_size > 1 else "127.0.0.1"
     _group.create_world(

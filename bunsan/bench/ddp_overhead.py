@@ -16,7 +16,8 @@ steps of each. Printed
 per model: the median step time of each, ``ratio`` = the median over rounds of
 the paired ratio bunsan/DDP (with its minimum and maximum), and the largest
 difference between the two models' parameters at the end (0 when both did the
-same arithmetic). The ratio is the claim; absolute times depend on the
+same arithmetic), and rank 0's minor page faults per step of each (memory the
+allocator took afresh from the kernel: :mod:`bunsan._allocator`). The ratio is the claim; absolute times depend on the
 machine's load.
 
 Models: two small ones (``digits-cnn``, ``mlp-1m``), ResNet-20 for CIFAR
@@ -37,6 +38,7 @@ import pstats
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,15 +118,23 @@ def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dic
     time_steps(ddp, ddp_opt, batches[:3])  # warm up both: first steps allocate
     time_steps(ours, our_opt, batches[:3])
     ddp_times, our_times = [], []
+    faults = {"ddp": 0, "bunsan": 0}
+
+    def timed(label: str, model: Any, optimizer: Any, pair: tuple[torch.Tensor, torch.Tensor]) -> float:
+        before = _minor_faults()
+        seconds = time_steps(model, optimizer, [pair])
+        faults[label] += _minor_faults() - before
+        return seconds
+
     for _ in range(rounds):
         ddp_s = our_s = 0.0
         for i, pair in enumerate(batches):  # step by step, the first of each pair alternating
             if i % 2 == 0:
-                ddp_s += time_steps(ddp, ddp_opt, [pair])
-                our_s += time_steps(ours, our_opt, [pair])
+                ddp_s += timed("ddp", ddp, ddp_opt, pair)
+                our_s += timed("bunsan", ours, our_opt, pair)
             else:
-                our_s += time_steps(ours, our_opt, [pair])
-                ddp_s += time_steps(ddp, ddp_opt, [pair])
+                our_s += timed("bunsan", ours, our_opt, pair)
+                ddp_s += timed("ddp", ddp, ddp_opt, pair)
         ddp_times.append(ddp_s / len(batches))
         our_times.append(our_s / len(batches))
     ratios = [o / d for o, d in zip(our_times, ddp_times, strict=True)]
@@ -144,7 +154,18 @@ def measure(name: str, batch: int | None, steps: int | None, rounds: int) -> dic
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "max_param_diff": diff,
+        "ddp_faults": faults["ddp"] / (rounds * len(batches)),
+        "bunsan_faults": faults["bunsan"] / (rounds * len(batches)),
     }
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far (0 where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def profile(name: str, batch: int | None, steps: int, top: int = 25) -> str:
@@ -202,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         columns = [("model", "{model}"), ("tensors", "{tensors}"), ("batch", "{batch}")]
         columns += [("DDP ms/step", "{ddp_ms:.3f}"), ("bunsan ms/step", "{bunsan_ms:.3f}"), ("ratio", "{ratio:.3f}")]
         columns += [("min", "{ratio_min:.3f}"), ("max", "{ratio_max:.3f}"), ("param diff", "{max_param_diff:.2g}")]
+        columns += [("faults/step DDP", "{ddp_faults:.0f}"), ("bunsan", "{bunsan_faults:.0f}")]
         print(format_records(results, columns))
         if args.json:
             write_json(args.json, {"workers": bunsan.size(), "threads": torch.get_num_threads(), "results": results})

@@ -117,6 +117,7 @@ def render_ddp(out: Path) -> str:
             f"{r['ratio']:.3f}",
             f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}",
             f"{r['max_param_diff']:.2g}",
+            f"{r['ddp_faults']:.0f} / {r['bunsan_faults']:.0f}" if "ddp_faults" in r else "-",
         ]
         for r in doc["results"]
     ]
@@ -130,6 +131,7 @@ def render_ddp(out: Path) -> str:
             "ratio",
             "ratio min-max",
             "parameter difference",
+            "page faults/step DDP / bunsan",
         ],
         rows,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import platform
 import pickle
 import subprocess
 import sys
@@ -213,13 +214,14 @@ def test_broadcasts_alone_change_nothing_and_check_their_input():
 
 _THREADS_SCRIPT = """
 import os, torch, bunsan
+from bunsan import _allocator
 torch.set_num_threads(3)
 bunsan.init()                      # a lone `python script.py`
-lone = torch.get_num_threads()
+lone, lone_malloc = torch.get_num_threads(), _allocator.tuned()
 bunsan.finalize()
 os.environ.update(RANK="0", WORLD_SIZE="1", BUNSAN_LAUNCHER="bunsan")
 bunsan.init()                      # what `bunsan run -np 1` sets
-print(lone, torch.get_num_threads())
+print(lone, torch.get_num_threads(), lone_malloc, _allocator.tuned())
 bunsan.finalize()
 """
 
@@ -233,4 +235,14 @@ def test_a_lone_process_keeps_its_threads_and_bunsan_run_sets_one():
     }
     out = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-2:] == ["3", "1"]
+    # malloc's thresholds are fixed for the job's workers only, as the threads (glibc on Linux)
+    tuned = str(sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+    assert out.stdout.split()[-4:] == ["3", "1", "False", tuned]
+
+
+def test_malloc_tuning_can_be_turned_off():
+    script = "from bunsan import _allocator; print(_allocator.tune(), _allocator.tune(), _allocator.tuned())"
+    env = {**os.environ, "BUNSAN_MALLOC_TUNING": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "False"]
