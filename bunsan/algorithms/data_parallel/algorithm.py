@@ -131,6 +131,8 @@ class DataParallelSGD(BucketExchange):
         self._sent_finite: list[Tensor] = []
         self._in_gradient_units: list[tuple[Tensor, tuple[float, float, float, Tensor | None]]] = []
         self._shown: list[tuple[Tensor, Tensor]] = []
+        self._unit_samples: tuple[Tensor, list[int]] | None = None
+        self._warned_rebase = False
         self._name_of: dict[Tensor, str] = {}
         self._group_of: dict[Tensor, dict[str, Any]] = {}
         self._held: list[tuple[dict[str, Any], dict[str, Any]]] = []  # param groups whose momentum we hold

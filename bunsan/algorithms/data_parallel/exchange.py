@@ -232,6 +232,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
                         if p.grad is not view:
                             p.grad = view  # no copy back: the gradient is the reduced buffer
                     # else: no rank had a gradient for p; it keeps grad None, as in one process
+        if self._in_gradient_units:  # to recognise what the user does to them before step()
+            self._sample_gradient_units()
         if self.buffer_sync is not None:
             self.buffer_sync.finish_riding(n_active)
             flags = sums[2 + n_params : 2 + n_params + len(self.buffer_sync)]

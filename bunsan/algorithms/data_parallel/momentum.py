@@ -11,6 +11,7 @@ With Adam, :mod:`bunsan.algorithms.onebit_adam` takes the step instead.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,9 @@ from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam
 from bunsan.compression import Quantizer, native
 from bunsan.compression.rotation import RotatedQuantizer
+
+# Values of each converted gradient kept to recognise a rescaling by the user (_rebase_workers).
+_SAMPLES = 16
 
 # A part of a bucket's buffer to take out of momentum units as it is decoded:
 # (lo, hi, previous momentum B, a, divisor), U[lo:hi] = (U[lo:hi] - a * B) / divisor.
@@ -125,6 +129,8 @@ class LocalMomentum(Algorithm):
     _momentum_spare: dict[str, Tensor]  # the other buffer of each pair, reused every step
     _in_gradient_units: list[tuple[Tensor, tuple[float, float, float, Tensor | None]]]  # until step()
     _shown: list[tuple[Tensor, Tensor]]  # (p, its gradient) while the optimizer steps along the momentum
+    _unit_samples: tuple[Tensor, list[int]] | None  # the first values of each converted gradient, and how many
+    _warned_rebase: bool
     _buckets: list[Bucket]
     _name_of: dict[Tensor, str]
     _group_of: dict[Tensor, dict[str, Any]]
@@ -285,8 +291,63 @@ class LocalMomentum(Algorithm):
                     lo = int(slot.storage_offset() - bucket.buffer.storage_offset())
                     pieces.setdefault(bucket.index, []).append((lo, lo + int(slot.numel()), previous, scale, divisor))
 
+    def _sample_gradient_units(self) -> None:
+        """After the exchange: remember a few values of each converted ``p.grad``, to tell in ``step()``
+        whether and by how much the user rescaled it (:meth:`_rebase_workers`). One small copy per step."""
+        grads = [p.grad for p, _ in self._in_gradient_units]
+        if any(g is None for g in grads):
+            self._unit_samples = None
+            return
+        parts = [g.detach().reshape(-1)[:_SAMPLES].float() for g in grads if g is not None]
+        self._unit_samples = (torch.cat(parts), [t.numel() for t in parts])
+
+    def _rebase_workers(self) -> None:
+        """Keep the mean of the workers' momentum equal to the optimizer's after the user changed ``p.grad``.
+
+        The workers' momentum ``m_i`` went into the exchange before the user saw the gradient;
+        what the optimizer's momentum receives is the gradient the user left (unscaled by
+        ``GradScaler``, clipped). Without a correction the difference ``k * (g_user - g)``
+        would stay in the workers' momentum: clipped amounts come back in later steps, and
+        under ``GradScaler`` the scaled gradient (``2 ** 16`` times the true one) would be
+        taken as momentum. Both ``unscale_`` and ``clip_grad_norm_`` multiply a tensor by
+        one factor ``c``, found from the sampled values (``g = g_user / c``), so every
+        worker adds ``k * (1 - 1 / c) * g_user`` to its own momentum: their mean is then the
+        optimizer's, exactly for such a rescaling. Any other change (``clip_grad_value_``)
+        is taken as its least-squares factor, and warned about once.
+        """
+        if self._unit_samples is None or len(self._unit_samples[1]) != len(self._in_gradient_units):
+            return
+        before, sizes = self._unit_samples
+        grads = [p.grad for p, _ in self._in_gradient_units if p.grad is not None]
+        if len(grads) != len(sizes):
+            return  # a gradient was taken away (set to None): nothing to compare
+        now = torch.cat([g.detach().reshape(-1)[:n].float() for g, n in zip(grads, sizes, strict=True)])
+        if torch.equal(now, before):
+            return  # untouched: the workers' momentum already averages to the optimizer's
+        for (p, (_, k, _, _)), grad, x, y in zip(
+            self._in_gradient_units, grads, before.split(sizes), now.split(sizes), strict=True
+        ):
+            norm = float(x.dot(x))
+            if norm == 0.0 or torch.equal(x, y):
+                continue
+            c = float(y.dot(x)) / norm
+            if c == 0.0:
+                continue  # zeroed: nothing to learn the factor from
+            if not self._warned_rebase and float((y - c * x).abs().max()) > 1e-4 * float(x.abs().max()) * abs(c):
+                self._warned_rebase = True
+                warnings.warn(
+                    "p.grad was changed between backward() and step() other than by one factor per tensor (as "
+                    "GradScaler.unscale_ and clip_grad_norm_ do); with quantized gradients and local momentum "
+                    "the workers' momentum follows it only approximately",
+                    stacklevel=5,
+                )
+            momentum = self._momentum.get(self._name_of[p])
+            if momentum is not None:
+                momentum.add_(grad.to(momentum.dtype), alpha=k * (1 - 1 / c))
+
     def _from_gradient_units(self) -> None:
         """In ``step()``: the (possibly clipped or unscaled) gradient in ``p.grad`` back into the update."""
+        self._rebase_workers()  # before p.grad is turned back into the update
         for p, (a, k, nesterov, denominator) in self._in_gradient_units:
             grad = p.grad
             if grad is None or self.optimizer is None:
@@ -304,6 +365,7 @@ class LocalMomentum(Algorithm):
                 self._shown.append((p, grad))
                 p.grad = buffer  # until after_step; then p.grad is the gradient again, as in one process
         self._in_gradient_units = []
+        self._unit_samples = None
 
     def _hold_momentum(self) -> None:
         """For this (quantized) step the optimizer must not apply momentum or weight decay again."""
