@@ -242,8 +242,8 @@ class LocalMomentum(Algorithm):
         :meth:`_from_gradient_units` runs the recursion forward on whatever the user left
         in ``p.grad`` (clipped, unscaled) and updates that state, so an untouched gradient
         gives back ``U`` and a clipped one the update one process would take from the
-        clipped gradient. The workers' own buffers do not see the clipping: what it removed
-        comes back once, times ``a``, in the next step's gradient (docs/design-notes.md).
+        clipped gradient; :meth:`_rebase_workers` brings the workers' own buffers in line with
+        it (docs/design-notes.md).
 
         With ``pieces`` (called before the exchange is decoded, SGD only) the SGD
         inversions are not done here but listed per bucket as ``(lo, hi, B, a, divisor)``
