@@ -47,9 +47,11 @@ __all__ = [
 
 _SOURCE = Path(__file__).with_name("onebit.c")
 # No -march=native: the library may sit in a home directory shared by machines of
-# different CPUs. SSE2 (every x86-64) is the baseline; where /proc/cpuinfo lists AVX2 a
-# second build with -mavx2 (its own file) runs the rotation's wide butterfly levels 8 floats
-# at a time. Both do the same IEEE operations, so they give the same bits.
+# different CPUs. SSE2 (every x86-64) is the baseline; where /proc/cpuinfo lists AVX2 and FMA
+# a second build with -mavx2 -mfma (its own file) runs the rotation's wide butterfly levels 8
+# floats at a time. The codec does the same IEEE operations in both, so they give the same
+# bits; the local momentum's axpby fuses its multiply-add only in the second, as torch's own
+# kernels do on such a CPU (onebit.c), so that each build gives the bits of torch's operations.
 _FLAGS = ["-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off"]
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -62,10 +64,11 @@ def _cache_dir() -> Path:
 
 
 def _has_avx2() -> bool:
-    """Whether this CPU runs AVX2 (Linux: /proc/cpuinfo); the AVX build is chosen only then."""
+    """Whether this CPU runs AVX2 and FMA (Linux: /proc/cpuinfo), as torch's AVX2 kernels require; the
+    AVX2 build is chosen only then."""
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx2" in line for line in f)
+            return any(line.startswith("flags") and " avx2" in line and " fma" in line for line in f)
     except OSError:
         return False
 
@@ -73,7 +76,7 @@ def _has_avx2() -> bool:
 def _compile() -> ctypes.CDLL:
     if platform.machine() in ("x86_64", "AMD64") and _has_avx2():
         try:
-            return _compile_with(["-mavx2"])
+            return _compile_with(["-mavx2", "-mfma"])
         except (OSError, subprocess.SubprocessError):
             pass  # an old compiler: the SSE2 build does the same arithmetic
     return _compile_with([])

@@ -341,17 +341,28 @@ void bunsan_onebit_decode_rotated_sum(int k, const float *const *offsets, const 
  *
  * out = a * x + b * y (x NULL: out = b * y), and with scaled, also scaled = out / divisor. torch
  * takes one pass over memory per operation (mul, add, div: three); this takes one. Any of x, y,
- * out, scaled may be the same array (each element is read before it is written). */
+ * out, scaled may be the same array (each element is read before it is written).
+ *
+ * Rounded as torch's torch.mul(x, a).add_(y, alpha=b) on the same machine: torch's AVX2 kernels
+ * (chosen where the CPU has AVX2 and FMA) compute add's a + alpha * b as one fused multiply-add,
+ * so the build with -mfma does too (fmaf), and the baseline build rounds twice, as torch's
+ * baseline kernels do. The same bits as the torch operations they replace. */
+#if defined(__FMA__)
+#include <math.h>
+#define BUNSAN_ADD_SCALED(acc, b, y) fmaf((b), (y), (acc))
+#else
+#define BUNSAN_ADD_SCALED(acc, b, y) ((acc) + (b) * (y))
+#endif
 void bunsan_axpby(const float *x, float a, const float *y, float b, float *out, float *scaled, float divisor,
                   int64_t n) {
     if (x && scaled) {
         for (int64_t i = 0; i < n; i++) {
-            float m = a * x[i] + b * y[i];
+            float m = BUNSAN_ADD_SCALED(a * x[i], b, y[i]);
             out[i] = m;
             scaled[i] = m / divisor;
         }
     } else if (x) {
-        for (int64_t i = 0; i < n; i++) out[i] = a * x[i] + b * y[i];
+        for (int64_t i = 0; i < n; i++) out[i] = BUNSAN_ADD_SCALED(a * x[i], b, y[i]);
     } else if (scaled) {
         for (int64_t i = 0; i < n; i++) {
             float m = b * y[i];
@@ -364,7 +375,8 @@ void bunsan_axpby(const float *x, float a, const float *y, float b, float *out, 
 }
 
 /* The sum of k plain payloads decoded into out[0..n) (in the given order, each chunk summed while
- * it is in L1), then, in the same pass, for each of m pieces q: out[lo..hi) = (out - a * prev) / div,
+ * it is in L1), then, in the same pass, for each of m pieces q: out[lo..hi) = (out - a * prev) / div
+ * (rounded as torch's out.sub_(prev, alpha=a).div_(div), see bunsan_axpby),
  * where prev[q][0] goes with out[lo[q]]. Pieces are sorted and disjoint. With k = 1 and m = 0 it is
  * bunsan_onebit_decode; the pieces are the local momentum's inversion (momentum.py). */
 void bunsan_onebit_decode_sum_then(int k, const float *const *offsets, const float *const *steps,
@@ -383,7 +395,7 @@ void bunsan_onebit_decode_sum_then(int k, const float *const *offsets, const flo
             int64_t from = lo[q] > start ? lo[q] : start, to = hi[q] < end ? hi[q] : end;
             const float *b = prev[q] - lo[q];
             float aq = a[q], dq = div[q];
-            for (int64_t i = from; i < to; i++) out[i] = (out[i] - aq * b[i]) / dq;
+            for (int64_t i = from; i < to; i++) out[i] = BUNSAN_ADD_SCALED(out[i], -aq, b[i]) / dq;
         }
     }
 }

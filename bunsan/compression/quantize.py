@@ -332,7 +332,7 @@ class Quantizer:
         for payload in payloads[1:]:
             self.decode_add(payload, numel, out)
         for lo, hi, b, a, divisor in then:
-            out[lo:hi].sub_(b.reshape(-1) * a).div_(divisor)  # two roundings, as the C kernel
+            out[lo:hi].sub_(b.reshape(-1), alpha=a).div_(divisor)  # rounded as the C kernel
         return out
 
     def _encode_into(self, values: Tensor, payload: Tensor, addend: Tensor | None = None) -> None:

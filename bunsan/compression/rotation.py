@@ -253,7 +253,7 @@ class RotatedQuantizer:
         if then:
             self.decode_sum(payloads, numel, out)
             for lo, hi, b, a, divisor in then:
-                out[lo:hi].sub_(b.reshape(-1) * a).div_(divisor)  # two roundings, as the C kernel
+                out[lo:hi].sub_(b.reshape(-1), alpha=a).div_(divisor)  # rounded as the C kernel
             return out
         if numel == 0:
             return out

@@ -163,8 +163,8 @@ def test_decode_sum_then_takes_pieces_out_of_momentum_units_on_both_paths(monkey
     plain = codec.decode_sum(payloads, numel, torch.empty(numel))
     expected = plain.clone()
     for lo, hi, b, a, divisor in then:
-        expected[lo:hi] = (plain[lo:hi] - a * b) / divisor
-    assert torch.equal(fast, expected)  # the same operations in the same order: the same bits
+        expected[lo:hi].sub_(b, alpha=a).div_(divisor)
+    assert torch.equal(fast, expected)  # rounded as torch's sub_ with alpha, then div_: the same bits
     assert torch.equal(fast[:100], plain[:100]) and torch.equal(fast[800:1500], plain[800:1500])
     _torch_path(monkeypatch)
     assert torch.equal(codec.decode_sum(payloads, numel, torch.empty(numel), then=then), fast)
@@ -177,14 +177,16 @@ def test_axpby_is_torch_arithmetic_in_one_pass(monkeypatch):
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(10_003, generator=g), torch.randn(10_003, generator=g)
     out, scaled = torch.empty_like(x), torch.empty_like(x)
-    lincomb(x, 0.9, y, 0.1, out, scaled, 2.0)
-    assert torch.equal(out, 0.9 * x + 0.1 * y) and torch.equal(scaled, out / 2.0)
+    lincomb(x, 0.9, y, 0.1, out, scaled, 2.0)  # the bits of the torch operations it replaces:
+    assert torch.equal(out, torch.mul(x, 0.9).add_(y, alpha=0.1)) and torch.equal(scaled, out / 2.0)
     lincomb(None, 0.0, y, 0.3, out)
     assert torch.equal(out, 0.3 * y)
     same = x.clone()
     lincomb(same, 1.0, y, -0.5, same, same, 0.7)  # every argument the same tensor as out: read before written
-    assert torch.equal(same, (x - 0.5 * y) / 0.7)
+    assert torch.equal(same, x.clone().sub_(y, alpha=0.5).div_(0.7))
+    fast = torch.empty_like(x)
+    lincomb(x, 0.9, y, 0.1, fast)
     _torch_path(monkeypatch)
     slow = torch.empty_like(x)
     lincomb(x, 0.9, y, 0.1, slow)
-    assert torch.equal(slow, out.copy_(0.9 * x + 0.1 * y))
+    assert torch.equal(slow, fast)

@@ -63,7 +63,9 @@ def lincomb(
     The local momentum's arithmetic, each a single pass over memory with the C kernel
     (:func:`bunsan.compression.native.axpby`); torch operations (up to three passes)
     where it is not available or the tensors do not fit it. ``x``, ``y``, ``out`` and
-    ``scaled`` may be the same tensor. Both round each operation once: the same bits.
+    ``scaled`` may be the same tensor. Both round as torch's ``mul`` then ``add_(y, alpha=b)``
+    (one fused multiply-add where torch's kernels use one), so the kernel gives the bits of
+    the torch operations it replaces.
     """
     if _fits_native(x, y, out, scaled):
         native.axpby(x, a, y, b, out, scaled, divisor)
@@ -71,7 +73,7 @@ def lincomb(
     if x is None:
         torch.mul(y, b, out=out)
     else:
-        torch.mul(x, a, out=out).add_(y * b)  # rounded as the kernel (add_ with alpha may fuse)
+        torch.mul(x, a, out=out).add_(y, alpha=b)
     if scaled is not None:
         torch.div(out, divisor, out=scaled)
 
@@ -359,7 +361,7 @@ class LocalMomentum(Algorithm):
             buffer = state["momentum_buffer"]
             if nesterov:  # keep * g + a * B_new (k is keep: Nesterov has no dampening)
                 lincomb(buffer, a, grad, k, buffer)
-                lincomb(buffer, a, grad, k, grad)
+                lincomb(grad, k, buffer, a, grad)  # as grad.mul_(k).add_(buffer, alpha=a)
             else:  # B = a * B + k * g, and the optimizer steps along B: one pass, B written only
                 lincomb(buffer, a, grad, k, buffer)
                 self._shown.append((p, grad))
