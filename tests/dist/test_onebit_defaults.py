@@ -3,12 +3,15 @@ with the step kept."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 import bunsan
 from bunsan.algorithms.data_parallel import QUANTIZED_MOMENTUM_1BIT, DataParallelSGD
+from bunsan.algorithms.data_parallel.momentum import QUANTIZED_MOMENTUM_1BIT_TWO_RANKS, default_quantized_momentum
 
 
 def test_one_bit_defaults_and_bad_values():
@@ -93,3 +96,41 @@ def test_rotation_default_follows_the_optimizer(workers, optimizer, rotate, chun
         chunk_size=chunk_size,
     )
     assert [tuple(r) for r in results] == [expected, expected]
+
+
+def _body_momentum_cap_default(rank, world_size, optimizer, quantized_momentum):
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "adamw": lambda p: torch.optim.AdamW(p)}
+    algorithm = DataParallelSGD(bits=1, warm_start=64, quantized_momentum=quantized_momentum)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bunsan.distribute(model, make[optimizer](model.parameters()), algorithm)
+    return algorithm.quantized_momentum, [str(w.message) for w in caught if "SGD momentum" in str(w.message)]
+
+
+def test_default_quantized_momentum_follows_the_stages():
+    assert default_quantized_momentum(1, 2, adam=False) == QUANTIZED_MOMENTUM_1BIT_TWO_RANKS == 0.8
+    assert default_quantized_momentum(1, 1, adam=False) == QUANTIZED_MOMENTUM_1BIT == 0.5
+    assert default_quantized_momentum(1, 4, adam=False) == QUANTIZED_MOMENTUM_1BIT
+    assert default_quantized_momentum(1, 2, adam=True) == QUANTIZED_MOMENTUM_1BIT  # 1-bit Adam: not measured higher
+    assert default_quantized_momentum(2, 2, adam=False) is None
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "quantized_momentum", "expected"),
+    [("sgd", "auto", 0.8), ("adamw", "auto", 0.5), ("sgd", 0.5, 0.5), ("sgd", None, None)],
+)
+def test_two_ranks_keep_more_momentum_with_sgd(workers, optimizer, quantized_momentum, expected):
+    """At 2 ranks (one quantization stage) the workers keep 0.8 of SGD's 0.9, without the heavy-momentum warning."""
+    results = workers.run(
+        f"{__name__}:_body_momentum_cap_default", optimizer=optimizer, quantized_momentum=quantized_momentum
+    )
+    assert [r[0] for r in results] == [expected, expected]
+    warned = any(r[1] for r in results)  # uncapped 0.9 is still warned about (rank 0)
+    assert warned == (expected is None)
+
+
+def test_one_process_keeps_the_two_stage_cap():
+    """One process quantizes in two stages (it owns the only stripe): the cap stays 0.5."""
+    result = _body_momentum_cap_default(rank=0, world_size=1, optimizer="sgd", quantized_momentum="auto")
+    assert result == (QUANTIZED_MOMENTUM_1BIT, [])

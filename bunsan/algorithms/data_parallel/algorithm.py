@@ -15,7 +15,11 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from bunsan._validate import check_choice, check_int, check_number, check_type
 from bunsan.algorithms.data_parallel.buckets import Bucket, build_buckets
 from bunsan.algorithms.data_parallel.exchange import COMPRESSIONS, BucketExchange
-from bunsan.algorithms.data_parallel.momentum import QUANTIZED_MOMENTUM_1BIT, optimizer_warning
+from bunsan.algorithms.data_parallel.momentum import (
+    QUANTIZED_MOMENTUM_1BIT,
+    default_quantized_momentum,
+    optimizer_warning,
+)
 from bunsan.algorithms.data_parallel.stripes import Stripes, build_stripes
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam, warm_up_steps
 from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank
@@ -80,8 +84,9 @@ class DataParallelSGD(BucketExchange):
         quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
             workers apply while quantizing, at most; the gradient is scaled by
             ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
-            ``"auto"`` (default): 0.5 for ``bits=1``, None (the optimizer's) otherwise;
-            measured in docs/design-notes.md, "1-bit defaults".
+            ``"auto"`` (default): for ``bits=1`` 0.8 with SGD at 2 ranks (one quantization
+            stage) and 0.5 otherwise, None (the optimizer's) above 1 bit; measured in
+            docs/design-notes.md, "1-bit defaults" and "1 bit at 2 workers".
         bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
@@ -146,6 +151,8 @@ class DataParallelSGD(BucketExchange):
         self._rotate_default = rotate is None
         self._chunk_default = chunk_size is None
         self.rotate = bool(rotate)
+        # "auto": decided again at attach_optimizer(), when the world size and optimizer are known.
+        self._momentum_default = quantized_momentum == "auto"
         if quantized_momentum == "auto":
             quantized_momentum = QUANTIZED_MOMENTUM_1BIT if bits == 1 else None
         hint = "'auto', None, or a momentum in [0, 1)"
@@ -217,6 +224,8 @@ class DataParallelSGD(BucketExchange):
         if self.bits == 32:
             return
         self._choose_rotation(optimizer)
+        if self._momentum_default:
+            self.quantized_momentum = default_quantized_momentum(self.bits, self.world_size, adam=is_adam(optimizer))
         if is_adam(optimizer) and self.local_momentum:
             # 1-bit Adam (bunsan.algorithms.onebit_adam): exact warm-up, then frozen variance.
             self._adam = FrozenVarianceAdam(optimizer)
@@ -235,7 +244,11 @@ class DataParallelSGD(BucketExchange):
                     )
             return
         warning = optimizer_warning(
-            optimizer, self.bits, rotate=self.rotate, cap=self.quantized_momentum if self.local_momentum else None
+            optimizer,
+            self.bits,
+            rotate=self.rotate,
+            cap=self.quantized_momentum if self.local_momentum else None,
+            two_ranks=self.world_size == 2,
         )
         if warning is not None and get_rank(self.group) == 0:
             warnings.warn(warning, stacklevel=3)

@@ -31,7 +31,15 @@ _SAMPLES = 16
 # (lo, hi, previous momentum B, a, divisor), U[lo:hi] = (U[lo:hi] - a * B) / divisor.
 Piece = tuple[int, int, Tensor, float, float]
 
-__all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "LocalMomentum", "lincomb", "optimizer_warning"]
+__all__ = [
+    "HEAVY_MOMENTUM_1BIT",
+    "QUANTIZED_MOMENTUM_1BIT",
+    "QUANTIZED_MOMENTUM_1BIT_TWO_RANKS",
+    "LocalMomentum",
+    "default_quantized_momentum",
+    "lincomb",
+    "optimizer_warning",
+]
 
 # SGD momentum from which 1-bit training without rotation is warned about; measured in
 # docs/design-notes.md, "1 bit and heavy momentum".
@@ -40,6 +48,23 @@ HEAVY_MOMENTUM_1BIT = 0.7
 # lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
 # extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
 QUANTIZED_MOMENTUM_1BIT = 0.5
+# The same at 2 ranks with SGD, where the exchange quantizes once instead of twice (quantized.py,
+# _finish_two_ranks): less delay to absorb, so the workers keep more momentum, and the update's noise
+# per step at the same lr / (1 - momentum) shrinks (variance ~ (1 - a) / (1 + a) at momentum a);
+# docs/design-notes.md, "1 bit at 2 workers".
+QUANTIZED_MOMENTUM_1BIT_TWO_RANKS = 0.8
+
+
+def default_quantized_momentum(bits: int, world_size: int, *, adam: bool) -> float | None:
+    """``quantized_momentum="auto"``: the momentum the workers apply at most while quantizing, or None.
+
+    None (the optimizer's own) above 1 bit; at 1 bit :data:`QUANTIZED_MOMENTUM_1BIT_TWO_RANKS`
+    for SGD at 2 ranks (one quantization stage), else :data:`QUANTIZED_MOMENTUM_1BIT` (two
+    stages, and 1-bit Adam's first moment at any size).
+    """
+    if bits != 1:
+        return None
+    return QUANTIZED_MOMENTUM_1BIT_TWO_RANKS if world_size == 2 and not adam else QUANTIZED_MOMENTUM_1BIT
 
 
 def _fits_native(*tensors: Tensor | None) -> bool:
@@ -79,7 +104,7 @@ def lincomb(
 
 
 def optimizer_warning(
-    optimizer: torch.optim.Optimizer, bits: int, *, rotate: bool, cap: float | None = None
+    optimizer: torch.optim.Optimizer, bits: int, *, rotate: bool, cap: float | None = None, two_ranks: bool = False
 ) -> str | None:
     """What to warn about quantized gradients (``bits < 32``) with ``optimizer`` (not Adam), or None.
 
@@ -87,7 +112,9 @@ def optimizer_warning(
     Adam with local momentum folds the quantization error into its per-coordinate
     statistics; 1 bit without rotation and SGD momentum >= :data:`HEAVY_MOMENTUM_1BIT`
     applied by the workers (``cap``: the ``quantized_momentum`` they apply at most) was
-    measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum").
+    measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum"); at 2 ranks
+    (``two_ranks``: one quantization stage) up to :data:`QUANTIZED_MOMENTUM_1BIT_TWO_RANKS` is not
+    warned about (docs/design-notes.md, "1 bit at 2 workers").
     """
     name = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.SGD):
@@ -107,7 +134,7 @@ def optimizer_warning(
     heavy = max((g["momentum"] for g in optimizer.param_groups), default=0.0)
     if cap is not None:  # the workers apply at most `cap` while quantizing (quantized_momentum)
         heavy = min(heavy, cap)
-    if heavy < HEAVY_MOMENTUM_1BIT:
+    if heavy < HEAVY_MOMENTUM_1BIT or (two_ranks and heavy <= QUANTIZED_MOMENTUM_1BIT_TWO_RANKS):
         return None
     return (
         f"DataParallelSGD(bits=1) with SGD momentum {heavy}: 1-bit error feedback delays part of every gradient "
