@@ -27,6 +27,10 @@ __all__ = ["COMPRESSIONS", "BucketExchange"]
 COMPRESSIONS = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+# Up to this many gradients in a bucket, each is divided into it in one pass; above, two batched calls.
+_FEW_TENSORS = 8
+
+
 class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
     """The per-step exchange of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a base of it).
 
@@ -85,16 +89,23 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             self._launch_in_order()
 
     def _fill(self, bucket: Bucket) -> None:
-        """Copy a complete bucket's gradients in with two fused calls, then divide it once.
+        """Copy a complete bucket's gradients in, divided by the world size.
 
         Every parameter of the bucket has a gradient (its hook fired), so the
-        per-parameter work of the hook is one set insertion: the copies are one
-        ``_foreach_copy_`` over the bucket and the division one ``div_`` (a gradient
-        that already lives in the bucket is copied onto itself).
+        per-parameter work of the hook is one set insertion. A bucket of a few
+        gradients takes one ``torch.div(..., out=slot)`` each: one pass, on the critical
+        path of the last bucket (DDP's reducer likewise scales as it copies). One of many
+        takes one ``_foreach_copy_`` and one ``div_`` over the bucket, cheaper than a call
+        per tensor (a gradient that already lives in the bucket is copied onto itself).
         """
         # Every hook of the bucket fired, so every gradient is set (cast: no check per gradient).
-        torch._foreach_copy_(bucket.slots, [cast(Tensor, p.grad) for p in bucket.params])
-        bucket.buffer.div_(self._n)
+        grads = [cast(Tensor, p.grad) for p in bucket.params]
+        if len(grads) <= _FEW_TENSORS:
+            for grad, slot in zip(grads, bucket.slots, strict=True):
+                torch.div(grad, self._n, out=slot)
+        else:
+            torch._foreach_copy_(bucket.slots, grads)
+            bucket.buffer.div_(self._n)
         for index in bucket.indices:
             self._has_grad[index] = 1.0
         bucket.filled = True
