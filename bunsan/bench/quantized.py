@@ -73,7 +73,7 @@ MODELS = {"mlp-10m": _mlp, "cnn": _cnn}
 
 def parse_setting(label: str) -> tuple[int, bool]:
     """``"8"`` -> 8 bits, unrotated; ``"1r"`` -> 1 bit with rotated chunks (``DataParallelSGD(rotate=True)``,
-    the default at 1 bit)."""
+    the default at 1 bit with Adam; with SGD the default is plain chunks, ``"1"``)."""
     rotate = label.endswith("r")
     digits = label[:-1] if rotate else label
     bits = int(digits) if digits.isdigit() else 0

@@ -186,7 +186,12 @@ def test_axpby_is_torch_arithmetic_in_one_pass(monkeypatch):
     assert torch.equal(same, x.clone().sub_(y, alpha=0.5).div_(0.7))
     fast = torch.empty_like(x)
     lincomb(x, 0.9, y, 0.1, fast)
+    fast_into_y = y.clone()
+    lincomb(x, 0.9, fast_into_y, 0.1, fast_into_y)  # out is y: y is read before it is written
     _torch_path(monkeypatch)
     slow = torch.empty_like(x)
     lincomb(x, 0.9, y, 0.1, slow)
     assert torch.equal(slow, fast)
+    slow_into_y = y.clone()
+    lincomb(x, 0.9, slow_into_y, 0.1, slow_into_y)
+    assert torch.equal(slow_into_y, fast) and torch.equal(fast_into_y, fast)

@@ -98,6 +98,8 @@ def lincomb(
     if x is None:
         torch.mul(y, b, out=out)
     else:
+        if y.data_ptr() == out.data_ptr() and x.data_ptr() != out.data_ptr():
+            y = y.clone()  # out = a * x would overwrite y before it is read
         torch.mul(x, a, out=out).add_(y, alpha=b)
     if scaled is not None:
         torch.div(out, divisor, out=scaled)
