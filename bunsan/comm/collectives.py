@@ -148,6 +148,16 @@ def wait(work: Any, what: str = "collective") -> None:
         _inspector.end_wait(waits)
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@functools.cache
+def _allreduce_options(op: str) -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = _REDUCE_OPS[op]
+    return options
+
+
 def all_reduce(
     tensor: Tensor,
     *,
@@ -158,6 +168,12 @@ def all_reduce(
 ) -> Any:
     """Reduce ``tensor`` in place across ``group``. Collective.
 
+    The call goes to the process group's own ``allreduce`` (as DDP's reducer and
+    torch's communication hooks make it), not through ``torch.distributed.all_reduce``,
+    whose Python checks cost about as much as the launch itself (15-30 us of a 30-60 us
+    call, measured here): DataParallelSGD launches one per bucket on the critical
+    path of backward. Complex tensors take torch's path (it reduces them as pairs of reals).
+
     Args:
         op: ``"sum"``, ``"max"`` or ``"min"``.
         async_op: return a work handle to pass to :func:`wait` instead of blocking.
@@ -165,19 +181,26 @@ def all_reduce(
     Returns:
         The work handle when ``async_op``, else None.
     """
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    check_choice("op", op, ops)
+    check_choice("op", op, _REDUCE_OPS)
     n = get_world_size(group)
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
-    return _call(
-        "all_reduce",
-        lambda: dist.all_reduce(tensor, op=ops[op], group=group, async_op=async_op),
-        group=group,
-        tensor=tensor,
-        blocking=not async_op,
-    )
+    if tensor.is_complex():
+        start = functools.partial(dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
+    else:
+        start = functools.partial(_start_all_reduce, tensor, op, group, async_op)
+    return _call("all_reduce", start, group=group, tensor=tensor, blocking=not async_op)
+
+
+def _start_all_reduce(tensor: Tensor, op: str, group: ProcessGroup | None, async_op: bool) -> Any:
+    process_group = group if group is not None else dist.group.WORLD
+    assert process_group is not None, "all_reduce needs an initialized process group"
+    work = process_group.allreduce([tensor], _allreduce_options(op))
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def broadcast_tensors(
