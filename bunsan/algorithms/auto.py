@@ -58,13 +58,13 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from bunsan import comm
+from bunsan import comm, runtime
 from bunsan._validate import check_choice, check_int, check_number, check_type
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
-from bunsan.algorithms.measure import measure_codec, measure_network
+from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
@@ -89,27 +89,39 @@ def _delegated(name: str) -> Any:
     return property(fget, fset)
 
 
-def infer_compute(step_s: float, profile: cm.Profile, network: cm.Network, workers: int) -> float:
+def infer_compute(
+    step_s: float, profile: cm.Profile, network: cm.Network, workers: int, *, overlap: bool = True
+) -> float:
     """The compute ``c`` with ``c + exposed exact exchange(c) = step_s`` (a few fixed-point rounds)."""
     exact = cm.Candidate("data_parallel", {}, "exact")
     compute = step_s
     for _ in range(20):
         trial = cm.Profile(**{**vars(profile), "compute_s": compute})
-        predicted = cm.predict(trial, network, exact, workers)
+        predicted = cm.predict(trial, network, exact, workers, overlap=overlap)
         compute = max(step_s * 0.05, step_s - (predicted.step_s - compute))
     return compute
 
 
-def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: str) -> int:
+def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: str, overlap: bool = True) -> int:
     for k in BLOCK_STEPS:
         candidate = cm.Candidate(name, {"block_size": k * profile.batch})
-        if cm.predict(profile, network, candidate, workers).exposed_s <= BLOCK_BUDGET * profile.compute_s:
+        if (
+            cm.predict(profile, network, candidate, workers, overlap=overlap).exposed_s
+            <= BLOCK_BUDGET * profile.compute_s
+        ):
             return k * profile.batch
     return BLOCK_STEPS[-1] * profile.batch
 
 
 def candidates_for(
-    risk: str, profile: cm.Profile, network: cm.Network, workers: int, *, momentum: float = 0.0, warm_start: int = 0
+    risk: str,
+    profile: cm.Profile,
+    network: cm.Network,
+    workers: int,
+    *,
+    momentum: float = 0.0,
+    warm_start: int = 0,
+    overlap: bool = True,
 ) -> list[cm.Candidate]:
     """The candidates ``risk`` accepts, with their settings chosen by the documented rules."""
     check_choice("risk", risk, RISKS)
@@ -126,7 +138,7 @@ def candidates_for(
             )
         )
         for name in ("block_momentum", "model_averaging"):
-            size = _block_size(profile, network, workers, name)
+            size = _block_size(profile, network, workers, name, overlap)
             found.append(cm.Candidate(name, {"block_size": size, "warm_start": warm_start}, f"{name}:{size}"))
     return found
 
@@ -306,14 +318,21 @@ class Auto(Algorithm):
             if self.verbose:
                 print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
         elif deciding and network is not None:
-            codec = measure_codec(sum(p.numel() for _, p in self.named_params), repeats=2)
+            numel = sum(p.numel() for _, p in self.named_params)
+            codec = measure_codec(numel, repeats=2)
+            # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
+            codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
             draft = self._profile(step_s)
-            compute = infer_compute(step_s, draft, network, n)
-            profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec})
+            # the exchange overlaps backward only where it does not need the compute's core
+            local = runtime.local_size()
+            device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+            overlap = can_overlap(device, local, over_memory=local == runtime.size())
+            compute = infer_compute(step_s, draft, network, n, overlap=overlap)
+            profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
             candidates = candidates_for(
-                self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start
+                self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
             )
-            predictions = [cm.predict(profile, network, c, n) for c in candidates]
+            predictions = [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
             index, why = choose(predictions, self.min_gain)
             decision = {
                 "algorithm": candidates[index].algorithm,
@@ -330,6 +349,8 @@ class Auto(Algorithm):
                     "gather_bandwidth": network.gather_bandwidth,
                     "half_bandwidth": network.half_bandwidth,
                     **codec,
+                    "codecs": [list(c) for c in codecs],
+                    "overlap": overlap,
                     "params": profile.params,
                     "batch": profile.batch,
                 },

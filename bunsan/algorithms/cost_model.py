@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bunsan._validate import check_int, check_number
+from bunsan._validate import check_int, check_number, check_type
 from bunsan.algorithms.network_model import (
     DEFAULT_CHUNK_SIZE,
     Network,
@@ -115,6 +115,15 @@ class Profile:
             last chunk short); ``None``: ``ceil(params / 512)``, as if one tensor.
         codec_call_s: fixed time of one encode or decode call, whatever its size
             (dominant for small models on CPU).
+        codecs: the codec at other bit widths, ``(bits, encode_s_per_element,
+            decode_s_per_element, codec_call_s)`` each; a quantized candidate of those bits
+            uses its own entry (8-bit encoding costs several times 1-bit's per element on
+            CPU), any other the three fields above.
+        fixed_s: seconds every step of a candidate costs beyond what the model counts
+            (the framework's hooks and bookkeeping, the in-situ latency of waking the
+            backend's threads), ``(label, seconds)`` per candidate label; measured on a
+            tiny model in the job (:func:`bunsan.algorithms.measure.measure_fixed_costs`),
+            0 for a label not listed.
     """
 
     compute_s: float
@@ -130,6 +139,8 @@ class Profile:
     tensors: int = 1
     codec_call_s: float = 0.0
     chunks: int | None = None
+    codecs: tuple[tuple[int, float, float, float], ...] = ()
+    fixed_s: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -145,6 +156,24 @@ class Profile:
             "cast_s_per_element",
         ):
             check_seconds(name, getattr(self, name), zero=True)
+        for bits, *costs in self.codecs:
+            check_int("codecs bits", bits, minimum=1, maximum=16)
+            for cost in costs:
+                check_seconds("codecs cost", cost, zero=True)
+        for label, seconds in self.fixed_s:
+            check_type("fixed_s label", label, str)
+            check_number("fixed_s seconds", seconds)  # may be negative: the model may count more than the probe saw
+
+    def codec(self, bits: int) -> tuple[float, float, float]:
+        """``(encode_s_per_element, decode_s_per_element, codec_call_s)`` of the codec at ``bits``."""
+        for b, encode, decode, call in self.codecs:
+            if b == bits:
+                return encode, decode, call
+        return self.encode_s_per_element, self.decode_s_per_element, self.codec_call_s
+
+    def fixed(self, label: str) -> float:
+        """The measured fixed seconds per step of the candidate ``label`` (0 if not measured)."""
+        return dict(self.fixed_s).get(label, 0.0)
 
     @property
     def gradient_bytes(self) -> int:
@@ -298,6 +327,8 @@ def async_step(
     ``sync_steps`` steps; rank 0's link, full duplex, receives ``N - 1`` pushes and
     sends ``N - 1`` models per sync round, and rank 0 applies ``N - 1`` updates, so
     a round cannot be shorter than ``(N - 1) (alpha + M / beta + apply)``.
+    (Rank 0's own worker: :func:`predict`; where the server's transfers take its core,
+    ``overlap=False``, it pays every remote worker's push and pull.)
     """
     if workers <= 1:
         return compute_s, 0.0
@@ -321,7 +352,9 @@ def predict(
     Options read from ``candidate.options``: ``bits``, ``compression`` (``"fp16"``/``"bf16"``),
     ``chunk_size``, ``bucket_size_mb`` (data_parallel); ``block_size`` (samples per worker, block
     algorithms); ``sync_period`` (samples per worker, async). ``overlap=False`` puts every bucketed
-    exchange after backward (as in a framework that reduces after the whole backward pass).
+    exchange after backward (as in a framework that reduces after the whole backward pass, or where
+    the exchange needs the compute's own core: :func:`bunsan.algorithms.measure.can_overlap`) and
+    charges rank 0's worker the async server's transfers.
     """
     check_int("workers", workers, minimum=1)
     options = candidate.options
@@ -366,13 +399,14 @@ def predict(
                 striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk, bucket_chunks(b))
                 for b in buckets
             )
+            encode_s, decode_s, call_s = profile.codec(bits)
             codec = (
                 0.0
                 if n == 1
                 else (
-                    profile.encode_s_per_element * profile.params * (1 + 1 / n)
-                    + profile.decode_s_per_element * profile.params * 2
-                    + profile.codec_call_s * codec_calls(profile.tensors, len(buckets), n)
+                    encode_s * profile.params * (1 + 1 / n)
+                    + decode_s * profile.params * 2
+                    + call_s * codec_calls(profile.tensors, len(buckets), n)
                 )
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own
@@ -384,7 +418,7 @@ def predict(
             exposed = exposed_communication(forward, backward, buckets, exchange)
         else:
             exposed = communication
-        wait = profile.straggler_s if n > 1 else 0.0
+        wait = (profile.straggler_s + profile.fixed(candidate.label)) if n > 1 else 0.0
         return Prediction(
             candidate.label, n, compute, compute + wait + exposed + codec, communication, wait + exposed, codec, sent
         )
@@ -394,15 +428,19 @@ def predict(
         communication = ring_allreduce_time(nbytes, n, network)
         update = profile.update_s_per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
-        exposed = (communication + update + wait) / k
+        exposed = (communication + update + wait) / k + (profile.fixed(candidate.label) if n > 1 else 0.0)
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
     # async: rank 0's own worker reaches the server in-process and never waits; the others pay the
     # round trip. The step is the job's: workers / sum of each worker's steps per second.
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
     nbytes = profile.params * 4
-    remote, _ = async_step(compute, nbytes, n, network, k, profile.update_s_per_element * profile.params)
-    step = n / (1 / compute + (n - 1) / remote)
+    apply_s = profile.update_s_per_element * profile.params
+    remote, _ = async_step(compute, nbytes, n, network, k, apply_s)
+    own = compute  # rank 0's worker reaches the server in-process
+    if not overlap and n > 1:  # ... but the server's transfers run on its core
+        own += (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k
+    step = n / (1 / own + (n - 1) / remote) + (profile.fixed(candidate.label) if n > 1 else 0.0)
     sent = 0.0 if n == 1 else nbytes / k  # a remote worker's push
     return Prediction(candidate.label, n, compute, step, remote - compute, step - compute, 0.0, sent)
 

@@ -18,7 +18,14 @@ import torch
 from bunsan import comm
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
-__all__ = ["PROBE_SIZES", "measure_codec", "measure_network", "median_time"]
+__all__ = [
+    "PROBE_SIZES",
+    "can_overlap",
+    "measure_codec",
+    "measure_codecs",
+    "measure_network",
+    "median_time",
+]
 
 # all-reduce message sizes in bytes: a latency-bound one, then bandwidth-bound ones
 PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
@@ -106,3 +113,35 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
     if wire_s > 0:
         network = replace(network, half_bandwidth=ring_allreduce_bytes(halves.numel() * 2, n) / wire_s)
     return network
+
+
+def measure_codecs(numel: int, bits: Sequence[int], *, repeats: int = 3) -> tuple[tuple[int, float, float, float], ...]:
+    """:func:`measure_codec` at each width of ``bits``, as :attr:`bunsan.algorithms.cost_model.Profile.codecs`."""
+    found = []
+    for b in sorted(set(bits)):
+        codec = measure_codec(numel, b, repeats=repeats)
+        found.append((b, codec["encode_s_per_element"], codec["decode_s_per_element"], codec["codec_call_s"]))
+    return tuple(found)
+
+
+def can_overlap(
+    device: torch.device | str = "cpu", local_workers: int | None = None, *, over_memory: bool = True
+) -> bool:
+    """Whether a worker's exchange can run beside its compute without slowing it.
+
+    Yes on a GPU, and on CPU where the exchange waits on a network (``over_memory=False``:
+    the backend's thread mostly waits for the wire) or where every local worker has a
+    second core. Not when the exchange travels through memory (all workers on one host:
+    loopback, shared memory) with one core per worker: the backend's thread does the
+    copies and sums on the core of the compute, so an overlapped exchange still adds its
+    time to the step (measured: ``bunsan bench predict``, docs/plan.md).
+    """
+    if torch.device(device).type != "cpu" or not over_memory:
+        return True
+    if local_workers is None:
+        from bunsan import runtime
+
+        local_workers = runtime.local_size()
+    from bunsan.launch.hosts import usable_cores
+
+    return usable_cores() >= 2 * local_workers

@@ -156,13 +156,23 @@ def _worker(spec: dict[str, Any]) -> int:
     import bunsan
     from bunsan import comm
     from bunsan.algorithms import cost_model as cm
-    from bunsan.bench.measure import measure_codec, measure_compute, measure_network
+    from bunsan.algorithms.measure import can_overlap
+    from bunsan.bench.measure import (
+        measure_codec,
+        measure_codecs,
+        measure_compute,
+        measure_fixed_costs,
+        measure_network,
+    )
 
     torch.set_num_threads(1)
     bunsan.init(timeout_s=spec["timeout_s"])
     rank, n = bunsan.rank(), bunsan.size()
     network = measure_network()
     candidates = cm.default_candidates(spec["block_size"])
+    overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
+    fixed = measure_fixed_costs(candidates, network) if spec.get("fixed", True) else ()
+    bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
     for name in spec["models"]:
         torch.manual_seed(0)
@@ -172,6 +182,7 @@ def _worker(spec: dict[str, Any]) -> int:
         y = torch.randint(0, 10, (spec["batch"],), generator=g)
         measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
         codec: dict[str, Any] = measure_codec(measured["params"])
+        codecs = measure_codecs(measured["params"], bits)
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
         trainers: list[tuple[Any, Any, Any, dict[str, Any], list[float]]] = []
@@ -203,6 +214,8 @@ def _worker(spec: dict[str, Any]) -> int:
             backward_fraction=measured["backward_fraction"],
             tensors=measured["tensors"],
             chunks=measured["chunks"],
+            codecs=codecs,
+            fixed_s=fixed,
             **codec,
         )
         for candidate, _, optimizer, before, times in trainers:
@@ -214,7 +227,7 @@ def _worker(spec: dict[str, Any]) -> int:
             mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
-            predicted = cm.predict(profile, network, candidate, n)
+            predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
             rows.append(
                 {
                     "model": name,
@@ -231,6 +244,8 @@ def _worker(spec: dict[str, Any]) -> int:
                     "codec_s": predicted.codec_s,
                     "params": profile.params,
                     "straggler_s": profile.straggler_s,
+                    "fixed_s": profile.fixed(candidate.label),
+                    "overlap": overlap,
                 }
             )
         del trainers
@@ -258,6 +273,7 @@ COLUMNS = (
     "model",
     "algorithm",
     "predicted (ms)",
+    "of it fixed",
     "measured (ms)",
     "error",
     "MB/step pred.",
@@ -274,6 +290,7 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             r["model"],
             r["label"],
             f"{r['predicted_s'] * 1e3:.2f}",
+            f"{r.get('fixed_s', 0.0) * 1e3:.2f}",
             f"{r['measured_s'] * 1e3:.2f}",
             f"{100 * r['error']:+.0f}%",
             f"{r['predicted_bytes'] / 1e6:.3f}",

@@ -154,7 +154,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 @functools.cache
 def _allreduce_options(op: str) -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = _REDUCE_OPS[op]
+    options.reduceOp = _REDUCE_OPS[op]  # type: ignore[assignment]  # torch's stub: RedOpType for ReduceOp
     return options
 
 

@@ -191,3 +191,59 @@ def test_half_precision_traffic_pays_its_casts_and_its_own_bandwidth():
     # so the exposed part is the exact one (1/6 s); the casts add 1e-8 * 786432 s
     assert p.codec_s == pytest.approx(1e-8 * (3 * mib // 4))
     assert p.step_s == pytest.approx(0.3 + 1 / 6 + 1e-8 * (3 * mib // 4))
+
+
+def test_codec_per_bit_width_and_measured_fixed_costs():
+    # 1-bit codec 1 ns / element encode, 2 ns decode; 8-bit 4 and 1 ns, 1e-4 s per call
+    profile = Profile(
+        compute_s=1.0,
+        params=1_000_000,
+        encode_s_per_element=1e-9,
+        decode_s_per_element=2e-9,
+        codecs=((8, 4e-9, 1e-9, 1e-4),),
+        fixed_s=(("exact", 2e-3), ("8-bit", 1e-3), ("block_momentum:320", 5e-4), ("async", 3e-4)),
+    )
+    assert profile.codec(8) == (4e-9, 1e-9, 1e-4) and profile.codec(1) == (1e-9, 2e-9, 0.0)
+    assert profile.fixed("exact") == 2e-3 and profile.fixed("fp16") == 0.0
+    net = Network(latency_s=0.0, bandwidth=1e12)
+    eight = cm.predict(profile, net, Candidate("data_parallel", {"bits": 8}, "8-bit"), 4)
+    # encode 4e-9 * 1e6 * 1.25 + decode 1e-9 * 1e6 * 2, and 4 MB are two buckets (1 MiB first):
+    # 1e-4 s x (3 x (1 + 2 x 4) + 1/4 + 2) calls
+    assert eight.codec_s == pytest.approx(5e-3 + 2e-3 + 29.25e-4)
+    # the fixed cost is part of what the exchange adds to the step
+    assert eight.step_s == pytest.approx(1.0 + eight.codec_s + 1e-3 + (eight.exposed_s - 1e-3))
+    assert eight.exposed_s >= 1e-3
+    exact = cm.predict(profile, net, Candidate("data_parallel", {}, "exact"), 2)
+    assert exact.step_s == pytest.approx(1.0 + 2e-3, abs=1e-5)
+    block = cm.predict(profile, net, Candidate("block_momentum", {"block_size": 320}, "block_momentum:320"), 2)
+    # a block of 10 steps: all-reduce of 4e6 bytes (4e-6 s at 1 TB/s) / 10, plus 5e-4 every step
+    assert block.step_s == pytest.approx(1.0 + 4e-7 + 5e-4)
+    # async: 2 workers, rank 0 at 1.0 s, the remote at 1.0 + 8e-6: the job's step + 3e-4
+    run = cm.predict(profile, net, Candidate("async"), 2)
+    assert run.step_s == pytest.approx(2 / (1 / 1.0 + 1 / (1.0 + 8e-6)) + 3e-4)
+    # one worker: nothing is exchanged, nothing fixed is added
+    assert cm.predict(profile, net, Candidate("data_parallel", {}, "exact"), 1).step_s == 1.0
+    with pytest.raises(ValueError, match="codecs bits"):
+        Profile(compute_s=1.0, params=1, codecs=((0, 1e-9, 1e-9, 0.0),))
+    with pytest.raises(TypeError, match="fixed_s label"):
+        Profile(compute_s=1.0, params=1, fixed_s=((1, 1e-3),))
+
+
+def test_overlap_needs_a_spare_core_per_worker(monkeypatch):
+    from bunsan.algorithms import measure
+    from bunsan.launch import hosts
+
+    monkeypatch.setattr(hosts, "usable_cores", lambda: 2)
+    assert measure.can_overlap("cpu", 1) is True  # a core for compute, one for the backend's thread
+    assert measure.can_overlap("cpu", 2) is False
+    assert measure.can_overlap("meta", 8) is True  # an accelerator: the exchange leaves the compute alone
+    assert measure.can_overlap("cpu", 2, over_memory=False) is True  # the backend's thread waits on a wire
+
+
+def test_async_server_on_the_compute_core_without_overlap():
+    net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
+    profile = Profile(compute_s=0.1, params=1_000_000)
+    # 3 workers: remotes at 0.1 + 0.08 = 0.18 s; rank 0 serves 2 x (push + pull) = 0.16 s on its core
+    p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
+    assert p.step_s == pytest.approx(3 / (1 / 0.26 + 2 / 0.18))
+    assert cm.predict(profile, net, Candidate("async"), 3).step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))

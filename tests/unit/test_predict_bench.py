@@ -32,8 +32,9 @@ def _row(**changes):
 
 def test_table_and_plot(tmp_path):
     cells = predict.table_rows([_row(), _row(label="1-bit", predicted_s=0.02, error=-0.2)])
-    assert cells[0] == ["loopback", "2", "digits_cnn", "exact", "11.00", "10.00", "+10%", "0.605", "0.605"]
-    assert cells[1][6] == "-20%"
+    assert cells[0] == ["loopback", "2", "digits_cnn", "exact", "11.00", "0.00", "10.00", "+10%", "0.605", "0.605"]
+    assert cells[1][7] == "-20%"
+    assert predict.table_rows([_row(fixed_s=0.0015)])[0][5] == "1.50"
     png = predict.plot_predict([_row(), _row(network="rate=1gbit", measured_s=0.03)], tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
