@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import algorithms as _algorithms
 from bunsan._validate import check_type
+from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.buffers import synced_buffer_modules
 from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, global_rank, is_initialized
@@ -473,3 +474,6 @@ def _check_same_values(model: nn.Module, group: Any) -> None:
             "seed every rank alike, load the same checkpoint on every rank, or leave broadcast=True "
             "(pass check=False to skip this check)"
         )
+
+
+_measure.register_distribute(distribute)  # the probe of fixed costs (Auto, bench predict) builds tiny jobs

@@ -64,7 +64,7 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
-from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_network
+from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_fixed_costs, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
@@ -168,6 +168,10 @@ class Auto(Algorithm):
         warm_start: samples (global) trained exactly before compression or blocks start, counted
             from the beginning of training; the measuring steps count towards it.
         network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
+        fixed_costs: measure every candidate's fixed cost per step on a tiny model first
+            (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: well under a
+            second at 2 workers, a few seconds at 4 on 2 cores); ``False`` counts exact's
+            fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.
         group: process group; ``None`` means every rank of the job.
     """
@@ -182,6 +186,7 @@ class Auto(Algorithm):
         min_gain: float = 0.1,
         warm_start: int = 0,
         network: cm.Network | None = None,
+        fixed_costs: bool = True,
         verbose: bool = True,
         group: ProcessGroup | None = None,
     ) -> None:
@@ -196,6 +201,7 @@ class Auto(Algorithm):
         if network is not None:
             check_type("network", network, cm.Network, hint="or None to measure it")
         self.network = network
+        self.fixed_costs = check_type("fixed_costs", fixed_costs, bool)
         self.verbose = verbose
         self.decision: dict[str, Any] | None = None
         self._durations: list[float] = []  # seconds of measured steps (end to end)
@@ -288,6 +294,22 @@ class Auto(Algorithm):
         groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.SGD) else []
         return max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)
 
+    def _probes(self) -> list[cm.Candidate]:
+        """The candidates of ``risk`` for the fixed-cost probe: the same list on every rank, no warm start."""
+        probes = [
+            cm.Candidate("data_parallel", {}, "exact"),
+            cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16"),
+        ]
+        if self.risk in ("medium", "high"):
+            probes += [cm.Candidate("data_parallel", {"bits": b}, f"{b}-bit") for b in (8, 2)]
+        if self.risk == "high":
+            rotate = self._momentum() >= HEAVY_MOMENTUM_1BIT
+            probes.append(
+                cm.Candidate("data_parallel", {"bits": 1, "rotate": rotate}, "1-bit rotated" if rotate else "1-bit")
+            )
+            probes += [cm.Candidate(name, {"block_size": 64}, name) for name in ("block_momentum", "model_averaging")]
+        return probes
+
     def _decide(self) -> None:
         started = time.perf_counter()
         slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
@@ -302,6 +324,13 @@ class Auto(Algorithm):
                 network = measure_network(self.group, sizes=sizes, repeats=3)
             except ValueError:
                 network = None
+        # the exchange overlaps backward only where it does not need the compute's core
+        local = runtime.local_size()
+        device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+        overlap = can_overlap(device, local, over_memory=local == runtime.size())
+        fixed: dict[str, float] = {}
+        if network is not None and self.fixed_costs:  # every rank: the probe is collective
+            fixed = dict(measure_fixed_costs(self._probes(), network, group=self.group, overlap=overlap))
         decision: dict[str, Any] | None = None
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         if deciding and network is None:
@@ -322,15 +351,19 @@ class Auto(Algorithm):
             codec = measure_codec(numel, repeats=2)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
-            draft = self._profile(step_s)
-            # the exchange overlaps backward only where it does not need the compute's core
-            local = runtime.local_size()
-            device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
-            overlap = can_overlap(device, local, over_memory=local == runtime.size())
+            draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": (("exact", fixed.get("exact", 0.0)),)})
             compute = infer_compute(step_s, draft, network, n, overlap=overlap)
             profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
             candidates = candidates_for(
                 self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
+            )
+            # each candidate its probe's fixed cost (block algorithms by name: the probe's block differs)
+            by_name = {label.split(":")[0]: seconds for label, seconds in fixed.items()}
+            profile = cm.Profile(
+                **{
+                    **vars(profile),
+                    "fixed_s": tuple((c.label, fixed.get(c.label, by_name.get(c.algorithm, 0.0))) for c in candidates),
+                }
             )
             predictions = [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
             index, why = choose(predictions, self.min_gain)
@@ -351,6 +384,7 @@ class Auto(Algorithm):
                     **codec,
                     "codecs": [list(c) for c in codecs],
                     "overlap": overlap,
+                    "fixed_s": dict(profile.fixed_s),
                     "params": profile.params,
                     "batch": profile.batch,
                 },

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,9 +23,22 @@ __all__ = [
     "can_overlap",
     "measure_codec",
     "measure_codecs",
+    "measure_fixed_costs",
     "measure_network",
     "median_time",
+    "register_distribute",
 ]
+
+# bunsan.distribute, registered by bunsan.optim when it is imported: the probe of fixed costs builds
+# its tiny models with it (this module is imported by the algorithms that bunsan.optim imports).
+_distribute: Callable[..., Any] | None = None
+
+
+def register_distribute(fn: Callable[..., Any]) -> None:
+    """Give :func:`measure_fixed_costs` the function that makes a model data-parallel (``bunsan.distribute``)."""
+    global _distribute
+    _distribute = fn
+
 
 # all-reduce message sizes in bytes: a latency-bound one, then bandwidth-bound ones
 PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
@@ -145,3 +158,76 @@ def can_overlap(
     from bunsan.launch.hosts import usable_cores
 
     return usable_cores() >= 2 * local_workers
+
+
+def measure_fixed_costs(
+    candidates: Sequence[Any],
+    network: Network,
+    *,
+    group: Any = None,
+    overlap: bool | None = None,
+    steps: int = 10,
+    repeats: int = 3,
+    distribute: Callable[..., Any] | None = None,
+) -> tuple[tuple[str, float], ...]:
+    """Collective: each candidate's step on a tiny model, less the local step and what the model predicts.
+
+    The cost model (:mod:`bunsan.algorithms.cost_model`) counts bytes, latency, codec
+    and overlap. What a real framework's step also costs (gradient hooks, per-step
+    bookkeeping, waking the backend's threads: 1.5 ms per exact step at 2 workers on
+    the 2-core machine of the docs, against a fitted latency of 0.06-0.1 ms) shows on a
+    model whose compute and bytes are almost nil: a linear layer of 4 to 2. Every rank
+    of ``group`` runs every candidate (the same list on every rank) with the overlap
+    rule of :func:`can_overlap` (or ``overlap``); the slowest rank's median is kept, so every rank gets
+    the same answer. The global random state is left as it was. ``distribute``:
+    ``bunsan.distribute`` (by default the one :mod:`bunsan.optim` registered). Returns
+    :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
+    """
+    import torch.nn.functional as F
+
+    from bunsan import runtime
+    from bunsan.algorithms import cost_model as cm
+
+    distribute = distribute or _distribute
+    if distribute is None:
+        raise RuntimeError("measure_fixed_costs needs bunsan.distribute: pass it, or import bunsan.optim first")
+    n = comm.get_world_size(group)
+    if overlap is None:
+        local_workers = runtime.local_size()
+        overlap = can_overlap("cpu", local_workers, over_memory=local_workers == runtime.size())
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
+
+    def timed(model: Any, optimizer: Any) -> float:
+        def run() -> None:
+            for _ in range(steps):
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+
+        run()  # warm up
+        comm.barrier(group)
+        return median_time(run, repeats) / steps
+
+    fixed = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        local_model = torch.nn.Linear(4, 2)
+        local = torch.tensor(
+            [timed(local_model, torch.optim.SGD(local_model.parameters(), lr=1e-3))], dtype=torch.float64
+        )
+        comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
+        local_s = float(local[0])
+        for candidate in candidates:
+            torch.manual_seed(0)
+            tiny = torch.nn.Linear(4, 2)
+            sgd = torch.optim.SGD(tiny.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
+            model, optimizer = distribute(tiny, sgd, candidate.algorithm, group=group, **dict(candidate.options))
+            step_s = timed(model, optimizer)
+            optimizer.join()
+            slowest = torch.tensor([step_s], dtype=torch.float64)
+            comm.all_reduce(slowest, op="max", group=group)
+            profile = cm.Profile(compute_s=local_s, params=10, batch=32, tensors=2, chunks=2)
+            predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
+            fixed.append((candidate.label, float(slowest[0]) - predicted.step_s))
+    return tuple(fixed)

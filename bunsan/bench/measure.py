@@ -31,8 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bunsan import comm
-from bunsan.algorithms.measure import PROBE_SIZES, measure_codec, measure_codecs, measure_network, median_time
+from bunsan.algorithms.measure import (
+    PROBE_SIZES,
+    measure_codec,
+    measure_codecs,
+    measure_fixed_costs,
+    measure_network,
+    median_time,
+)
 
 __all__ = [
     "PROBE_SIZES",
@@ -90,58 +96,6 @@ def measure_compute(
         "tensors": tensors,
         "chunks": chunks,
     }
-
-
-def measure_fixed_costs(
-    candidates: Sequence[Any], network: Any, *, steps: int = 20, repeats: int = 5
-) -> tuple[tuple[str, float], ...]:
-    """Collective: each candidate's step on a tiny model, less the local step and what the model predicts.
-
-    The model (:mod:`bunsan.algorithms.cost_model`) counts bytes, latency, codec and
-    overlap; what a step of a real framework also costs (gradient hooks, per-step
-    bookkeeping, waking the backend's threads: 0.3-1.5 ms per synchronous step at 2
-    workers on the 2-core machine of the docs, against a fitted latency of about
-    0.06 ms) shows on a model whose compute and bytes are almost nil: a linear layer
-    of 4 to 2. Over the world group, every rank runs every candidate; the slowest rank's median is kept.
-    Returns :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
-    """
-    from bunsan import algorithms
-    from bunsan.algorithms import cost_model as cm
-    from bunsan.optim import distribute
-
-    n = comm.get_world_size()
-    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
-    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
-
-    def timed(model: Any, optimizer: Any) -> float:
-        def run() -> None:
-            for _ in range(steps):
-                optimizer.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
-
-        run()  # warm up
-        comm.barrier()
-        return median_time(run, repeats) / steps
-
-    torch.manual_seed(0)
-    local_model = torch.nn.Linear(4, 2)
-    local_s = timed(local_model, torch.optim.SGD(local_model.parameters(), lr=1e-3))
-    fixed = []
-    for candidate in candidates:
-        torch.manual_seed(0)
-        tiny = torch.nn.Linear(4, 2)
-        lr = 1e-3 / (n if candidate.algorithm == "async" else 1)
-        algorithm = algorithms.create(candidate.algorithm, **dict(candidate.options))
-        model, optimizer = distribute(tiny, torch.optim.SGD(tiny.parameters(), lr=lr), algorithm)
-        step_s = timed(model, optimizer)
-        optimizer.join()
-        slowest = torch.tensor([step_s], dtype=torch.float64)
-        comm.all_reduce(slowest, op="max")
-        profile = cm.Profile(compute_s=local_s, params=10, batch=32, tensors=2, chunks=2)
-        predicted = cm.predict(profile, network, candidate, n, overlap=False)
-        fixed.append((candidate.label, float(slowest[0]) - predicted.step_s))
-    return tuple(fixed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -322,7 +322,7 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bunsan import models
-    from bunsan.bench.measure import measure_codec, measure_compute
+    from bunsan.bench.measure import measure_codec, measure_codecs, measure_compute
     from bunsan.bench.synthetic import model_inputs
 
     if args.model not in models.names():
@@ -335,6 +335,7 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
     x, y = torch.randn(args.batch, *shape), torch.randint(0, 10, (args.batch,))
     measured = measure_compute(model, x, y)
     measured.update(measure_codec(measured["params"]))
+    measured["codecs"] = measure_codecs(measured["params"], (8,))  # the candidates' other width
     return measured
 
 
@@ -395,6 +396,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                     "cast_s_per_element",
                     "tensors",
                     "chunks",
+                    "codecs",
                 )
             }
             backward = measured["backward_fraction"]

@@ -171,7 +171,7 @@ def _worker(spec: dict[str, Any]) -> int:
     network = measure_network()
     candidates = cm.default_candidates(spec["block_size"])
     overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
-    fixed = measure_fixed_costs(candidates, network) if spec.get("fixed", True) else ()
+    fixed = measure_fixed_costs(candidates, network, overlap=overlap, distribute=bunsan.distribute)
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
     for name in spec["models"]:

@@ -1,6 +1,7 @@
 """Data sets that ship offline, by function or by name.
 
-``digits`` (scikit-learn's 8x8 digits) and ``mnist1d`` (generated from code)
+``digits`` (scikit-learn's 8x8 digits), ``digits32`` (the same images at 32x32
+on 3 channels, for CIFAR-shaped models) and ``mnist1d`` (generated from code)
 carry accuracy claims; ``synthetic`` carries speed measurements.
 """
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from torch.utils.data import TensorDataset
 
-from bunsan.datasets.bundled import digits, mnist1d, stratified_split
+from bunsan.datasets.bundled import digits, digits32, mnist1d, stratified_split
 from bunsan.datasets.cifar import cifar10
 from bunsan.datasets.idx import mnist_idx, read_idx, write_idx
 from bunsan.datasets.synthetic import synthetic
@@ -20,6 +21,7 @@ __all__ = [
     "DatasetInfo",
     "cifar10",
     "digits",
+    "digits32",
     "info",
     "load",
     "mnist1d",
@@ -45,9 +47,10 @@ class DatasetInfo:
 
 _INFO = {
     "digits": DatasetInfo("digits", (1, 8, 8), 10, 1437, 360),
+    "digits32": DatasetInfo("digits32", (3, 32, 32), 10, 1437, 360),
     "mnist1d": DatasetInfo("mnist1d", (1, 40), 10, 4000, 1000),
 }
-_LOADERS = {"digits": digits, "mnist1d": mnist1d}
+_LOADERS = {"digits": digits, "digits32": digits32, "mnist1d": mnist1d}
 
 
 def names() -> list[str]:
@@ -67,6 +70,6 @@ def info(name: str) -> DatasetInfo:
 
 
 def load(name: str, split: str = "train", **kwargs: Any) -> TensorDataset:
-    """Load data set ``name``; ``kwargs`` go to its function (:func:`digits`, :func:`mnist1d`)."""
+    """Load data set ``name``; ``kwargs`` go to its function (:func:`digits`, :func:`digits32`, :func:`mnist1d`)."""
     _check_name(name)
     return _LOADERS[name](split, **kwargs)

@@ -117,6 +117,24 @@ def digits(split: str = "train", *, test_size: int = 360, seed: int = 0) -> Tens
     return TensorDataset(x[index], y[index])
 
 
+def digits32(split: str = "train", *, test_size: int = 360, seed: int = 0) -> TensorDataset:
+    """:func:`digits` as CIFAR-shaped images: each 8x8 image resized to 32x32 (bilinear) on 3 equal channels.
+
+    For models that take CIFAR's input (ResNet-20, the CIFAR convnet) where no
+    CIFAR-10 files are at hand: the same 1797 images, labels and split as
+    :func:`digits`, so accuracy is comparable across models and runs offline.
+
+    Returns:
+        ``TensorDataset(x, y)``: ``x`` float32 ``(N, 3, 32, 32)`` in ``[0, 1]``, ``y`` as :func:`digits`.
+    """
+    import torch.nn.functional as F
+
+    small = digits(split, test_size=test_size, seed=seed)
+    x, y = small.tensors
+    large = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)
+    return TensorDataset(large.expand(-1, 3, -1, -1).contiguous(), y)
+
+
 # ----------------------------------------------------------------------------- MNIST-1D
 
 _MNIST1D_KEYS = ("x", "y", "x_test", "y_test")

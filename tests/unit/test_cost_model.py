@@ -247,3 +247,14 @@ def test_async_server_on_the_compute_core_without_overlap():
     p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
     assert p.step_s == pytest.approx(3 / (1 / 0.26 + 2 / 0.18))
     assert cm.predict(profile, net, Candidate("async"), 3).step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
+
+
+def test_measure_codecs_one_entry_per_width():
+    from bunsan.algorithms.measure import measure_codecs
+
+    found = measure_codecs(4096, (8, 1, 8), repeats=1)
+    assert [entry[0] for entry in found] == [1, 8]  # sorted, once each
+    profile = Profile(compute_s=1.0, params=4096, codecs=found)
+    for bits, encode, decode, call in found:
+        assert profile.codec(bits) == (encode, decode, call)
+        assert encode >= 0 and decode >= 0 and call > 0

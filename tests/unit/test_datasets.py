@@ -31,6 +31,18 @@ def test_digits_shapes_dtypes_and_fixed_stratified_split():
     assert not torch.equal(datasets.digits("test", seed=1).tensors[1], test.tensors[1])
 
 
+def test_digits32_is_digits_at_cifar_shape():
+    small_x, small_y = datasets.digits("test").tensors
+    x, y = datasets.load("digits32", "test").tensors
+    assert x.shape == (360, 3, 32, 32) and x.dtype == torch.float32 and x.is_contiguous()
+    assert torch.equal(y, small_y)  # the same images, labels and split
+    assert torch.equal(x[:, 0], x[:, 2]) and 0.0 <= x.min() and x.max() <= 1.0
+    # each 4x4 block's mean follows its 8x8 pixel (bilinear resizing keeps the picture)
+    blocks = x[:, :1].reshape(360, 1, 8, 4, 8, 4).mean(dim=(3, 5))
+    assert torch.corrcoef(torch.stack([blocks.flatten(), small_x.flatten()]))[0, 1] > 0.95
+    assert datasets.info("digits32").input_shape == (3, 32, 32)
+
+
 def test_bad_split_names_the_argument():
     with pytest.raises(ValueError, match="split"):
         datasets.digits("validation")
@@ -87,7 +99,7 @@ def test_synthetic_shapes_and_determinism():
 
 
 def test_info_and_load_by_name():
-    assert datasets.names() == ["digits", "mnist1d"]
+    assert datasets.names() == ["digits", "digits32", "mnist1d"]
     info = datasets.info("digits")
     x, y = datasets.load("digits", "test").tensors
     assert (tuple(x.shape[1:]), len(x)) == (info.input_shape, info.test_size)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Time-to-accuracy of auto:risk=high against every fixed setting, per model and network
+# (issue 19, item 3): one `bunsan bench compare` per model and network, then `bunsan bench tta`.
+# Usage: docs/experiments/tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]
+#   NETWORKS: space-separated, "loopback" or rate=RATE (shaped links need root); default all three
+#   MODELS:   space-separated of digits_cnn mnist1d_cnn resnet20; default all three
+# Run on an idle machine: the settings are timed side by side within one compare run.
+set -euo pipefail
+out=${1:?usage: tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]}
+networks=${2:-"loopback rate=1gbit rate=100mbit"}
+models=${3:-"digits_cnn mnist1d_cnn resnet20"}
+bunsan=${BUNSAN:-bunsan}
+fixed=(data_parallel data_parallel:compression=fp16 data_parallel:bits=2 data_parallel:bits=1
+       "block_momentum:block_size=1024,block_learning_rate=0.5" model_averaging:block_size=1024)
+for net in $networks; do
+  shaping=()
+  [ "$net" != loopback ] && shaping=(--network "$net")
+  for model in $models; do
+    case $model in
+      digits_cnn)  args=(--model digits_cnn --dataset digits -np 2,4 --epochs 10 --batch 64 --lr 0.1 --momentum 0) ;;
+      mnist1d_cnn) args=(--model mnist1d_cnn --dataset mnist1d -np 2,4 --epochs 20 --batch 128 --lr 0.5 --momentum 0) ;;
+      resnet20)    args=(--model resnet20 --dataset digits32 -np 2,4 --epochs 6 --batch 64 --lr 0.1 --momentum 0) ;;
+      *) echo "unknown model $model" >&2; exit 2 ;;
+    esac
+    dir="$out/${model}-${net//=/_}"
+    $bunsan bench compare "${args[@]}" "${shaping[@]}" --algorithms "${fixed[@]}" auto:risk=high \
+      --no-plots --out "$dir"
+    $bunsan bench tta "$dir/compare.json" | tee "$dir/tta.txt"
+  done
+done
