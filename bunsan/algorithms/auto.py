@@ -330,7 +330,8 @@ class Auto(Algorithm):
         overlap = can_overlap(device, local, over_memory=local == runtime.size())
         fixed: dict[str, float] = {}
         if network is not None and self.fixed_costs:  # every rank: the probe is collective
-            fixed = dict(measure_fixed_costs(self._probes(), network, group=self.group, overlap=overlap))
+            probes = self._probes()
+            fixed = dict(measure_fixed_costs(probes, network, group=self.group, overlap=overlap, steps=6))
         decision: dict[str, Any] | None = None
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         if deciding and network is None:

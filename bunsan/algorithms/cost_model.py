@@ -119,11 +119,12 @@ class Profile:
             decode_s_per_element, codec_call_s)`` each; a quantized candidate of those bits
             uses its own entry (8-bit encoding costs several times 1-bit's per element on
             CPU), any other the three fields above.
-        fixed_s: seconds every step of a candidate costs beyond what the model counts
-            (the framework's hooks and bookkeeping, the in-situ latency of waking the
-            backend's threads), ``(label, seconds)`` per candidate label; measured on a
-            tiny model in the job (:func:`bunsan.algorithms.measure.measure_fixed_costs`),
-            0 for a label not listed.
+        fixed_s: seconds a candidate costs beyond what the model counts (the framework's
+            hooks and bookkeeping, the in-situ latency of waking the backend's threads),
+            ``(label, seconds)`` per candidate label: per step, but per block for the block
+            algorithms (their synchronization is once a block; :func:`predict` divides by
+            the block's steps). Measured on a tiny model in the job
+            (:func:`bunsan.algorithms.measure.measure_fixed_costs`); 0 for a label not listed.
     """
 
     compute_s: float
@@ -428,7 +429,8 @@ def predict(
         communication = ring_allreduce_time(nbytes, n, network)
         update = profile.update_s_per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
-        exposed = (communication + update + wait) / k + (profile.fixed(candidate.label) if n > 1 else 0.0)
+        fixed = profile.fixed(candidate.label) if n > 1 else 0.0  # per block
+        exposed = (communication + update + wait + fixed) / k
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
     # async: rank 0's own worker reaches the server in-process and never waits; the others pay the

@@ -179,7 +179,8 @@ def measure_fixed_costs(
     model whose compute and bytes are almost nil: a linear layer of 4 to 2. Every rank
     of ``group`` runs every candidate (the same list on every rank) with the overlap
     rule of :func:`can_overlap` (or ``overlap``); the slowest rank's median is kept, so every rank gets
-    the same answer. The global random state is left as it was. ``distribute``:
+    the same answer; a block algorithm's is per block (the excess per step times the
+    block's steps). The global random state is left as it was. ``distribute``:
     ``bunsan.distribute`` (by default the one :mod:`bunsan.optim` registered). Returns
     :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
     """
@@ -229,5 +230,8 @@ def measure_fixed_costs(
             comm.all_reduce(slowest, op="max", group=group)
             profile = cm.Profile(compute_s=local_s, params=10, batch=32, tensors=2, chunks=2)
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
-            fixed.append((candidate.label, float(slowest[0]) - predicted.step_s))
+            excess = float(slowest[0]) - predicted.step_s
+            if candidate.algorithm in ("block_momentum", "model_averaging"):  # per block: its steps
+                excess *= cm.block_steps(int(candidate.options.get("block_size", 1024)), profile.batch)
+            fixed.append((candidate.label, excess))
     return tuple(fixed)

@@ -216,8 +216,8 @@ def test_codec_per_bit_width_and_measured_fixed_costs():
     exact = cm.predict(profile, net, Candidate("data_parallel", {}, "exact"), 2)
     assert exact.step_s == pytest.approx(1.0 + 2e-3, abs=1e-5)
     block = cm.predict(profile, net, Candidate("block_momentum", {"block_size": 320}, "block_momentum:320"), 2)
-    # a block of 10 steps: all-reduce of 4e6 bytes (4e-6 s at 1 TB/s) / 10, plus 5e-4 every step
-    assert block.step_s == pytest.approx(1.0 + 4e-7 + 5e-4)
+    # a block of 10 steps: all-reduce of 4e6 bytes (4e-6 s at 1 TB/s) and the fixed 5e-4 s, once a block
+    assert block.step_s == pytest.approx(1.0 + 4e-7 + 5e-5)
     # async: 2 workers, rank 0 at 1.0 s, the remote at 1.0 + 8e-6: the job's step + 3e-4
     run = cm.predict(profile, net, Candidate("async"), 2)
     assert run.step_s == pytest.approx(2 / (1 / 1.0 + 1 / (1.0 + 8e-6)) + 3e-4)
