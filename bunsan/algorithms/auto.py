@@ -352,19 +352,13 @@ class Auto(Algorithm):
             codec = measure_codec(numel, repeats=2)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
-            draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": (("exact", fixed.get("exact", 0.0)),)})
+            # each candidate its probe's fixed cost; block algorithms by name (probed at another block
+            # size, per block), so that the block-size rule amortizes theirs
+            draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": tuple(fixed.items())})
             compute = infer_compute(step_s, draft, network, n, overlap=overlap)
             profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
             candidates = candidates_for(
                 self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
-            )
-            # each candidate its probe's fixed cost (block algorithms by name: the probe's block differs)
-            by_name = {label.split(":")[0]: seconds for label, seconds in fixed.items()}
-            profile = cm.Profile(
-                **{
-                    **vars(profile),
-                    "fixed_s": tuple((c.label, fixed.get(c.label, by_name.get(c.algorithm, 0.0))) for c in candidates),
-                }
             )
             predictions = [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
             index, why = choose(predictions, self.min_gain)
@@ -385,7 +379,7 @@ class Auto(Algorithm):
                     **codec,
                     "codecs": [list(c) for c in codecs],
                     "overlap": overlap,
-                    "fixed_s": dict(profile.fixed_s),
+                    "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
                     "params": profile.params,
                     "batch": profile.batch,
                 },

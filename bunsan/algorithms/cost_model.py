@@ -173,8 +173,10 @@ class Profile:
         return self.encode_s_per_element, self.decode_s_per_element, self.codec_call_s
 
     def fixed(self, label: str) -> float:
-        """The measured fixed seconds per step of the candidate ``label`` (0 if not measured)."""
-        return dict(self.fixed_s).get(label, 0.0)
+        """The measured fixed seconds of the candidate ``label``; else of its algorithm (the label's
+        part before ``:``, e.g. a block algorithm probed at another block size); else 0."""
+        found = dict(self.fixed_s)
+        return found.get(label, found.get(label.split(":")[0], 0.0))
 
     @property
     def gradient_bytes(self) -> int:

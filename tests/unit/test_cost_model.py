@@ -205,6 +205,7 @@ def test_codec_per_bit_width_and_measured_fixed_costs():
     )
     assert profile.codec(8) == (4e-9, 1e-9, 1e-4) and profile.codec(1) == (1e-9, 2e-9, 0.0)
     assert profile.fixed("exact") == 2e-3 and profile.fixed("fp16") == 0.0
+    assert profile.fixed("async:sync_period=64") == 3e-4  # by algorithm where the label is not listed
     net = Network(latency_s=0.0, bandwidth=1e12)
     eight = cm.predict(profile, net, Candidate("data_parallel", {"bits": 8}, "8-bit"), 4)
     # encode 4e-9 * 1e6 * 1.25 + decode 1e-9 * 1e6 * 2, and 4 MB are two buckets (1 MiB first):
