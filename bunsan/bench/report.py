@@ -249,9 +249,9 @@ def blocks() -> list[Block]:
         Block(
             "ddp-overhead",
             (README,),
-            ("bunsan run -np 2 python -m bunsan.bench.ddp_overhead --json {out}/ddp_overhead.json",),
+            ("bunsan run -np 2 python -m bunsan.bench.ddp_overhead --rounds 60 --json {out}/ddp_overhead.json",),
             render_ddp,
-            60,
+            150,
         ),
         Block(
             "quantized",
