@@ -62,3 +62,11 @@ def test_bad_arguments():
         auto.Auto(warm_start=-1)
     with pytest.raises(ValueError, match="min_gain must be a number >= 0"):
         auto.Auto(min_gain=-0.1)
+
+
+def test_block_size_is_capped_at_sixteen_steps():
+    # 100 MB at 2 workers over 100 Mbit/s: about 8 s per exchange against 10 ms of compute; no
+    # block is within budget, and the block stays at 16 steps (the accuracy cap), not longer
+    profile = cm.Profile(compute_s=0.01, params=25_000_000, batch=32)
+    found = auto.candidates_for("high", profile, cm.Network(1e-4, 1.25e7), 2)
+    assert [c.options["block_size"] for c in found[5:]] == [16 * 32, 16 * 32]
