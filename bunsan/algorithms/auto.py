@@ -299,21 +299,28 @@ class Auto(Algorithm):
         groups = self.optimizer.param_groups if isinstance(self.optimizer, torch.optim.SGD) else []
         return max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)
 
-    def _probes(self) -> list[cm.Candidate]:
-        """The candidates of ``risk`` for the fixed-cost probe: the same list on every rank, no warm start."""
+    def _probes(self) -> tuple[list[cm.Candidate], dict[str, str]]:
+        """The fixed-cost probes of ``risk`` (the same list on every rank, no warm start), and which
+        candidates share a probe's result: every bit width runs the same striped exchange and hooks
+        (the codec's own cost per width is measured apart), and both block algorithms the same block
+        exchange, so one probe of each family stands for all of it (the probes are most of Auto's
+        measuring time on a small model: about 70 ms each at 4 workers here)."""
         probes = [
             cm.Candidate("data_parallel", {}, "exact"),
             cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16"),
         ]
-        if self.risk in ("medium", "high"):
-            probes += [cm.Candidate("data_parallel", {"bits": b}, f"{b}-bit") for b in (8, 2)]
-        if self.risk == "high":
+        shared: dict[str, str] = {}
+        if self.risk == "medium":
+            probes.append(cm.Candidate("data_parallel", {"bits": 2}, "2-bit"))
+            shared["8-bit"] = "2-bit"
+        elif self.risk == "high":
             rotate = self._momentum() >= HEAVY_MOMENTUM_1BIT
-            probes.append(
-                cm.Candidate("data_parallel", {"bits": 1, "rotate": rotate}, "1-bit rotated" if rotate else "1-bit")
-            )
-            probes += [cm.Candidate(name, {"block_size": 64}, name) for name in ("block_momentum", "model_averaging")]
-        return probes
+            quantized = "1-bit rotated" if rotate else "1-bit"
+            probes.append(cm.Candidate("data_parallel", {"bits": 1, "rotate": rotate}, quantized))
+            shared.update({"8-bit": quantized, "2-bit": quantized})
+            probes.append(cm.Candidate("block_momentum", {"block_size": 64}, "block_momentum"))
+            shared["model_averaging"] = "block_momentum"
+        return probes, shared
 
     def _decide(self) -> None:
         started = time.perf_counter()
@@ -334,9 +341,12 @@ class Auto(Algorithm):
         device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
         overlap = can_overlap(device, local, over_memory=local == runtime.size())
         fixed: dict[str, float] = {}
+        network_s = time.perf_counter() - started
         if network is not None and self.fixed_costs:  # every rank: the probe is collective
-            probes = self._probes()
+            probes, shared = self._probes()
             fixed = dict(measure_fixed_costs(probes, network, group=self.group, overlap=overlap, steps=6))
+            fixed.update({label: fixed[source] for label, source in shared.items()})
+        probe_s = time.perf_counter() - started - network_s
         decision: dict[str, Any] | None = None
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         if deciding and network is None:
@@ -392,7 +402,9 @@ class Auto(Algorithm):
                     {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions
                 ],
             }
-            decision["measured"]["decide_s"] = time.perf_counter() - started
+            decision["measured"].update(
+                decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
+            )
             if self.verbose:
                 print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
@@ -448,6 +460,11 @@ def format_decision(decision: dict[str, Any]) -> str:
         f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
         f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
         f"decided in {m['decide_s']:.2f} s"
+        + (
+            f" (network {m['network_s']:.2f} s, fixed-cost probes {m['fixed_probe_s']:.2f} s)"
+            if "network_s" in m
+            else ""
+        )
     ]
     for p in decision["predictions"]:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""

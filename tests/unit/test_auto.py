@@ -70,3 +70,14 @@ def test_block_size_is_capped_at_sixteen_steps():
     profile = cm.Profile(compute_s=0.01, params=25_000_000, batch=32)
     found = auto.candidates_for("high", profile, cm.Network(1e-4, 1.25e7), 2)
     assert [c.options["block_size"] for c in found[5:]] == [16 * 32, 16 * 32]
+
+
+def test_one_fixed_cost_probe_per_family():
+    # every bit width shares one quantized probe and both block algorithms one block probe
+    probes, shared = auto.Auto(risk="high")._probes()
+    assert [p.label for p in probes] == ["exact", "fp16", "1-bit", "block_momentum"]
+    assert shared == {"8-bit": "1-bit", "2-bit": "1-bit", "model_averaging": "block_momentum"}
+    probes, shared = auto.Auto(risk="medium")._probes()
+    assert [p.label for p in probes] == ["exact", "fp16", "2-bit"] and shared == {"8-bit": "2-bit"}
+    probes, shared = auto.Auto(risk="low")._probes()
+    assert [p.label for p in probes] == ["exact", "fp16"] and shared == {}
