@@ -75,6 +75,8 @@ from bunsan.algorithms.model_averaging import ModelAveragingSGD
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
 
 RISKS = ("low", "medium", "high")
+# an all-reduce this long is far past the latency: larger probe sizes would only cost time
+ENOUGH_S = 0.02
 BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 # What a decision may build, by registry name. Imported directly, not through the registry in
@@ -333,7 +335,7 @@ class Auto(Algorithm):
         if network is None:
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
             try:  # every rank fits the same (max-reduced) timings, so all succeed or all fail
-                network = measure_network(self.group, sizes=sizes, repeats=3)
+                network = measure_network(self.group, sizes=sizes, repeats=3, enough_s=ENOUGH_S)
             except ValueError:
                 network = None
         # the exchange overlaps backward only where it does not need the compute's core

@@ -92,15 +92,27 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     }
 
 
-def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7) -> Network:
+def measure_network(
+    group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7, enough_s: float | None = None
+) -> Network:
     """Collective: time all-reduces and all-gathers of ``sizes`` bytes and fit alpha and beta.
 
     Every rank times the same collectives; the median over ``repeats`` of the
     slowest rank (a collective ends when its last rank is done) is fitted.
+    ``enough_s``: stop at the first size (the second or later of ``sizes``, taken
+    smallest first) whose all-reduce took at least this long. Such a message is
+    already far past the latency (0.06-0.4 ms here), so larger ones add no
+    information on beta, only time: on a 100 Mbit/s link one 1 MiB all-reduce at
+    4 workers takes 0.13 s and this measurement timed 11 of them. Every rank stops
+    at the same size (the slowest rank's time decides).
     """
     n = comm.get_world_size(group)
-    reduce_points, gather_points = [], []
+    reduce_points: list[tuple[int, float]] = []
+    gather_points: list[tuple[int, float]] = []
+    sizes = sorted(sizes)
     for nbytes in sizes:
+        if enough_s is not None and len(reduce_points) >= 2 and reduce_points[-1][1] >= enough_s:
+            break
         numel = max(1, nbytes // 4)
         tensor = torch.ones(numel)
         piece = torch.ones(max(1, numel // n))
@@ -117,7 +129,7 @@ def measure_network(group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, re
         gather_points.append((piece.numel() * 4, float(slowest[1])))
     network = network_from_timings(reduce_points, n, gather_points)
     # float16 at the largest size: Gloo reduces half precision in software on CPU
-    halves = torch.ones(max(1, max(sizes) // 2), dtype=torch.float16)
+    halves = torch.ones(max(1, reduce_points[-1][0] // 2), dtype=torch.float16)
     comm.all_reduce(halves, group=group)
     comm.barrier(group)
     half_s = torch.tensor([median_time(lambda: comm.all_reduce(halves, group=group), repeats)], dtype=torch.float64)

@@ -142,3 +142,32 @@ def test_fixed_costs_are_measured_per_candidate_and_agree_on_every_rank(workers)
     # a step of the tiny model takes at least its local step: the model's prediction is that step
     # plus (at 1e13 B/s and no latency) nothing, so the fixed cost is what the step costs beyond it
     assert all(-1e-3 < seconds < 1.0 for _, seconds in results[0])
+
+
+def _body_network_sizes(rank: int, world_size: int, enough_s) -> dict:
+    from unittest import mock
+
+    from bunsan import comm
+    from bunsan.algorithms.measure import measure_network
+
+    seen: list[int] = []
+    real = comm.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        if tensor.dtype == torch.float32:
+            seen.append(tensor.numel() * 4)
+        return real(tensor, *args, **kwargs)
+
+    with mock.patch.object(comm, "all_reduce", counting):
+        network = measure_network(sizes=(4, 1 << 20, 4 << 20), repeats=2, enough_s=enough_s)
+    return {"sizes": sorted(set(seen)), "bandwidth": network.bandwidth, "latency": network.latency_s}
+
+
+def test_network_probe_stops_growing_once_a_message_is_slow_enough(workers):
+    # enough_s=0: every all-reduce is "slow enough", so only the two smallest sizes are timed
+    # (1 MiB, so that its time stands clear of the 4-byte latency on loopback and the fit has a slope)
+    short = workers.run(f"{__name__}:_body_network_sizes", enough_s=0.0)
+    assert short[0]["sizes"] == short[1]["sizes"] == [4, 1 << 20]
+    assert short[0]["bandwidth"] == short[1]["bandwidth"] > 0  # one fit for the job
+    full = workers.run(f"{__name__}:_body_network_sizes", enough_s=None)
+    assert full[0]["sizes"] == [4, 1 << 20, 4 << 20]
