@@ -46,15 +46,20 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     resumed_model.load_state_dict(model.state_dict())
     resumed = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**FAST), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed)
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+    )
     resumed_optimizer.load_state_dict(state)
     assert resumed.decision == auto.decision
     assert repr(resumed.inner) == repr(auto.inner) and resumed.step == auto.step
     _train(resumed_model, resumed_optimizer, rank, 6, start=8)
     assert resumed.decision == auto.decision  # a fast network now, yet no new decision
     resumed_optimizer.sync_replicas()
-    return {"chosen": chosen, "params": params.tolist(), "fixed": sorted(auto.decision["measured"].get("fixed_s", {})),
-            "resumed": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist()}
+    return {
+        "chosen": chosen,
+        "params": params.tolist(),
+        "fixed": sorted(auto.decision["measured"].get("fixed_s", {})),
+        "resumed": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist(),
+    }
 
 
 def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers):
@@ -86,7 +91,8 @@ def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
     resumed_model.load_state_dict(weights)
     resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed)
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+    )
     resumed_optimizer.load_state_dict(state)
     _train(resumed_model, resumed_optimizer, rank, 1, start=2)
     assert resumed.decision is None
@@ -115,12 +121,15 @@ def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> l
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-@pytest.mark.parametrize(("algorithm", "options"), [
-    ("data_parallel", {"compression": "fp16"}),
-    ("data_parallel", {"bits": 2}),
-    ("block_momentum", {"block_size": 16}),
-    ("model_averaging", {"block_size": 16}),
-])
+@pytest.mark.parametrize(
+    ("algorithm", "options"),
+    [
+        ("data_parallel", {"compression": "fp16"}),
+        ("data_parallel", {"bits": 2}),
+        ("block_momentum", {"block_size": 16}),
+        ("model_averaging", {"block_size": 16}),
+    ],
+)
 def test_switching_keeps_counters_and_replicas_agree(workers, algorithm, options):
     params = workers.run(f"{__name__}:_body_switch", algorithm=algorithm, options=options)
     torch.testing.assert_close(torch.tensor(params[0]), torch.tensor(params[1]))
@@ -171,3 +180,35 @@ def test_network_probe_stops_growing_once_a_message_is_slow_enough(workers):
     assert short[0]["bandwidth"] == short[1]["bandwidth"] > 0  # one fit for the job
     full = workers.run(f"{__name__}:_body_network_sizes", enough_s=None)
     assert full[0]["sizes"] == [4, 1 << 20, 4 << 20]
+
+
+def _body_network_retry(rank: int, world_size: int) -> dict:
+    from unittest import mock
+
+    from bunsan.algorithms import auto as auto_module
+
+    calls: list[dict] = []
+    real = auto_module.measure_network
+
+    def first_inconclusive(group, **kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:  # as when noise hid the growth with size: every rank raises alike
+            raise ValueError("times do not grow with size")
+        return real(group, **kwargs)
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk="high", verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    with mock.patch.object(auto_module, "measure_network", first_inconclusive):
+        _train(model, optimizer, rank, 5)
+    return {"sizes": [c["sizes"] for c in calls], "why": auto.decision["why"], "label": auto.decision["label"]}
+
+
+def test_an_inconclusive_network_probe_is_retried_larger_before_keeping_exact(workers):
+    from bunsan.algorithms.auto import RETRY_SIZES
+
+    results = workers.run(f"{__name__}:_body_network_retry")
+    assert results[0]["sizes"][1] == list(RETRY_SIZES) or tuple(results[0]["sizes"][1]) == RETRY_SIZES
+    assert len(results[0]["sizes"]) == len(results[1]["sizes"]) == 2
+    assert "inconclusive" not in results[0]["why"]  # the retry's fit decided
+    assert results[0]["label"] == results[1]["label"]
