@@ -12,6 +12,13 @@ setting's time, and the ``auto`` settings' ratio to the best other setting::
         --out runs/tta
     bunsan bench tta runs/tta/compare.json
 
+Given several records (a campaign: ``docs/experiments/tta_campaign.sh``), it prints one
+row per model, network and worker count instead: what auto chose (read from its
+run's stdout), its time to target, the best fixed setting's, their ratio, and how
+many rows are within ``--within`` (1.10)::
+
+    bunsan bench tta runs/tta/*/compare.json
+
 This module imports no torch.
 """
 
@@ -26,7 +33,7 @@ from typing import Any
 
 from bunsan._table import format_table
 
-__all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "run", "time_to_error", "tta_rows"]
+__all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "auto_choice", "campaign_rows", "run", "time_to_error", "tta_rows"]
 
 PROG = "bunsan bench tta"
 DESCRIPTION = """\
@@ -34,11 +41,14 @@ Read a `bunsan bench compare` JSON record and print each setting's
 time-to-accuracy (training seconds until the test error is within --points of
 the reference setting's final error), and for `auto` settings the ratio to the
 best other setting at the same worker count. Needs the per-epoch curves (run
-compare without --no-curves)."""
+compare without --no-curves). With several records (a campaign), one row per
+model, network and worker count: auto's choice, its time, the best fixed
+setting's, their ratio, and the count within --within."""
 EPILOG = """\
 examples:
   bunsan bench tta runs/tta/compare.json
-  bunsan bench tta runs/tta/compare.json --reference data_parallel --points 1"""
+  bunsan bench tta runs/tta/compare.json --reference data_parallel --points 1
+  bunsan bench tta runs/tta/*/compare.json"""
 
 
 def time_to_error(curve: Sequence[float], epoch_end_s: Sequence[float], target: float) -> float | None:
@@ -75,8 +85,94 @@ def tta_rows(configs: Sequence[dict[str, Any]], reference: str, points: float) -
     return rows
 
 
+def auto_choice(stdout: Path) -> str:
+    """What an auto run chose, from the table rank 0 printed to ``stdout`` ("?" if it is not there)."""
+    try:
+        lines = stdout.read_text(errors="replace").splitlines()
+    except OSError:
+        return "?"
+    for line in lines:
+        if "exact kept" in line:
+            return "exact (network inconclusive)"
+        if line.rstrip().endswith("<- chosen"):
+            return line.removeprefix("[bunsan]").split()[0]
+    return "?"
+
+
+def campaign_rows(
+    records: Sequence[tuple[Path, dict[str, Any]]], reference: str, points: float
+) -> list[dict[str, Any]]:
+    """One row per record and worker count that has an auto setting: ``model, network, workers, chose,
+    auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never reached).
+    An auto run's directory is looked up as recorded, else beside the record."""
+    found = []
+    for path, document in records:
+        arguments = document.get("arguments", {})
+        network = arguments.get("network") or "loopback"
+        rows = tta_rows(document["configs"], reference, points)
+        for config in document["configs"]:
+            if not config["label"].startswith("auto") or config.get("status") != "ok":
+                continue
+            workers = config["workers"]
+            here = [r for r in rows if r["workers"] == workers]
+            auto = next(r for r in here if r["label"] == config["label"])
+            fixed = [r for r in here if not r["label"].startswith("auto") and r["tta_s"] is not None]
+            best = min(fixed, key=lambda r: r["tta_s"]) if fixed else None
+            run_dir = Path(config.get("dir", ""))
+            if not run_dir.is_dir():
+                run_dir = path.parent / run_dir.name
+            found.append(
+                {
+                    "model": arguments.get("model", "?"),
+                    "network": network,
+                    "workers": workers,
+                    "chose": auto_choice(run_dir / "stdout.txt"),
+                    "auto_s": auto["tta_s"],
+                    "best_label": best["label"] if best else None,
+                    "best_s": best["tta_s"] if best else None,
+                    "ratio": auto["vs_best"],
+                }
+            )
+    return found
+
+
+def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    records = []
+    try:
+        for name in args.record:
+            records.append((Path(name), json.loads(Path(name).read_text())))
+        rows = campaign_rows(records, args.reference, args.points)
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as err:
+        print(f"{PROG}: error: cannot use the records: {err}", file=sys.stderr)
+        return 2
+
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    header = ("model", "network", "workers", "auto chose", "auto (s)", "best fixed setting", "best (s)", "auto / best")
+    cells = [
+        [
+            r["model"],
+            r["network"],
+            str(r["workers"]),
+            r["chose"],
+            seconds(r["auto_s"]),
+            r["best_label"] or "-",
+            seconds(r["best_s"]),
+            "never" if r["ratio"] is None else f"{r['ratio']:.2f}",
+        ]
+        for r in rows
+    ]
+    say(format_table(header, cells, right={"workers", "auto (s)", "best (s)", "auto / best"}))
+    within = sum(1 for r in rows if r["ratio"] is not None and r["ratio"] <= args.within)
+    say(f"auto within {args.within:.2f}x of the best fixed setting's time to target: {within} of {len(rows)}")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("record", help="the JSON record of bunsan bench compare")
+    parser.add_argument(
+        "record", nargs="+", help="the JSON record of bunsan bench compare; several: one summary row per run of auto"
+    )
     parser.add_argument(
         "--reference",
         default="data_parallel",
@@ -88,15 +184,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="percentage points above the reference's final error; default %(default)s",
     )
+    parser.add_argument(
+        "--within",
+        type=float,
+        default=1.10,
+        help="with several records: count auto's rows at or below this ratio to the best; default %(default)s",
+    )
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
-    """Print the table; 0 on success, 2 on bad input."""
+    """Print the table (the campaign summary for several records); 0 on success, 2 on bad input."""
+    if len(args.record) > 1:
+        return _campaign(args, say)
+    record = args.record[0]
     try:
-        document = json.loads(Path(args.record).read_text())
+        document = json.loads(Path(record).read_text())
         rows = tta_rows(document["configs"], args.reference, args.points)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as err:
-        print(f"{PROG}: error: cannot use {args.record!r}: {err}", file=sys.stderr)
+        print(f"{PROG}: error: cannot use {record!r}: {err}", file=sys.stderr)
         return 2
     header = ("workers", "algorithm", "target error (%)", "time to target (s)", "auto vs best")
     cells = [

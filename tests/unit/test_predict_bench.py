@@ -127,3 +127,46 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     assert main(["bench", "tta", str(record)]) == 0
     assert "1.60" in capsys.readouterr().out
     assert main(["bench", "tta", str(tmp_path / "missing.json")]) == 2
+
+
+def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_path, capsys):
+    from bunsan.bench import tta
+
+    def config(label, curve, ends, run_dir, workers=2):
+        return {
+            "status": "ok",
+            "label": label,
+            "workers": workers,
+            "test_error": curve[-1],
+            "test_error_curve": curve,
+            "epoch_end_s": ends,
+            "dir": str(run_dir),
+        }
+
+    paths = []
+    for network, auto_ends in (("rate=1gbit", [1.6, 3.2, 4.8]), (None, [9.0, 10.0, 11.0])):
+        out = tmp_path / f"campaign-{network}"
+        (out / "np2-auto").mkdir(parents=True)
+        chosen = "[bunsan]   model_averaging:512     4.72 ms/step predicted  <- chosen\n"
+        (out / "np2-auto" / "stdout.txt").write_text("[bunsan] Auto at step 11\n" + chosen)
+        configs = [
+            config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0], out / "np2-dp"),
+            config("data_parallel:bits=2", [0.30, 0.11, 0.10], [1.5, 3.0, 4.5], out / "np2-bits"),
+            # recorded from another working directory: found beside the record by its name
+            config("auto:risk=high", [0.30, 0.12, 0.105], auto_ends, "elsewhere/np2-auto"),
+        ]
+        record = out / "compare.json"
+        record.write_text(json.dumps({"arguments": {"model": "digits_cnn", "network": network}, "configs": configs}))
+        paths.append(record)
+    rows = tta.campaign_rows([(p, json.loads(p.read_text())) for p in paths], "data_parallel", 1.0)
+    assert [(r["network"], r["chose"], r["best_s"]) for r in rows] == [
+        ("rate=1gbit", "model_averaging:512", 3.0),
+        ("loopback", "model_averaging:512", 3.0),
+    ]
+    assert rows[0]["ratio"] == pytest.approx(1.6) and rows[1]["ratio"] == pytest.approx(11.0 / 3.0)
+    assert main(["bench", "tta", *map(str, paths), "--within", "1.7"]) == 0
+    assert "within 1.70x of the best fixed setting's time to target: 1 of 2" in capsys.readouterr().out
+    (paths[1].parent / "np2-auto" / "stdout.txt").write_text("[bunsan] Auto at step 11: ... exact kept\n")
+    assert tta.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
+        "exact (network inconclusive)"
+    )
