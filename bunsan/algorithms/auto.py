@@ -34,10 +34,15 @@ accuracy up to about 16 local steps (Lin et al. 2020, "Don't Use Large Mini-Batc
 Use Local SGD", ICLR), and in bunsan's time-to-accuracy campaign (docs/plan.md)
 Auto's blocks of 32 and 64 steps never came within a point of exact SGD's final error
 in 8 of 11 runs. The two block algorithms exchange the same bytes once per block and are
-predicted alike; a tie goes to model averaging, the local SGD of that evidence (block
-momentum adds a block-level momentum on top of the optimizer's own, which it does not
-cover; in the campaign, block momentum with blocks of 1024 samples per worker never came
-within a point on MNIST-1D with SGD momentum 0.9 at 2 workers where model averaging did).
+predicted alike; a tie goes by the optimizer's own momentum. Block momentum (BMUF, Chen and
+Huo 2016) filters the block updates with a momentum of ``1 - 1/N``, which stacks on the
+optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended 1.9-4.7 points behind
+exact where model averaging ended 0.4 behind (README, accuracy table), so from momentum 0.5
+the tie goes to model averaging, the plain local SGD of Lin et al. Without momentum the
+block momentum is what the optimizer lacks: on the digits CNN at 4 workers (SGD, no
+momentum) Auto's block momentum with blocks of 16 steps was at 0.8% test error after 10
+epochs and model averaging at 4.4% (exact SGD ends at 1.1% after 30; time-to-accuracy
+campaign, docs/plan.md), so below 0.5 it goes to block momentum.
 
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
@@ -79,6 +84,9 @@ from bunsan.algorithms.model_averaging import ModelAveragingSGD
 __all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
 
 RISKS = ("low", "medium", "high")
+# an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else
+# to model averaging (module docstring); measured at 0 and 0.9 only
+BLOCK_MOMENTUM_BELOW = 0.5
 # an all-reduce this long is far past the latency: larger probe sizes would only cost time
 ENOUGH_S = 0.02
 # the network probe once more when the first fit found no growth with size: on loopback the
@@ -151,9 +159,11 @@ def candidates_for(
                 "1-bit rotated" if rotate else "1-bit",
             )
         )
-        # model averaging first: the two exchange alike and are predicted alike, so a tie goes to
-        # the first (module docstring)
-        for name in ("model_averaging", "block_momentum"):
+        # the two exchange alike and are predicted alike: a tie goes to the first (module docstring)
+        order = ("model_averaging", "block_momentum")
+        if momentum < BLOCK_MOMENTUM_BELOW:
+            order = order[::-1]
+        for name in order:
             size = _block_size(profile, network, workers, name, overlap)
             found.append(cm.Candidate(name, {"block_size": size, "warm_start": warm_start}, f"{name}:{size}"))
     return found

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Time-to-accuracy of auto:risk=high against every fixed setting, per model and network
-# (issue 19, item 3): one `bunsan bench compare` per model and network, then `bunsan bench tta`.
+# (issue 19, item 3): one `bunsan bench compare` per model and network, then `bunsan bench tta`
+# for each, and at the end the campaign's summary (one row per model, network and worker count).
 # Usage: docs/experiments/tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]
 #   NETWORKS: space-separated, "loopback" or rate=RATE (shaped links need root); default all three
 #   MODELS:   space-separated of digits_cnn mnist1d_cnn resnet20; default all three
@@ -33,3 +34,4 @@ for net in $networks; do
     $bunsan bench tta "$dir/compare.json" | tee "$dir/tta.txt"
   done
 done
+$bunsan bench tta "$out"/*/compare.json | tee "$out/summary.txt"

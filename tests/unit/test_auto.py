@@ -25,8 +25,8 @@ def test_block_size_is_the_smallest_block_within_budget():
     # 6 ms / k <= 5% of 10 ms needs k >= 12: the smallest allowed is 16 steps of 32 samples
     profile = cm.Profile(compute_s=0.01, params=1_000_000, batch=32)
     found = auto.candidates_for("high", profile, cm.Network(0.0, 1e9), 4)
-    assert found[5].label == "model_averaging:512" and found[5].options["block_size"] == 512
-    assert found[6].label == "block_momentum:512" and found[6].options["block_size"] == 512
+    assert found[5].label == "block_momentum:512" and found[5].options["block_size"] == 512
+    assert found[6].label == "model_averaging:512" and found[6].options["block_size"] == 512
 
 
 def test_choose_keeps_exact_unless_the_gain_is_enough():
@@ -84,15 +84,21 @@ def test_one_fixed_cost_probe_per_family():
     assert [p.label for p in probes] == ["exact", "fp16"] and shared == {}
 
 
-def test_a_tie_between_the_block_algorithms_goes_to_model_averaging():
+def test_a_tie_between_the_block_algorithms_goes_by_the_optimizers_momentum():
     # a slow link of high latency: a block algorithm wins, and the two are predicted alike (same bytes,
     # one fixed cost)
     profile = cm.Profile(
         compute_s=0.01, params=1_000_000, batch=32, fixed_s=(("block_momentum", 0.002), ("model_averaging", 0.002))
     )
     net = cm.Network(1e-2, 1.25e7)
-    found = auto.candidates_for("high", profile, net, 4)
-    predictions = [cm.predict(profile, net, c, 4) for c in found]
-    assert predictions[5].step_s == predictions[6].step_s
-    index, _ = auto.choose(predictions, 0.1)
-    assert found[index].algorithm == "model_averaging"
+    for momentum, expected in (
+        (0.0, "block_momentum"),
+        (0.4, "block_momentum"),
+        (0.5, "model_averaging"),
+        (0.9, "model_averaging"),
+    ):
+        found = auto.candidates_for("high", profile, net, 4, momentum=momentum)
+        predictions = [cm.predict(profile, net, c, 4) for c in found]
+        assert predictions[5].step_s == predictions[6].step_s
+        index, _ = auto.choose(predictions, 0.1)
+        assert found[index].algorithm == expected, momentum
