@@ -15,7 +15,10 @@ setting's time, and the ``auto`` settings' ratio to the best other setting::
 Given several records (a campaign: ``docs/experiments/tta_campaign.sh``), it prints one
 row per model, network and worker count instead: what auto chose (read from its
 run's stdout), its time to target, the best fixed setting's, their ratio, and how
-many rows are within ``--within`` (1.10)::
+many rows are within ``--within`` (1.10); then the epochs in which the two reach the
+target and the ratio of their whole runs (the same epochs), which tell a slower
+choice (whole run over 1.10) from a target crossed in an earlier epoch by the other
+setting's trajectory (the ratio to target well above the whole run's)::
 
     bunsan bench tta runs/tta/*/compare.json
 
@@ -33,7 +36,17 @@ from typing import Any
 
 from bunsan._table import format_table
 
-__all__ = ["DESCRIPTION", "EPILOG", "add_arguments", "auto_choice", "campaign_rows", "run", "time_to_error", "tta_rows"]
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "add_arguments",
+    "auto_choice",
+    "campaign_rows",
+    "epochs_to_error",
+    "run",
+    "time_to_error",
+    "tta_rows",
+]
 
 PROG = "bunsan bench tta"
 DESCRIPTION = """\
@@ -43,7 +56,8 @@ the reference setting's final error), and for `auto` settings the ratio to the
 best other setting at the same worker count. Needs the per-epoch curves (run
 compare without --no-curves). With several records (a campaign), one row per
 model, network and worker count: auto's choice, its time, the best fixed
-setting's, their ratio, and the count within --within."""
+setting's, their ratio, the count within --within, the epochs in which each
+reached the target and the ratio of their whole runs."""
 EPILOG = """\
 examples:
   bunsan bench tta runs/tta/compare.json
@@ -53,14 +67,18 @@ examples:
 
 def time_to_error(curve: Sequence[float], epoch_end_s: Sequence[float], target: float) -> float | None:
     """Seconds at the end of the first epoch whose error is ``<= target``; ``None`` if none reaches it."""
-    for error, end in zip(curve, epoch_end_s):
-        if error <= target:
-            return end
-    return None
+    epoch = epochs_to_error(curve, target)
+    return None if epoch is None else epoch_end_s[epoch - 1]
+
+
+def epochs_to_error(curve: Sequence[float], target: float) -> int | None:
+    """The first epoch (counted from 1) whose error is ``<= target``; ``None`` if none reaches it."""
+    return next((i + 1 for i, error in enumerate(curve) if error <= target), None)
 
 
 def tta_rows(configs: Sequence[dict[str, Any]], reference: str, points: float) -> list[dict[str, Any]]:
-    """One row per successful config: ``label, workers, target, tta_s`` and, for auto settings, ``vs_best``.
+    """One row per successful config: ``label, workers, target, tta_s, epoch`` (the epoch it is reached in),
+    ``run_s`` (the whole run's training time) and, for auto settings, ``vs_best``.
 
     Raises:
         ValueError: a worker count without the reference setting, or configs without curves.
@@ -81,7 +99,17 @@ def tta_rows(configs: Sequence[dict[str, Any]], reference: str, points: float) -
         for c in here:
             t = times[c["label"]]
             vs_best = t / best if c["label"].startswith("auto") and t is not None and best else None
-            rows.append({"label": c["label"], "workers": workers, "target": target, "tta_s": t, "vs_best": vs_best})
+            rows.append(
+                {
+                    "label": c["label"],
+                    "workers": workers,
+                    "target": target,
+                    "tta_s": t,
+                    "epoch": epochs_to_error(c["test_error_curve"], target),
+                    "run_s": c["epoch_end_s"][-1],
+                    "vs_best": vs_best,
+                }
+            )
     return rows
 
 
@@ -103,8 +131,10 @@ def campaign_rows(
     records: Sequence[tuple[Path, dict[str, Any]]], reference: str, points: float
 ) -> list[dict[str, Any]]:
     """One row per record and worker count that has an auto setting: ``model, network, workers, chose,
-    auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never reached).
-    An auto run's directory is looked up as recorded, else beside the record."""
+    auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never reached),
+    ``auto_epoch``/``best_epoch`` (the epochs they reach the target in) and ``run_ratio`` (auto's whole
+    run's training time over the best's: below ``ratio`` where the best reached the target in an earlier
+    epoch, not by faster steps). An auto run's directory is looked up as recorded, else beside the record."""
     found = []
     for path, document in records:
         arguments = document.get("arguments", {})
@@ -131,6 +161,9 @@ def campaign_rows(
                     "best_label": best["label"] if best else None,
                     "best_s": best["tta_s"] if best else None,
                     "ratio": auto["vs_best"],
+                    "auto_epoch": auto["epoch"],
+                    "best_epoch": best["epoch"] if best else None,
+                    "run_ratio": auto["run_s"] / best["run_s"] if best else None,
                 }
             )
     return found
@@ -149,7 +182,21 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    header = ("model", "network", "workers", "auto chose", "auto (s)", "best fixed setting", "best (s)", "auto / best")
+    def epoch(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    header = (
+        "model",
+        "network",
+        "workers",
+        "auto chose",
+        "auto (s)",
+        "best fixed setting",
+        "best (s)",
+        "auto / best",
+        "epochs auto / best",
+        "whole run auto / best",
+    )
     cells = [
         [
             r["model"],
@@ -160,12 +207,20 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             r["best_label"] or "-",
             seconds(r["best_s"]),
             "never" if r["ratio"] is None else f"{r['ratio']:.2f}",
+            f"{epoch(r['auto_epoch'])} / {epoch(r['best_epoch'])}",
+            "-" if r["run_ratio"] is None else f"{r['run_ratio']:.2f}",
         ]
         for r in rows
     ]
-    say(format_table(header, cells, right={"workers", "auto (s)", "best (s)", "auto / best"}))
+    right = {"workers", "auto (s)", "best (s)", "auto / best", "epochs auto / best", "whole run auto / best"}
+    say(format_table(header, cells, right=right))
     within = sum(1 for r in rows if r["ratio"] is not None and r["ratio"] <= args.within)
     say(f"auto within {args.within:.2f}x of the best fixed setting's time to target: {within} of {len(rows)}")
+    runs = sum(1 for r in rows if r["run_ratio"] is not None and r["run_ratio"] <= args.within)
+    say(
+        f"auto's whole run within {args.within:.2f}x of that setting's whole run (the same epochs): "
+        f"{runs} of {len(rows)}"
+    )
     return 0
 
 

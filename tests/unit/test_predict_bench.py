@@ -103,6 +103,7 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
 
     assert tta.time_to_error([0.5, 0.2, 0.1], [1.0, 2.0, 3.0], 0.2) == 2.0
     assert tta.time_to_error([0.5, 0.3], [1.0, 2.0], 0.2) is None
+    assert tta.epochs_to_error([0.5, 0.2, 0.1], 0.2) == 2 and tta.epochs_to_error([0.5, 0.3], 0.2) is None
 
     def config(label, curve, ends, workers=2):
         return {
@@ -164,8 +165,14 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
         ("loopback", "model_averaging:512", 3.0),
     ]
     assert rows[0]["ratio"] == pytest.approx(1.6) and rows[1]["ratio"] == pytest.approx(11.0 / 3.0)
+    # auto reaches the target in epoch 3, the best (bits=2) in epoch 2; whole runs 4.8 or 11.0 s against 4.5 s
+    assert [(r["auto_epoch"], r["best_epoch"]) for r in rows] == [(3, 2), (3, 2)]
+    assert [r["run_ratio"] for r in rows] == [pytest.approx(4.8 / 4.5), pytest.approx(11.0 / 4.5)]
     assert main(["bench", "tta", *map(str, paths), "--within", "1.7"]) == 0
-    assert "within 1.70x of the best fixed setting's time to target: 1 of 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "within 1.70x of the best fixed setting's time to target: 1 of 2" in out
+    assert "whole run within 1.70x of that setting's whole run (the same epochs): 1 of 2" in out
+    assert "3 / 2" in out and "1.07" in out
     (paths[1].parent / "np2-auto" / "stdout.txt").write_text("[bunsan] Auto at step 11: ... exact kept\n")
     assert tta.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
         "exact (network inconclusive)"
