@@ -98,6 +98,18 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
+def _compare_config(label, curve, ends, workers=2):
+    """One successful setting of a ``bunsan bench compare`` record, as ``bunsan bench tta`` reads it."""
+    return {
+        "status": "ok",
+        "label": label,
+        "workers": workers,
+        "test_error": curve[-1],
+        "test_error_curve": curve,
+        "epoch_end_s": ends,
+    }
+
+
 def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     from bunsan.bench import tta
 
@@ -105,16 +117,7 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     assert tta.time_to_error([0.5, 0.3], [1.0, 2.0], 0.2) is None
     assert tta.epochs_to_error([0.5, 0.2, 0.1], 0.2) == 2 and tta.epochs_to_error([0.5, 0.3], 0.2) is None
 
-    def config(label, curve, ends, workers=2):
-        return {
-            "status": "ok",
-            "label": label,
-            "workers": workers,
-            "test_error": curve[-1],
-            "test_error_curve": curve,
-            "epoch_end_s": ends,
-        }
-
+    config = _compare_config
     configs = [
         config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0]),  # target 0.10 + 0.01
         config("data_parallel:bits=2", [0.30, 0.11, 0.10], [1.5, 3.0, 4.5]),
@@ -133,16 +136,8 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
 def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_path, capsys):
     from bunsan.bench import tta
 
-    def config(label, curve, ends, run_dir, workers=2):
-        return {
-            "status": "ok",
-            "label": label,
-            "workers": workers,
-            "test_error": curve[-1],
-            "test_error_curve": curve,
-            "epoch_end_s": ends,
-            "dir": str(run_dir),
-        }
+    def config(label, curve, ends, run_dir):
+        return {**_compare_config(label, curve, ends), "dir": str(run_dir)}
 
     paths = []
     for network, auto_ends in (("rate=1gbit", [1.6, 3.2, 4.8]), (None, [9.0, 10.0, 11.0])):
