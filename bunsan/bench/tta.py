@@ -18,7 +18,8 @@ run's stdout), its time to target, the best fixed setting's, their ratio, and ho
 many rows are within ``--within`` (1.10); then the epochs in which the two reach the
 target and the ratio of their whole runs (the same epochs), which tell a slower
 choice (whole run over 1.10) from a target crossed in an earlier epoch by the other
-setting's trajectory (the ratio to target well above the whole run's)::
+setting's trajectory (the ratio to target well above the whole run's). Records that
+differ only in their seed make one row of medians over the seeds::
 
     bunsan bench tta runs/tta/*/compare.json
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -127,15 +130,31 @@ def auto_choice(stdout: Path) -> str:
     return "?"
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    """The median, a missed target (``None``) counting as later than any time: ``None`` when half the
+    values or more are ``None``."""
+    value = statistics.median(math.inf if v is None else v for v in values)
+    return None if math.isinf(value) else value
+
+
 def campaign_rows(
     records: Sequence[tuple[Path, dict[str, Any]]], reference: str, points: float
 ) -> list[dict[str, Any]]:
-    """One row per record and worker count that has an auto setting: ``model, network, workers, chose,
-    auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never reached),
-    ``auto_epoch``/``best_epoch`` (the epochs they reach the target in) and ``run_ratio`` (auto's whole
-    run's training time over the best's: below ``ratio`` where the best reached the target in an earlier
-    epoch, not by faster steps). An auto run's directory is looked up as recorded, else beside the record."""
-    found = []
+    """One row per model, network and worker count that has an auto setting: ``model, network, workers,
+    seeds, chose, auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never
+    reached), ``auto_epoch``/``best_epoch`` (the epochs they reach the target in) and ``run_ratio``
+    (auto's whole run's training time over the best's: below ``ratio`` where the best reached the target
+    in an earlier epoch, not by faster steps).
+
+    Records of the same model and network at several seeds are one row: each setting's time to
+    its seed's target, epoch and whole run are medians over the seeds (a setting that missed the
+    target at half of them or more counts as never reaching it), and the best fixed setting is
+    the one with the smallest median time. An auto run's directory is looked up as recorded,
+    else beside the record."""
+    # (model, network, workers) -> label -> one (tta_s, epoch, run_s) per seed; and auto's choices
+    runs: dict[tuple[str, str, int], dict[str, list[tuple[float | None, int | None, float]]]] = {}
+    seeds: dict[tuple[str, str, int], list[Any]] = {}
+    choices: dict[tuple[str, str, int], list[str]] = {}
     for path, document in records:
         arguments = document.get("arguments", {})
         network = arguments.get("network") or "loopback"
@@ -143,29 +162,47 @@ def campaign_rows(
         for config in document["configs"]:
             if not config["label"].startswith("auto") or config.get("status") != "ok":
                 continue
-            workers = config["workers"]
-            here = [r for r in rows if r["workers"] == workers]
-            auto = next(r for r in here if r["label"] == config["label"])
-            fixed = [r for r in here if not r["label"].startswith("auto") and r["tta_s"] is not None]
-            best = min(fixed, key=lambda r: r["tta_s"]) if fixed else None
+            key = (arguments.get("model", "?"), network, config["workers"])
+            seeds.setdefault(key, []).append(arguments.get("seed", 0))
+            for r in rows:
+                if r["workers"] == config["workers"]:
+                    runs.setdefault(key, {}).setdefault(r["label"], []).append((r["tta_s"], r["epoch"], r["run_s"]))
             run_dir = Path(config.get("dir", ""))
             if not run_dir.is_dir():
                 run_dir = path.parent / run_dir.name
-            found.append(
-                {
-                    "model": arguments.get("model", "?"),
-                    "network": network,
-                    "workers": workers,
-                    "chose": auto_choice(run_dir / "stdout.txt"),
-                    "auto_s": auto["tta_s"],
-                    "best_label": best["label"] if best else None,
-                    "best_s": best["tta_s"] if best else None,
-                    "ratio": auto["vs_best"],
-                    "auto_epoch": auto["epoch"],
-                    "best_epoch": best["epoch"] if best else None,
-                    "run_ratio": auto["run_s"] / best["run_s"] if best else None,
-                }
+            choices.setdefault(key, []).append(auto_choice(run_dir / "stdout.txt"))
+    found = []
+    for key, by_label in runs.items():
+        medians = {
+            label: (
+                _median([t for t, _, _ in values]),
+                _median([e for _, e, _ in values]),
+                statistics.median(r for _, _, r in values),
             )
+            for label, values in by_label.items()
+        }
+        auto_label = next(label for label in by_label if label.startswith("auto"))
+        auto_s, auto_epoch, auto_run = medians[auto_label]
+        fixed = [(m[0], label) for label, m in medians.items() if not label.startswith("auto") and m[0] is not None]
+        best_label = min(fixed)[1] if fixed else None
+        best = medians[best_label] if best_label else None
+        model, network, workers = key
+        found.append(
+            {
+                "model": model,
+                "network": network,
+                "workers": workers,
+                "seeds": len(seeds[key]),
+                "chose": " / ".join(dict.fromkeys(choices[key])),
+                "auto_s": auto_s,
+                "best_label": best_label,
+                "best_s": best[0] if best else None,
+                "ratio": auto_s / best[0] if best and best[0] and auto_s is not None else None,
+                "auto_epoch": auto_epoch,
+                "best_epoch": best[1] if best else None,
+                "run_ratio": auto_run / best[2] if best else None,
+            }
+        )
     return found
 
 
@@ -182,13 +219,14 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    def epoch(value: int | None) -> str:
-        return "-" if value is None else str(value)
+    def epoch(value: float | None) -> str:  # a median over an even number of seeds can end in .5
+        return "-" if value is None else f"{value:g}"
 
     header = (
         "model",
         "network",
         "workers",
+        "seeds",
         "auto chose",
         "auto (s)",
         "best fixed setting",
@@ -202,6 +240,7 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             r["model"],
             r["network"],
             str(r["workers"]),
+            str(r["seeds"]),
             r["chose"],
             seconds(r["auto_s"]),
             r["best_label"] or "-",
@@ -212,7 +251,7 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         ]
         for r in rows
     ]
-    right = {"workers", "auto (s)", "best (s)", "auto / best", "epochs auto / best", "whole run auto / best"}
+    right = {"workers", "seeds", "auto (s)", "best (s)", "auto / best", "epochs auto / best", "whole run auto / best"}
     say(format_table(header, cells, right=right))
     within = sum(1 for r in rows if r["ratio"] is not None and r["ratio"] <= args.within)
     say(f"auto within {args.within:.2f}x of the best fixed setting's time to target: {within} of {len(rows)}")

@@ -5,12 +5,15 @@
 # Usage: docs/experiments/tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]
 #   NETWORKS: space-separated, "loopback" or rate=RATE (shaped links need root); default all three
 #   MODELS:   space-separated of digits_cnn mnist1d_cnn resnet20; default all three
+#   SEEDS (environment): space-separated seeds, default "0"; every seed is one more record per
+#   model and network (directory suffix -sSEED past seed 0), and the summary takes medians over them
 # Run on an idle machine: the settings are timed side by side within one compare run.
 set -euo pipefail
 out=${1:?usage: tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]}
 networks=${2:-"loopback rate=1gbit rate=100mbit"}
 models=${3:-"digits_cnn mnist1d_cnn resnet20"}
 bunsan=${BUNSAN:-bunsan}
+seeds=${SEEDS:-0}
 fixed=(data_parallel data_parallel:compression=fp16 data_parallel:bits=2 data_parallel:bits=1
        "block_momentum:block_size=1024,block_learning_rate=0.5" model_averaging:block_size=1024)
 for net in $networks; do
@@ -26,12 +29,15 @@ for net in $networks; do
       resnet20)    args=(--model resnet20 --dataset digits32 -np 2,4 --epochs 10 --batch 64 --lr 0.1 --momentum 0) ;;
       *) echo "unknown model $model" >&2; exit 2 ;;
     esac
-    dir="$out/${model}-${net//=/_}"
     extra=()
     [ "$model" = mnist1d_cnn ] && extra=(data_parallel:bits=1,rotate=true)
-    $bunsan bench compare "${args[@]}" "${shaping[@]}" --algorithms "${fixed[@]}" "${extra[@]}" auto:risk=high \
-      --no-plots --out "$dir"
-    $bunsan bench tta "$dir/compare.json" | tee "$dir/tta.txt"
+    for seed in $seeds; do
+      dir="$out/${model}-${net//=/_}"
+      [ "$seed" != 0 ] && dir="$dir-s$seed"
+      $bunsan bench compare "${args[@]}" --seed "$seed" "${shaping[@]}" --algorithms "${fixed[@]}" "${extra[@]}" \
+        auto:risk=high --no-plots --out "$dir"
+      $bunsan bench tta "$dir/compare.json" | tee "$dir/tta.txt"
+    done
   done
 done
 $bunsan bench tta "$out"/*/compare.json | tee "$out/summary.txt"

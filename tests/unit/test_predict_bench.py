@@ -172,3 +172,39 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
     assert tta.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
         "exact (network inconclusive)"
     )
+
+
+def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
+    from bunsan.bench import tta
+
+    # three seeds of one model and network; exact's final error is 0.10 at every seed (target 0.11)
+    exact = ([0.30, 0.15, 0.10], [2.0, 4.0, 6.0])
+    bits = {0: [0.11, 0.20, 0.10], 1: [0.30, 0.20, 0.10], 2: [0.30, 0.11, 0.10]}  # epochs 1, 3, 2
+    fast = {0: [0.50, 0.40, 0.30], 1: [0.50, 0.40, 0.11], 2: [0.50, 0.40, 0.30]}  # never, 3, never
+    auto = {0: [0.30, 0.20, 0.11], 1: [0.11, 0.10, 0.10], 2: [0.30, 0.11, 0.10]}  # epochs 3, 1, 2
+    records = []
+    for seed in (0, 1, 2):
+        out = tmp_path / f"s{seed}"
+        (out / "np2-auto").mkdir(parents=True)
+        choice = "block_momentum:256" if seed else "exact"
+        (out / "np2-auto" / "stdout.txt").write_text(f"[bunsan]   {choice}   4.72 ms/step predicted  <- chosen\n")
+        configs = [
+            _compare_config("data_parallel", *exact),
+            _compare_config("data_parallel:bits=2", bits[seed], [1.5, 3.0, 4.5]),
+            _compare_config("model_averaging:block_size=1024", fast[seed], [0.5, 1.0, 1.5]),
+            {**_compare_config("auto:risk=high", auto[seed], [1.0, 2.0, 3.0]), "dir": str(out / "np2-auto")},
+        ]
+        document = {"arguments": {"model": "digits_cnn", "network": None, "seed": seed}, "configs": configs}
+        records.append((out / "compare.json", document))
+    (row,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    # bits=2: times 1.5, 4.5, 3.0 -> median 3.0, epochs 2; model averaging missed at 2 of 3 seeds: never
+    assert row["seeds"] == 3 and row["best_label"] == "data_parallel:bits=2"
+    assert row["best_s"] == pytest.approx(3.0) and row["best_epoch"] == 2
+    # auto: 3.0, 1.0, 2.0 -> 2.0 in epoch 2; whole runs 3.0 against 4.5
+    assert row["auto_s"] == pytest.approx(2.0) and row["auto_epoch"] == 2
+    assert row["ratio"] == pytest.approx(2.0 / 3.0) and row["run_ratio"] == pytest.approx(3.0 / 4.5)
+    assert row["chose"] == "exact / block_momentum:256"
+    # one seed alone is its own row, as before: seed 0's auto took 3.0 s, bits=2 1.5
+    (alone,) = tta.campaign_rows(records[:1], "data_parallel", 1.0)
+    assert alone["seeds"] == 1 and alone["best_label"] == "data_parallel:bits=2" and alone["best_s"] == 1.5
+    assert alone["ratio"] == pytest.approx(2.0) and alone["chose"] == "exact"
