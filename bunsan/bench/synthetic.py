@@ -35,6 +35,7 @@ _INPUTS: dict[str, tuple[tuple[int, ...], str | None]] = {
     "digits_cnn": ((1, 8, 8), "fixed"),
     "mnist1d_cnn": ((1, 40), "length"),
     "mlp": ((1, 28, 28), "in_features"),
+    "mlp_10m": ((1, 32, 32), "in_features"),  # 1024 inputs: 10.5M parameters
 }
 
 
@@ -42,7 +43,7 @@ def model_inputs(name: str, image_size: int | None, num_classes: int) -> tuple[d
     """Constructor arguments of model ``name`` and the shape of one input, for images of side ``image_size``.
 
     ``None`` keeps the model's own size (32 for the CIFAR models, 28 for
-    ``mnist_convnet`` and ``mlp``, 8 for ``digits_cnn``, 40 for ``mnist1d_cnn``).
+    ``mnist_convnet`` and ``mlp``, 32 (1024 inputs) for ``mlp_10m``, 8 for ``digits_cnn``, 40 for ``mnist1d_cnn``).
     A model not listed here gets ``num_classes`` and 3-channel square images.
 
     Raises:

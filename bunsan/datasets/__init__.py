@@ -1,13 +1,15 @@
 """Data sets that ship offline, by function or by name.
 
 ``digits`` (scikit-learn's 8x8 digits), ``digits32`` (the same images at 32x32
-on 3 channels, for CIFAR-shaped models) and ``mnist1d`` (generated from code)
+on 3 channels, for CIFAR-shaped models; ``digits32_gray`` on one) and ``mnist1d`` (generated from code)
 carry accuracy claims; ``synthetic`` carries speed measurements.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from torch.utils.data import TensorDataset
@@ -48,9 +50,15 @@ class DatasetInfo:
 _INFO = {
     "digits": DatasetInfo("digits", (1, 8, 8), 10, 1437, 360),
     "digits32": DatasetInfo("digits32", (3, 32, 32), 10, 1437, 360),
+    "digits32_gray": DatasetInfo("digits32_gray", (1, 32, 32), 10, 1437, 360),
     "mnist1d": DatasetInfo("mnist1d", (1, 40), 10, 4000, 1000),
 }
-_LOADERS = {"digits": digits, "digits32": digits32, "mnist1d": mnist1d}
+_LOADERS: dict[str, Callable[..., TensorDataset]] = {
+    "digits": digits,
+    "digits32": digits32,
+    "digits32_gray": partial(digits32, channels=1),  # 1024 inputs: the 10.5M MLP's (models.MLP10M)
+    "mnist1d": mnist1d,
+}
 
 
 def names() -> list[str]:

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from bunsan._validate import check_int
+
 __all__ = ["digits", "mnist1d"]
 
 _SPLITS = ("train", "test", "all")
@@ -117,22 +119,26 @@ def digits(split: str = "train", *, test_size: int = 360, seed: int = 0) -> Tens
     return TensorDataset(x[index], y[index])
 
 
-def digits32(split: str = "train", *, test_size: int = 360, seed: int = 0) -> TensorDataset:
+def digits32(split: str = "train", *, test_size: int = 360, seed: int = 0, channels: int = 3) -> TensorDataset:
     """:func:`digits` as CIFAR-shaped images: each 8x8 image resized to 32x32 (bilinear) on 3 equal channels.
 
     For models that take CIFAR's input (ResNet-20, the CIFAR convnet) where no
     CIFAR-10 files are at hand: the same 1797 images, labels and split as
     :func:`digits`, so accuracy is comparable across models and runs offline.
+    ``channels=1`` (the data set ``digits32_gray``) keeps one channel: 1024 inputs,
+    those of the 10.5M-parameter MLP of the benchmarks (``mlp_10m``).
 
     Returns:
-        ``TensorDataset(x, y)``: ``x`` float32 ``(N, 3, 32, 32)`` in ``[0, 1]``, ``y`` as :func:`digits`.
+        ``TensorDataset(x, y)``: ``x`` float32 ``(N, channels, 32, 32)`` in ``[0, 1]``, ``y`` as :func:`digits`.
     """
     import torch.nn.functional as F
+
+    check_int("channels", channels, minimum=1)
 
     small = digits(split, test_size=test_size, seed=seed)
     x, y = small.tensors
     large = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).clamp_(0.0, 1.0)
-    return TensorDataset(large.expand(-1, 3, -1, -1).contiguous(), y)
+    return TensorDataset(large.expand(-1, channels, -1, -1).contiguous(), y)
 
 
 # ----------------------------------------------------------------------------- MNIST-1D

@@ -14,10 +14,11 @@ from bunsan.models.reference import (
     ResNet20,
     ResNet110,
 )
-from bunsan.models.small import MLP, MNIST1DCNN, DigitsCNN
+from bunsan.models.small import MLP, MLP10M, MNIST1DCNN, DigitsCNN
 
 __all__ = [
     "MLP",
+    "MLP10M",
     "MNIST1DCNN",
     "BNInceptionCIFAR",
     "CIFARConvNet",
@@ -34,6 +35,7 @@ __all__ = [
 _MODELS: dict[str, type[nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mlp": MLP,
+    "mlp_10m": MLP10M,  # the 10.5M-parameter MLP of bench quantized and bench predict
     "mnist1d_cnn": MNIST1DCNN,
     # the CNTK 2.2 benchmark's models (bunsan.models.reference)
     "bn_inception_cifar": BNInceptionCIFAR,

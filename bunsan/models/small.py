@@ -103,3 +103,21 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.layers(x)
+
+
+class MLP10M(MLP):
+    """The communication-heavy 10.5M-parameter MLP of the benchmarks: three hidden layers of 2048.
+
+    With 1024 inputs (``digits32``, 1x32x32) and 10 classes: 1024x2048 + 2 x 2048x2048 +
+    2048x10 weights and their biases, 10,512,394 parameters (42 MB of fp32 gradients per
+    step), against a compute of tens of milliseconds per step on one CPU core: the model of
+    ``bunsan bench quantized`` and ``bunsan bench predict`` where the exchange, not the
+    compute, sets the step time.
+
+    Args:
+        in_features: Inputs per sample after flattening; default 1024.
+        out_features: Outputs (classes); default 10.
+    """
+
+    def __init__(self, in_features: int = 1024, out_features: int = 10) -> None:
+        super().__init__(in_features, hidden=2048, out_features=out_features, depth=3)

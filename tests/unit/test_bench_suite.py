@@ -145,6 +145,7 @@ def test_finish_adds_efficiency_and_vs_first():
         ("mnist_convnet", None, {"num_classes": 10, "image_size": 28}, (1, 28, 28)),
         ("mnist1d_cnn", 60, {"num_classes": 10, "length": 60}, (1, 60)),
         ("mlp", 8, {"in_features": 64, "out_features": 10}, (1, 8, 8)),
+        ("mlp_10m", None, {"in_features": 1024, "out_features": 10}, (1, 32, 32)),
         ("digits_cnn", None, {"num_classes": 10}, (1, 8, 8)),
     ],
 )

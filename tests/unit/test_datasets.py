@@ -41,6 +41,11 @@ def test_digits32_is_digits_at_cifar_shape():
     blocks = x[:, :1].reshape(360, 1, 8, 4, 8, 4).mean(dim=(3, 5))
     assert torch.corrcoef(torch.stack([blocks.flatten(), small_x.flatten()]))[0, 1] > 0.95
     assert datasets.info("digits32").input_shape == (3, 32, 32)
+    gray, gray_y = datasets.load("digits32_gray", "test").tensors
+    assert gray.shape == (360, 1, 32, 32) and torch.equal(gray[:, 0], x[:, 0]) and torch.equal(gray_y, y)
+    assert datasets.info("digits32_gray").input_shape == tuple(gray.shape[1:])
+    with pytest.raises(ValueError, match="channels"):
+        datasets.digits32("test", channels=0)
 
 
 def test_bad_split_names_the_argument():
@@ -99,7 +104,7 @@ def test_synthetic_shapes_and_determinism():
 
 
 def test_info_and_load_by_name():
-    assert datasets.names() == ["digits", "digits32", "mnist1d"]
+    assert datasets.names() == ["digits", "digits32", "digits32_gray", "mnist1d"]
     info = datasets.info("digits")
     x, y = datasets.load("digits", "test").tensors
     assert (tuple(x.shape[1:]), len(x)) == (info.input_shape, info.test_size)

@@ -32,6 +32,7 @@ def test_registry():
         "cifar_convnet",
         "digits_cnn",
         "mlp",
+        "mlp_10m",
         "mnist1d_cnn",
         "mnist_convnet",
         "resnet110",
@@ -40,6 +41,23 @@ def test_registry():
     assert isinstance(models.create("digits_cnn"), models.DigitsCNN)
     with pytest.raises(ValueError, match="unknown model 'resnet'"):
         models.create("resnet")
+
+
+def test_mlp_10m_is_the_benchmarks_10_5m_mlp():
+    from bunsan.bench.job import build_model
+    from bunsan.bench.quantized import MODELS
+    from bunsan.datasets import info
+
+    model = models.create("mlp_10m")
+    bench_model, shape = MODELS["mlp-10m"]()
+    assert sum(p.numel() for p in model.parameters()) == 10_512_394
+    assert [p.shape for p in model.parameters()] == [p.shape for p in bench_model.parameters()]
+    assert shape == (1024,)
+    assert model(torch.randn(3, 1, 32, 32)).shape == (3, 10)
+    # bench compare sizes it from the data set (1x32x32 digits32_gray -> 1024 inputs)
+    built = build_model("mlp_10m", info("digits32_gray"))
+    assert type(built) is models.MLP10M
+    assert built.layers[1].in_features == 1024
 
 
 def test_mlp_depth_and_validation():
