@@ -5,7 +5,7 @@
 # Usage: docs/experiments/tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]
 #   NETWORKS: space-separated, "loopback" or rate=RATE (shaped links need root); default all three
 #   MODELS:   space-separated of digits_cnn mnist1d_cnn resnet20 mlp_10m; default the first three (the
-#             10.5M MLP exchanges 42 MB per exact step: 3.4 s at 100 Mbit/s, hours for the campaign)
+#             10.5M MLP exchanges 42 MB per exact step: 3.9 s at 100 Mbit/s, hours for the campaign)
 #   SEEDS (environment): space-separated seeds, default "0"; every seed is one more record per
 #   model and network (directory suffix -sSEED past seed 0), and the summary takes medians over them
 # Run on an idle machine: the settings are timed side by side within one compare run.
