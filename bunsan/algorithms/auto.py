@@ -94,6 +94,12 @@ ENOUGH_S = 0.02
 RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
+# The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
+# then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
+# probes of risk="high" took 0.13 s instead of 0.20 at 2 workers and 0.49 s instead of 0.79 at 4
+# on 2 cores (medians of 6 trials), with fixed costs that spread over the trials about as much
+# as before (docs/experiments/probe_cost.py; docs/plan.md)
+PROBE_STEPS, PROBE_WARMUP, PROBE_REPEATS = 4, 2, 3
 # What a decision may build, by registry name. Imported directly, not through the registry in
 # bunsan.algorithms, which imports this module (no import cycle).
 _CHOICES: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DataParallelSGD, BlockMomentumSGD, ModelAveragingSGD)}
@@ -195,8 +201,8 @@ class Auto(Algorithm):
             from the beginning of training; the measuring steps count towards it.
         network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
         fixed_costs: measure every candidate's fixed cost per step on a tiny model first
-            (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: well under a
-            second at 2 workers, a few seconds at 4 on 2 cores); ``False`` counts exact's
+            (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: about 0.1 s at
+            2 workers and 0.5 s at 4 on 2 cores); ``False`` counts exact's
             fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.
         group: process group; ``None`` means every rank of the job.
@@ -325,7 +331,7 @@ class Auto(Algorithm):
         candidates share a probe's result: every bit width runs the same striped exchange and hooks
         (the codec's own cost per width is measured apart), and both block algorithms the same block
         exchange, so one probe of each family stands for all of it (the probes are most of Auto's
-        measuring time on a small model: about 70 ms each at 4 workers here)."""
+        measuring time on a small model: about 0.12 s each at 4 workers on 2 cores)."""
         probes = [
             cm.Candidate("data_parallel", {}, "exact"),
             cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16"),
@@ -369,7 +375,17 @@ class Auto(Algorithm):
         network_s = time.perf_counter() - started
         if network is not None and self.fixed_costs:  # every rank: the probe is collective
             probes, shared = self._probes()
-            fixed = dict(measure_fixed_costs(probes, network, group=self.group, overlap=overlap, steps=6))
+            fixed = dict(
+                measure_fixed_costs(
+                    probes,
+                    network,
+                    group=self.group,
+                    overlap=overlap,
+                    steps=PROBE_STEPS,
+                    warmup=PROBE_WARMUP,
+                    repeats=PROBE_REPEATS,
+                )
+            )
             fixed.update({label: fixed[source] for label, source in shared.items()})
         probe_s = time.perf_counter() - started - network_s
         decision: dict[str, Any] | None = None

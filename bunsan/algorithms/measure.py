@@ -180,6 +180,7 @@ def measure_fixed_costs(
     overlap: bool | None = None,
     steps: int = 10,
     repeats: int = 3,
+    warmup: int | None = None,
     distribute: Callable[..., Any] | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """Collective: each candidate's step on a tiny model, less the local step and what the model predicts.
@@ -192,7 +193,10 @@ def measure_fixed_costs(
     of ``group`` runs every candidate (the same list on every rank) with the overlap
     rule of :func:`can_overlap` (or ``overlap``); the slowest rank's median is kept, so every rank gets
     the same answer; a block algorithm's is per block (the excess per step times the
-    block's steps). The global random state is left as it was. ``distribute``:
+    block's steps). Each candidate takes ``warmup`` steps untimed (``None``: ``steps``),
+    then ``repeats`` timed runs of ``steps`` steps; keep both multiples of a block
+    algorithm's steps per block so that every run holds whole blocks. The global random
+    state is left as it was. ``distribute``:
     ``bunsan.distribute`` (by default the one :mod:`bunsan.optim` registered). Returns
     :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
     """
@@ -212,13 +216,13 @@ def measure_fixed_costs(
     y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
 
     def timed(model: Any, optimizer: Any) -> float:
-        def run() -> None:
-            for _ in range(steps):
+        def run(count: int = steps) -> None:
+            for _ in range(count):
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
 
-        run()  # warm up
+        run(steps if warmup is None else warmup)  # warm up
         comm.barrier(group)
         return median_time(run, repeats) / steps
 

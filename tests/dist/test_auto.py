@@ -153,6 +153,29 @@ def test_fixed_costs_are_measured_per_candidate_and_agree_on_every_rank(workers)
     assert all(-1e-3 < seconds < 1.0 for _, seconds in results[0])
 
 
+def _body_probe_steps(rank: int, world_size: int, warmup) -> list:
+    from bunsan.algorithms import cost_model as cm
+    from bunsan.bench.measure import measure_fixed_costs
+
+    counts: list[int] = []
+
+    def counting(model, optimizer, *args, **kwargs):  # bunsan.distribute, counting optimizer steps
+        model, optimizer = bunsan.distribute(model, optimizer, *args, **kwargs)
+        counts.append(0)
+        optimizer.register_step_post_hook(lambda *_: counts.__setitem__(-1, counts[-1] + 1))
+        return model, optimizer
+
+    candidates = [cm.Candidate("data_parallel", {}, "exact"), cm.Candidate("block_momentum", {"block_size": 64})]
+    measure_fixed_costs(candidates, Network(**FAST), steps=4, repeats=3, warmup=warmup, distribute=counting)
+    return counts
+
+
+@pytest.mark.parametrize(("warmup", "steps"), [(None, 4 + 3 * 4), (2, 2 + 3 * 4)], ids=["one-run", "two-steps"])
+def test_fixed_cost_probe_takes_warmup_then_repeats_of_steps(workers, warmup, steps):
+    results = workers.run(f"{__name__}:_body_probe_steps", warmup=warmup)
+    assert results[0] == results[1] == [steps, steps]  # per candidate, on every rank
+
+
 def _body_network_sizes(rank: int, world_size: int, enough_s) -> dict:
     from unittest import mock
 
