@@ -148,7 +148,7 @@ def plot_curves(records: Sequence[dict[str, Any]], path: Path) -> Path | None:
             axes.plot(range(1, len(curve) + 1), [100 * e for e in curve], label=r["label"])
         axes.set_title(f"{n} worker{'s' if n > 1 else ''}")
         axes.set_xlabel("epoch")
-        axes.set_ylabel("test error (%), rank 0's replica")
+        axes.set_ylabel("test error (%) if stopped there")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
     return save_figure(figure, path)

@@ -372,3 +372,47 @@ def test_missing_optimizer_for_momentum_reset_fails_on_every_rank(workers):
     messages = workers.run(f"{__name__}:_body_no_optimizer")
     assert messages[0] == messages[1]
     assert "reset_local_momentum=True" in messages[0] and "attach_optimizer" in messages[0]
+
+
+def _body_curve_leaves_training_alone(rank: int, world_size: int, algorithm: str, options: dict) -> dict | None:
+    from bunsan.bench.job import JobSpec, train
+
+    if algorithm == "auto":  # a given network of 50 ms latency: only blocks amortize it, whatever the timings
+        from bunsan.algorithms.cost_model import Network
+
+        options = {**options, "network": Network(latency_s=0.05, bandwidth=1e9)}
+    results = {}
+    for curves in (False, True):
+        spec = JobSpec(model="digits_cnn", dataset="digits", algorithm=algorithm, options=options, epochs=2,
+                       batch=64, lr=0.1, momentum=0.9, curves=curves)
+        results[curves] = train(spec)
+    if rank != 0:
+        return None
+    keys = ("train_loss", "test_error", "test_loss", "steps", "samples", "bytes_sent_per_sample", "replicas_equal")
+    return {
+        "plain": {k: results[False][k] for k in keys},
+        "with_curve": {k: results[True][k] for k in keys},
+        "curve": results[True]["test_error_curve"],
+        "chosen": results[True]["algorithm_repr"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options"),
+    [
+        ("model_averaging", {"block_size": 512}),  # 16 steps of 32: both epoch ends fall inside a block
+        ("block_momentum", {"block_size": 512, "warm_start": 128}),
+        ("auto", {"risk": "high", "fixed_costs": False, "verbose": False, "measure_steps": 4}),
+    ],
+    ids=["model_averaging", "block_momentum", "auto"],
+)
+def test_test_error_curve_is_the_synchronized_model_and_leaves_training_alone(workers, algorithm, options):
+    result = workers.run(f"{__name__}:_body_curve_leaves_training_alone", algorithm=algorithm, options=options)[0]
+    # The curve's copies (a block round, then everything put back) change nothing in the training:
+    # the same losses in every epoch, the same final model, the same traffic counted.
+    assert result["with_curve"] == result["plain"]
+    assert result["plain"]["replicas_equal"]
+    # The last epoch's copy is the model join() ends with: the block round it runs is the same.
+    assert len(result["curve"]) == 2 and result["curve"][-1] == result["plain"]["test_error"]
+    if algorithm == "auto":
+        assert "chosen='block_momentum" in result["chosen"] or "chosen='model_averaging" in result["chosen"]
