@@ -81,7 +81,7 @@ from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_fixed_costs, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
-__all__ = ["Auto", "candidates_for", "choose", "infer_compute"]
+__all__ = ["Auto", "candidates_for", "choose", "infer_compute", "probes_cannot_change"]
 
 RISKS = ("low", "medium", "high")
 # an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else
@@ -94,6 +94,7 @@ ENOUGH_S = 0.02
 RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
+BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
 # then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
 # probes of risk="high" took 0.13 s instead of 0.20 at 2 workers and 0.49 s instead of 0.79 at 4
@@ -175,6 +176,37 @@ def candidates_for(
     return found
 
 
+def probes_cannot_change(
+    candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float, batch: int
+) -> str | None:
+    """Why the fixed-cost probes cannot change a decision predicted without them, or ``None``.
+
+    Without the probes every candidate is charged exact's fixed cost (it stays in the
+    inferred compute). The probes take it out of the compute and charge each candidate its
+    own: a block algorithm's per step is below exact's, and exact's below fp16's and the
+    quantized widths' (medians of the probe at 2 and 4 workers, docs/plan.md), so they can
+    only lower a block algorithm's prediction against the others'; and they can only
+    shrink the 5% budget of the block-size rule (less compute) and grow a block's exposed
+    cost, so a block already at the 16-step cap stays there. The decision stands when it
+    is a block algorithm at the cap that beats every other candidate, exact included, by
+    ``min_gain``: the margin covers probes where fp16 measured a little under exact.
+    """
+    index, _ = choose(predictions, min_gain)
+    chosen = candidates[index]
+    if chosen.algorithm not in BLOCK_ALGORITHMS:
+        return None
+    if int(chosen.options["block_size"]) < BLOCK_STEPS[-1] * batch:
+        return None
+    best = predictions[index].step_s
+    others = [p for c, p in zip(candidates, predictions) if c.algorithm not in BLOCK_ALGORITHMS]
+    if any(p.step_s < (1 + min_gain) * best for p in others):
+        return None
+    return (
+        f"{chosen.label} is at the {BLOCK_STEPS[-1]}-step cap and at least {100 * min_gain:.0f}% faster than "
+        "every per-step candidate without them; they could only widen that"
+    )
+
+
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
     """Index of the chosen prediction (the first is exact) and why."""
     exact = predictions[0]
@@ -202,7 +234,8 @@ class Auto(Algorithm):
         network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
         fixed_costs: measure every candidate's fixed cost per step on a tiny model first
             (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: about 0.1 s at
-            2 workers and 0.5 s at 4 on 2 cores); ``False`` counts exact's
+            2 workers and 0.5 s at 4 on 2 cores), unless a block algorithm at its cap wins by
+            ``min_gain`` without them (:func:`probes_cannot_change`); ``False`` counts exact's
             fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.
         group: process group; ``None`` means every rank of the job.
@@ -349,6 +382,27 @@ class Auto(Algorithm):
             shared["model_averaging"] = "block_momentum"
         return probes, shared
 
+    def _predict(
+        self,
+        step_s: float,
+        network: cm.Network,
+        n: int,
+        overlap: bool,
+        fixed: dict[str, float],
+        codec: dict[str, float],
+        codecs: tuple[tuple[int, float, float, float], ...],
+    ) -> tuple[cm.Profile, float, list[cm.Candidate], list[cm.Prediction]]:
+        """Rank 0: the profile, the inferred compute, the candidates and their predictions."""
+        # each candidate its probe's fixed cost; block algorithms by name (probed at another block
+        # size, per block), so that the block-size rule amortizes theirs
+        draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": tuple(fixed.items())})
+        compute = infer_compute(step_s, draft, network, n, overlap=overlap)
+        profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
+        candidates = candidates_for(
+            self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
+        )
+        return profile, compute, candidates, [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
+
     def _decide(self) -> None:
         started = time.perf_counter()
         slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
@@ -371,25 +425,43 @@ class Auto(Algorithm):
         local = runtime.local_size()
         device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
         overlap = can_overlap(device, local, over_memory=local == runtime.size())
-        fixed: dict[str, float] = {}
         network_s = time.perf_counter() - started
-        if network is not None and self.fixed_costs:  # every rank: the probe is collective
-            probes, shared = self._probes()
-            fixed = dict(
-                measure_fixed_costs(
-                    probes,
-                    network,
-                    group=self.group,
-                    overlap=overlap,
-                    steps=PROBE_STEPS,
-                    warmup=PROBE_WARMUP,
-                    repeats=PROBE_REPEATS,
-                )
-            )
-            fixed.update({label: fixed[source] for label, source in shared.items()})
-        probe_s = time.perf_counter() - started - network_s
-        decision: dict[str, Any] | None = None
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
+        codec: dict[str, float] = {}
+        codecs: tuple[tuple[int, float, float, float], ...] = ()
+        if deciding and network is not None:
+            numel = sum(p.numel() for _, p in self.named_params)
+            codec = measure_codec(numel, repeats=2)
+            # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
+            codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
+        fixed: dict[str, float] = {}
+        plan: tuple[Any, ...] | None = None
+        skipped: str | None = None
+        probe_started = time.perf_counter()
+        if network is not None and self.fixed_costs:
+            # Rank 0 predicts without the probes first; where they cannot change the decision
+            # (probes_cannot_change) no rank runs them: they are most of Auto's measuring time.
+            if deciding:
+                plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
+                skipped = probes_cannot_change(plan[2], plan[3], self.min_gain, plan[0].batch)
+            skipped = comm.broadcast_object(skipped, src=0, group=self.group)
+            if skipped is None:  # every rank: the probe is collective
+                plan = None
+                probes, shared = self._probes()
+                fixed = dict(
+                    measure_fixed_costs(
+                        probes,
+                        network,
+                        group=self.group,
+                        overlap=overlap,
+                        steps=PROBE_STEPS,
+                        warmup=PROBE_WARMUP,
+                        repeats=PROBE_REPEATS,
+                    )
+                )
+                fixed.update({label: fixed[source] for label, source in shared.items()})
+        probe_s = time.perf_counter() - probe_started
+        decision: dict[str, Any] | None = None
         if deciding and network is None:
             decision = {
                 "algorithm": "data_parallel",
@@ -404,19 +476,9 @@ class Auto(Algorithm):
             if self.verbose:
                 print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
         elif deciding and network is not None:
-            numel = sum(p.numel() for _, p in self.named_params)
-            codec = measure_codec(numel, repeats=2)
-            # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
-            codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
-            # each candidate its probe's fixed cost; block algorithms by name (probed at another block
-            # size, per block), so that the block-size rule amortizes theirs
-            draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": tuple(fixed.items())})
-            compute = infer_compute(step_s, draft, network, n, overlap=overlap)
-            profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
-            candidates = candidates_for(
-                self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
-            )
-            predictions = [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
+            if plan is None:
+                plan = self._predict(step_s, network, n, overlap, fixed, codec, codecs)
+            profile, compute, candidates, predictions = plan
             index, why = choose(predictions, self.min_gain)
             decision = {
                 "algorithm": candidates[index].algorithm,
@@ -446,6 +508,8 @@ class Auto(Algorithm):
             decision["measured"].update(
                 decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
             )
+            if skipped is not None:
+                decision["measured"]["probes_skipped"] = skipped
             if self.verbose:
                 print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
@@ -511,4 +575,6 @@ def format_decision(decision: dict[str, Any]) -> str:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
     lines.append(f"[bunsan]   chosen: {decision['label']}: {decision['why']}")
+    if "probes_skipped" in m:
+        lines.append(f"[bunsan]   fixed-cost probes skipped: {m['probes_skipped']}")
     return "\n".join(lines)

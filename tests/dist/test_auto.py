@@ -153,6 +153,46 @@ def test_fixed_costs_are_measured_per_candidate_and_agree_on_every_rank(workers)
     assert all(-1e-3 < seconds < 1.0 for _, seconds in results[0])
 
 
+def _body_probes_skipped(rank: int, world_size: int, network: dict) -> dict:
+    from unittest import mock
+
+    from bunsan.algorithms import auto as auto_module
+
+    calls = []
+    real = auto_module.measure_fixed_costs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**network), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    with mock.patch.object(auto_module, "measure_fixed_costs", counting):
+        _train(model, optimizer, rank, 6)
+    return {
+        "label": auto.decision["label"],
+        "probed": len(calls),
+        "skipped": auto.decision["measured"].get("probes_skipped"),
+        "fixed": auto.decision["measured"]["fixed_s"],
+    }
+
+
+def test_probes_are_skipped_on_every_rank_where_they_cannot_change_the_decision(workers):
+    # 50 ms latency per exchange: only blocks amortize it, and at the 16-step cap they win by far
+    slow = workers.run(f"{__name__}:_body_probes_skipped", network={"latency_s": 0.05, "bandwidth": 1e9})
+    assert slow[0]["label"] == slow[1]["label"] and slow[0]["label"].split(":")[0] in (
+        "block_momentum",
+        "model_averaging",
+    )
+    assert int(slow[0]["label"].split(":")[1]) == 16 * 8  # the cap: 16 steps of 8 samples
+    assert [r["probed"] for r in slow] == [0, 0] and "16-step cap" in slow[0]["skipped"]
+    assert set(slow[0]["fixed"].values()) == {0.0}  # every candidate charged exact's, inside the compute
+    # a fast network: exact or a per-step candidate is in the running, and every rank probes
+    fast = workers.run(f"{__name__}:_body_probes_skipped", network=FAST)
+    assert [r["probed"] for r in fast] == [1, 1] and fast[0]["skipped"] is None
+
+
 def _body_probe_steps(rank: int, world_size: int, warmup) -> list:
     from bunsan.algorithms import cost_model as cm
     from bunsan.bench.measure import measure_fixed_costs
