@@ -81,7 +81,7 @@ from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_fixed_costs, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
-__all__ = ["Auto", "candidates_for", "choose", "infer_compute", "probes_cannot_change"]
+__all__ = ["Auto", "candidates_for", "choose", "infer_compute", "probes_needed"]
 
 RISKS = ("low", "medium", "high")
 # an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else
@@ -176,35 +176,40 @@ def candidates_for(
     return found
 
 
-def probes_cannot_change(
+def probes_needed(
     candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float, batch: int
-) -> str | None:
-    """Why the fixed-cost probes cannot change a decision predicted without them, or ``None``.
+) -> tuple[str, str]:
+    """Which fixed-cost probes can change a decision predicted without them: ``("all" | "blocks" | "none", why)``.
 
     Without the probes every candidate is charged exact's fixed cost (it stays in the
     inferred compute). The probes take it out of the compute and charge each candidate its
-    own: a block algorithm's per step is below exact's, and exact's below fp16's and the
-    quantized widths' (medians of the probe at 2 and 4 workers, docs/plan.md), so they can
-    only lower a block algorithm's prediction against the others'; and they can only
-    shrink the 5% budget of the block-size rule (less compute) and grow a block's exposed
-    cost, so a block already at the 16-step cap stays there. The decision stands when it
-    is a block algorithm at the cap that beats every other candidate, exact included, by
-    ``min_gain``: the margin covers probes where fp16 measured a little under exact.
+    own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
+    below exact's, and exact's below fp16's and the quantized widths', so the probes can
+    only lower a block algorithm's prediction against the per-step candidates'. Where,
+    without them, a block algorithm beats every per-step candidate, exact included, by
+    ``min_gain`` (a margin for probes where fp16 measured a little under exact):
+
+    * ``"blocks"``: only exact's probe (to take its fixed cost out of the compute) and the
+      block probe run, for the block size: with both known the budget of the block-size
+      rule (5% of the compute) shrinks and a block's exposed cost grows, so the block can
+      only lengthen. The per-step candidates are charged exact's fixed cost, under theirs.
+    * ``"none"``: the block is already at the 16-step cap, where it stays: no probe at all.
+
+    Otherwise ``"all"``: every family's probe.
     """
     index, _ = choose(predictions, min_gain)
     chosen = candidates[index]
     if chosen.algorithm not in BLOCK_ALGORITHMS:
-        return None
-    if int(chosen.options["block_size"]) < BLOCK_STEPS[-1] * batch:
-        return None
+        return "all", "a per-step candidate is predicted fastest"
     best = predictions[index].step_s
     others = [p for c, p in zip(candidates, predictions) if c.algorithm not in BLOCK_ALGORITHMS]
-    if any(p.step_s < (1 + min_gain) * best for p in others):
-        return None
-    return (
-        f"{chosen.label} is at the {BLOCK_STEPS[-1]}-step cap and at least {100 * min_gain:.0f}% faster than "
-        "every per-step candidate without them; they could only widen that"
-    )
+    close = [p.label for p in others if p.step_s < (1 + min_gain) * best]
+    if close:
+        return "all", f"{', '.join(close)} within {100 * min_gain:.0f}% of {chosen.label}"
+    lead = f"{chosen.label} beats every per-step candidate by {100 * min_gain:.0f}% or more without them"
+    if int(chosen.options["block_size"]) >= BLOCK_STEPS[-1] * batch:
+        return "none", f"{lead}, at the {BLOCK_STEPS[-1]}-step cap"
+    return "blocks", f"{lead}; exact's and the block probe for its block size"
 
 
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
@@ -234,8 +239,8 @@ class Auto(Algorithm):
         network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
         fixed_costs: measure every candidate's fixed cost per step on a tiny model first
             (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: about 0.1 s at
-            2 workers and 0.5 s at 4 on 2 cores), unless a block algorithm at its cap wins by
-            ``min_gain`` without them (:func:`probes_cannot_change`); ``False`` counts exact's
+            2 workers and 0.5 s at 4 on 2 cores), only those that can change the decision
+            (:func:`probes_needed`); ``False`` counts exact's
             fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.
         group: process group; ``None`` means every rank of the job.
@@ -436,18 +441,21 @@ class Auto(Algorithm):
             codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
         fixed: dict[str, float] = {}
         plan: tuple[Any, ...] | None = None
-        skipped: str | None = None
+        probing: tuple[str, str] | None = None
         probe_started = time.perf_counter()
         if network is not None and self.fixed_costs:
-            # Rank 0 predicts without the probes first; where they cannot change the decision
-            # (probes_cannot_change) no rank runs them: they are most of Auto's measuring time.
+            # Rank 0 predicts without the probes first and tells every rank which probes can change
+            # the decision (probes_needed): they are most of Auto's measuring time.
             if deciding:
                 plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                skipped = probes_cannot_change(plan[2], plan[3], self.min_gain, plan[0].batch)
-            skipped = comm.broadcast_object(skipped, src=0, group=self.group)
-            if skipped is None:  # every rank: the probe is collective
-                plan = None
+                probing = probes_needed(plan[2], plan[3], self.min_gain, plan[0].batch)
+            probing = comm.broadcast_object(probing, src=0, group=self.group)
+            assert probing is not None
+            if probing[0] != "none":  # every rank: the probe is collective
                 probes, shared = self._probes()
+                if probing[0] == "blocks":
+                    probes = [p for p in probes if p.label in ("exact", "block_momentum")]
+                    shared = {"model_averaging": "block_momentum"}
                 fixed = dict(
                     measure_fixed_costs(
                         probes,
@@ -460,6 +468,9 @@ class Auto(Algorithm):
                     )
                 )
                 fixed.update({label: fixed[source] for label, source in shared.items()})
+                if probing[0] == "blocks" and plan is not None:  # rank 0: per-step candidates at exact's
+                    fixed.update({c.label: fixed["exact"] for c in plan[2] if c.algorithm not in BLOCK_ALGORITHMS})
+                plan = None  # predicted again below, with the fixed costs
         probe_s = time.perf_counter() - probe_started
         decision: dict[str, Any] | None = None
         if deciding and network is None:
@@ -508,8 +519,8 @@ class Auto(Algorithm):
             decision["measured"].update(
                 decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
             )
-            if skipped is not None:
-                decision["measured"]["probes_skipped"] = skipped
+            if probing is not None:
+                decision["measured"]["probes"] = list(probing)
             if self.verbose:
                 print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
@@ -575,6 +586,7 @@ def format_decision(decision: dict[str, Any]) -> str:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
     lines.append(f"[bunsan]   chosen: {decision['label']}: {decision['why']}")
-    if "probes_skipped" in m:
-        lines.append(f"[bunsan]   fixed-cost probes skipped: {m['probes_skipped']}")
+    if m.get("probes", ["all"])[0] != "all":
+        which = "none" if m["probes"][0] == "none" else "exact and block momentum only"
+        lines.append(f"[bunsan]   fixed-cost probes: {which}: {m['probes'][1]}")
     return "\n".join(lines)

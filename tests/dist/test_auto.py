@@ -153,44 +153,55 @@ def test_fixed_costs_are_measured_per_candidate_and_agree_on_every_rank(workers)
     assert all(-1e-3 < seconds < 1.0 for _, seconds in results[0])
 
 
-def _body_probes_skipped(rank: int, world_size: int, network: dict) -> dict:
+def _body_probes_needed(rank: int, world_size: int, network: dict, force: str | None = None) -> dict:
     from unittest import mock
 
     from bunsan.algorithms import auto as auto_module
 
-    calls = []
-    real = auto_module.measure_fixed_costs
+    probed: list[list[str]] = []
+    real_measure, real_needed = auto_module.measure_fixed_costs, auto_module.probes_needed
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def measuring(candidates, *args, **kwargs):
+        probed.append([c.label for c in candidates])
+        return real_measure(candidates, *args, **kwargs)
+
+    def needed(*args, **kwargs):  # rank 0 only: the others learn its answer
+        return (force, "forced by the test") if force else real_needed(*args, **kwargs)
 
     model = _model()
     auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**network), verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    with mock.patch.object(auto_module, "measure_fixed_costs", counting):
+    with (
+        mock.patch.object(auto_module, "measure_fixed_costs", measuring),
+        mock.patch.object(auto_module, "probes_needed", needed),
+    ):
         _train(model, optimizer, rank, 6)
+    measured = auto.decision["measured"]
     return {
         "label": auto.decision["label"],
-        "probed": len(calls),
-        "skipped": auto.decision["measured"].get("probes_skipped"),
-        "fixed": auto.decision["measured"]["fixed_s"],
+        "probed": probed,
+        "probes": measured.get("probes"),
+        "fixed": measured["fixed_s"],
     }
 
 
-def test_probes_are_skipped_on_every_rank_where_they_cannot_change_the_decision(workers):
-    # 50 ms latency per exchange: only blocks amortize it, and at the 16-step cap they win by far
-    slow = workers.run(f"{__name__}:_body_probes_skipped", network={"latency_s": 0.05, "bandwidth": 1e9})
-    assert slow[0]["label"] == slow[1]["label"] and slow[0]["label"].split(":")[0] in (
-        "block_momentum",
-        "model_averaging",
-    )
-    assert int(slow[0]["label"].split(":")[1]) == 16 * 8  # the cap: 16 steps of 8 samples
-    assert [r["probed"] for r in slow] == [0, 0] and "16-step cap" in slow[0]["skipped"]
+def test_only_the_probes_that_can_change_the_decision_run_on_every_rank(workers):
+    # 50 ms latency per exchange: only blocks amortize it, at the 16-step cap, and they win by far
+    slow = workers.run(f"{__name__}:_body_probes_needed", network={"latency_s": 0.05, "bandwidth": 1e9})
+    assert slow[0]["label"] == slow[1]["label"]
+    algorithm, size = slow[0]["label"].split(":")
+    assert algorithm in ("block_momentum", "model_averaging") and int(size) == 16 * 8  # 16 steps of 8
+    assert [r["probed"] for r in slow] == [[], []] and slow[0]["probes"][0] == "none"
     assert set(slow[0]["fixed"].values()) == {0.0}  # every candidate charged exact's, inside the compute
-    # a fast network: exact or a per-step candidate is in the running, and every rank probes
-    fast = workers.run(f"{__name__}:_body_probes_skipped", network=FAST)
-    assert [r["probed"] for r in fast] == [1, 1] and fast[0]["skipped"] is None
+    # "blocks": exact's and the block probe only; the per-step candidates charged exact's fixed cost
+    blocks = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="blocks")
+    assert [r["probed"] for r in blocks] == [[["exact", "block_momentum"]]] * 2
+    fixed = blocks[0]["fixed"]
+    assert fixed["fp16"] == fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] == fixed["exact"]
+    # a fast network: exact or a per-step candidate is in the running, and every rank runs every probe
+    fast = workers.run(f"{__name__}:_body_probes_needed", network=FAST)
+    assert [len(r["probed"]) for r in fast] == [1, 1] and len(fast[0]["probed"][0]) == 4
+    assert fast[0]["probes"][0] == "all"
 
 
 def _body_probe_steps(rank: int, world_size: int, warmup) -> list:

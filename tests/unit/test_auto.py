@@ -111,30 +111,31 @@ def _predicted(rows):
     return candidates, predictions
 
 
-def test_probes_are_skipped_only_for_a_block_algorithm_at_the_cap_that_wins_by_min_gain():
+def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     batch = 32  # the cap: 16 steps of 32 samples = 512
     per_step = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
-    # model averaging at 512: 0.0090 / 0.0060 = 1.5 >= 1.1, and exact 1.67x: skipped
+    # model averaging at the cap, 1.5x faster than fp16 and 1.67x than exact: no probe at all
     rows = [*per_step, ("model_averaging:512", "model_averaging", {"block_size": 512}, 0.0060)]
-    why = auto.probes_cannot_change(*_predicted(rows), 0.1, batch)
-    assert why is not None and "model_averaging:512" in why and "16-step cap" in why
-    # below the cap: the probes may pick a shorter block (lower fixed cost per block)
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "none" and "model_averaging:512" in why and "16-step cap" in why
+    # below the cap: exact's and the block probe, which may lengthen the block
     rows = [*per_step, ("model_averaging:256", "model_averaging", {"block_size": 256}, 0.0060)]
-    assert auto.probes_cannot_change(*_predicted(rows), 0.1, batch) is None
+    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "blocks"
     # fp16 within 10% of the block algorithm (0.0065 < 1.1 * 0.0060): a probe could swap them
     rows = [
         per_step[0],
         ("fp16", "data_parallel", {"compression": "fp16"}, 0.0065),
         ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
     ]
-    assert auto.probes_cannot_change(*_predicted(rows), 0.1, batch) is None
-    # a per-step candidate chosen (1 bit here): its fixed cost is above exact's, the probes decide
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "all" and why.startswith("fp16 within 10%")
+    # a per-step candidate chosen (1 bit here): its fixed cost is above exact's, every probe runs
     rows = [
         *per_step,
         ("1-bit", "data_parallel", {"bits": 1}, 0.0040),
         ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
     ]
-    assert auto.probes_cannot_change(*_predicted(rows), 0.1, batch) is None
-    # exact kept (the block algorithm only 5% faster): not skipped either
+    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "all"
+    # exact kept (the block algorithm only 5% faster): every probe too
     rows = [per_step[0], ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0095)]
-    assert auto.probes_cannot_change(*_predicted(rows), 0.1, batch) is None
+    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "all"
