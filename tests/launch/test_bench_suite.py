@@ -26,6 +26,25 @@ def _ours(namespaces):
     return {n for n in namespaces if n.startswith(f"{netns.PREFIX}-")}
 
 
+def _left_behind(before):
+    """bunsan namespaces that appeared since ``before`` and whose launcher is gone.
+
+    Another bunsan job running beside the suite (a benchmark campaign) may
+    create namespaces while a test runs, and a launcher's start removes those
+    that killed launchers left (``remove_stale``): neither is this test's
+    leftover. What this test leaves is a namespace that was not there before
+    and outlives the launcher that made it.
+    """
+    left = set()
+    for name in _ours(netns.list_namespaces()) - before:
+        pid = int(name.split("-")[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            left.add(name)
+    return left
+
+
 @pytest.mark.timeout(120)
 def test_throughput_at_one_and_two_workers(tmp_path, capsys):
     out = tmp_path / "throughput"
@@ -100,7 +119,7 @@ def test_a_shaped_link_is_slower_than_loopback_and_nothing_is_left(tmp_path, cap
     # 100 Mbit/s is 0.0125 GB/s; loopback moved about 1 GB/s here
     assert results["shaped"] < 1.1 * 100e6 / 8
     assert results["loopback"] > 5 * results["shaped"]
-    assert _ours(netns.list_namespaces()) == before
+    assert _left_behind(before) == set()
 
 
 @needs_root
@@ -110,4 +129,4 @@ def test_a_failing_worker_ends_the_shaped_job_with_its_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n")
     assert netns.main(["--network", "rate=1gbit", "-np", "2", "--", sys.executable, str(script)]) == 3
-    assert _ours(netns.list_namespaces()) == before
+    assert _left_behind(before) == set()
