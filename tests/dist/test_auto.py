@@ -286,3 +286,93 @@ def test_an_inconclusive_network_probe_is_retried_larger_before_keeping_exact(wo
     assert len(results[0]["sizes"]) == len(results[1]["sizes"]) == 2
     assert "inconclusive" not in results[0]["why"]  # the retry's fit decided
     assert results[0]["label"] == results[1]["label"]
+
+
+# -- the loops users write: the decision changes nothing but the algorithm ---------------------
+def _dropout_model() -> nn.Module:
+    torch.manual_seed(0)  # dropout draws from the global RNG: anything Auto drew from it would show
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
+
+
+def _user_loop(model, optimizer, rank, world_size, loop, steps, on_step=None):
+    """nanoGPT's accumulation (the first micro-batch under no_sync), AMP with GradScaler and
+    clipping as in the PyTorch AMP recipe, or AdamW with clipping, on this rank's half of a
+    global batch of 16."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if loop == "amp_clip" else None
+    for i in range(steps):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
+        x, y = x[rank::world_size], y[rank::world_size]
+        optimizer.zero_grad()
+        if loop == "accumulate":
+            with optimizer.no_sync():
+                (F.cross_entropy(model(x[:4]), y[:4]) / 2).backward()
+            (F.cross_entropy(model(x[4:]), y[4:]) / 2).backward()
+            optimizer.step()
+        elif loop == "amp_clip":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            F.cross_entropy(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+        if on_step is not None:
+            on_step(i + 1)
+
+
+def _body_decision_in_user_loops(rank: int, world_size: int, loop: str) -> dict:
+    def optimizer_for(model):
+        if loop == "clip_adamw":
+            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    # Auto measures 2 timed steps and decides after the 3rd, on a network too slow for exact
+    model = _dropout_model()
+    auto = bunsan.Auto(measure_steps=2, risk="high", network=Network(**SLOW), verbose=False)
+    model, optimizer = bunsan.distribute(model, optimizer_for(model), auto)
+    _user_loop(model, optimizer, rank, world_size, loop, 9)
+    assert auto.decision is not None and auto.decision["step"] == 3
+    optimizer.sync_replicas()
+    after = torch.rand(3).tolist()  # the global RNG, on from where training left it
+
+    # the same loop handed the same decision at the same step, without measuring or deciding
+    handed = _dropout_model()
+    manual = bunsan.Auto(measure_steps=100, verbose=False)
+    handed, handed_optimizer = bunsan.distribute(handed, optimizer_for(handed), manual)
+    _user_loop(
+        handed,
+        handed_optimizer,
+        rank,
+        world_size,
+        loop,
+        9,
+        on_step=lambda step: manual._apply(auto.decision) if step == 3 else None,
+    )
+    handed_optimizer.sync_replicas()
+    return {
+        "label": auto.decision["label"],
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "handed": torch.cat([p.detach().reshape(-1) for p in handed.parameters()]).tolist(),
+        "rng": after,
+        "handed_rng": torch.rand(3).tolist(),
+    }
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "amp_clip", "clip_adamw"])
+def test_deciding_inside_a_users_loop_changes_only_the_algorithm(workers, loop):
+    """Accumulation under no_sync, GradScaler with unscale_ and clipping, AdamW: Auto measures
+    and switches inside them (at an optimizer step) and trains exactly as a run handed its
+    decision: the measuring draws nothing from the global RNG and leaves no gradient or
+    optimizer state behind; the replicas agree after the block algorithm's round."""
+    results = workers.run(f"{__name__}:_body_decision_in_user_loops", loop=loop)
+    assert results[0]["label"] == results[1]["label"]
+    assert results[0]["label"].split(":")[0] in ("block_momentum", "model_averaging"), results[0]["label"]
+    for result in results:
+        assert result["params"] == result["handed"]
+        assert result["rng"] == result["handed_rng"]
+    assert results[0]["params"] == results[1]["params"]
