@@ -2,7 +2,7 @@
 
 ``bunsan.distribute(model, optimizer, "auto")`` (or ``bunsan.Auto(...)``) starts
 as exact :class:`~bunsan.algorithms.data_parallel.DataParallelSGD`. After
-``measure_steps`` steps it takes, collectively:
+``measure_steps`` steps, or sooner where steps are slow (below), it takes, collectively:
 
 * the step time of exact SGD on this job (median over the steps, slowest rank);
 * the network of the job's own process group: all-reduces and all-gathers of
@@ -43,6 +43,15 @@ block momentum is what the optimizer lacks: on the digits CNN at 4 workers (SGD,
 momentum) Auto's block momentum with blocks of 16 steps was at 0.8% test error after 10
 epochs and model averaging at 4.4% (exact SGD ends at 1.1% after 30; time-to-accuracy
 campaign, docs/plan.md), so below 0.5 it goes to block momentum.
+
+Measuring stops early once the slowest rank's timed steps add up to
+``measure_budget_s`` (0.1 s), after at least 3 of them: where a step takes tens of
+milliseconds or more, its time is far above the machine's timing noise and 3 steps pin
+it down, while 10 exact steps cost most where exact is slowest (58-88 ms each for the
+digits CNN at 100 Mbit/s in bunsan's time-to-accuracy campaign, 3.9 s each for the
+10.5M MLP at 100 Mbit/s and 2 workers). Where steps take milliseconds, all
+``measure_steps`` are taken. From the third timed step on, each measuring step
+all-reduces one number, so that every rank stops at the same step.
 
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
@@ -93,6 +102,7 @@ ENOUGH_S = 0.02
 # 4-byte all-reduce's median of 3 can exceed a 1 MiB one's (2 of 6 campaign runs on a loaded machine)
 RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
+MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
@@ -232,6 +242,8 @@ class Auto(Algorithm):
 
     Args:
         measure_steps: exact steps timed before deciding (the first is not timed).
+        measure_budget_s: decide sooner, once the slowest rank's timed steps add up to this
+            many seconds (after at least 3 timed steps); ``None`` always takes ``measure_steps``.
         risk: ``"low"``, ``"medium"`` or ``"high"``: which candidates are allowed (module docstring).
         min_gain: a candidate replaces exact SGD only when predicted at least this much faster.
         warm_start: samples (global) trained exactly before compression or blocks start, counted
@@ -252,6 +264,7 @@ class Auto(Algorithm):
         self,
         *,
         measure_steps: int = 10,
+        measure_budget_s: float | None = 0.1,
         risk: str = "medium",
         min_gain: float = 0.1,
         warm_start: int = 0,
@@ -265,6 +278,11 @@ class Auto(Algorithm):
         self.measure_steps: int = check_int(
             "measure_steps", measure_steps, minimum=2, hint="exact steps timed before deciding"
         )
+        if measure_budget_s is not None:
+            measure_budget_s = check_number(
+                "measure_budget_s", measure_budget_s, minimum=0.0, hint="seconds of timed steps, or None"
+            )
+        self.measure_budget_s: float | None = measure_budget_s
         self.risk: str = check_choice("risk", risk, RISKS)
         self.min_gain: float = check_number("min_gain", min_gain, minimum=0.0, hint="0.1 asks for 10% faster")
         self.warm_start: int = check_int("warm_start", warm_start, minimum=0, hint="global samples")
@@ -329,9 +347,21 @@ class Auto(Algorithm):
             self._last_end = now
             self._measured += 1
             # Decide after measure_steps + 1 steps, counted from the start of training (a resumed run
-            # decides at the same step as an uninterrupted one); the same count on every rank.
-            if self._measured > self.measure_steps and self._durations:
+            # decides at the same step as an uninterrupted one); the same count on every rank. Or
+            # sooner, when the timed steps are slow enough (_budget_spent, collective).
+            if (self._measured > self.measure_steps and self._durations) or self._budget_spent():
                 self._decide()
+            else:
+                self._last_end = time.perf_counter()  # the check's all-reduce not counted in the next step
+
+    def _budget_spent(self) -> bool:
+        """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
+        ``MIN_TIMED``-th timed step on: every rank has timed as many steps, and all stop together)."""
+        if self.measure_budget_s is None or len(self._durations) < MIN_TIMED:
+            return False
+        spent = torch.tensor([sum(self._durations)], dtype=torch.float64)
+        comm.all_reduce(spent, op="max", group=self.group)
+        return float(spent[0]) >= self.measure_budget_s
 
     def join(self) -> None:
         self.inner.join()

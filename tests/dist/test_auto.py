@@ -106,6 +106,37 @@ def test_a_resume_before_the_decision_decides_at_the_same_step(workers):
     assert results[0] == results[1]
 
 
+def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
+    import time
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**SLOW), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    decided_at = None
+    for i in range(12):
+        _train(model, optimizer, rank, 1, start=i)
+        if rank == 1:
+            time.sleep(sleep_s)  # only rank 1 is slow: the slowest rank's time decides for all
+        if auto.decision is not None and decided_at is None:
+            decided_at = i + 1
+    return {"decided_at": decided_at, "step": auto.decision["step"], "label": auto.decision["label"]}
+
+
+@pytest.mark.parametrize(
+    ("budget", "sleep_s", "step"),
+    [(0.1, 0.05, 4), (1.0, 0.0, 11), (None, 0.05, 11)],
+    ids=["slow-steps-stop-early", "fast-steps-take-all", "no-budget"],
+)
+def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep_s, step):
+    # 1 untimed step, then 3 timed ones of 50 ms on rank 1 (0.15 s >= 0.1): the decision after step 4
+    # on both ranks, though rank 0's own steps take about a millisecond; fast steps (9 timed of about
+    # a millisecond, far under 1 s even on a loaded machine) and no budget take all 10
+    results = workers.run(f"{__name__}:_body_budget", budget=budget, sleep_s=sleep_s)
+    assert [r["decided_at"] for r in results] == [step, step]
+    assert [r["step"] for r in results] == [step, step]
+    assert results[0]["label"] == results[1]["label"]
+
+
 def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> list:
     model = _model()
     auto = bunsan.Auto(measure_steps=100, verbose=False)

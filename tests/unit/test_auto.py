@@ -54,6 +54,11 @@ def test_bad_arguments():
         auto.Auto(risk="none")
     with pytest.raises(TypeError, match="network"):
         auto.Auto(network="1gbit")
+    with pytest.raises(ValueError, match="measure_budget_s"):
+        auto.Auto(measure_budget_s=-0.1)
+    with pytest.raises(TypeError, match="measure_budget_s"):
+        auto.Auto(measure_budget_s="0.1")
+    assert auto.Auto(measure_budget_s=None).measure_budget_s is None  # always measure_steps
     # One rule (bunsan._validate): a wrong type is a TypeError, a bad value of the right type a ValueError.
     with pytest.raises(TypeError, match="measure_steps must be an int >= 2"):
         auto.Auto(measure_steps=2.5)
