@@ -33,7 +33,10 @@ steps even where the exchange then costs more: local SGD matches minibatch SGD's
 accuracy up to about 16 local steps (Lin et al. 2020, "Don't Use Large Mini-Batches,
 Use Local SGD", ICLR), and in bunsan's time-to-accuracy campaign (docs/plan.md)
 Auto's blocks of 32 and 64 steps never came within a point of exact SGD's final error
-in 8 of 11 runs. The two block algorithms exchange the same bytes once per block and are
+in 8 of 11 runs of the first campaign (whose curves read rank 0's replica mid-block,
+which counted long blocks late; with the synchronized model, runs 6-7, the digits CNN's
+32-64-step blocks reach the target 6-9 epochs after Auto's 16-step ones, and MNIST-1D's
+32-step blocks in the same epoch as 16-step ones). The two block algorithms exchange the same bytes once per block and are
 predicted alike; a tie goes by the optimizer's own momentum. Block momentum (BMUF, Chen and
 Huo 2016) filters the block updates with a momentum of ``1 - 1/N``, which stacks on the
 optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended 1.9-4.7 points behind
