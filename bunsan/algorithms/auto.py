@@ -619,7 +619,7 @@ def format_decision(decision: dict[str, Any]) -> str:
         mark = "  <- chosen" if p["label"] == decision["label"] else ""
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
     lines.append(f"[bunsan]   chosen: {decision['label']}: {decision['why']}")
-    if m.get("probes", ["all"])[0] != "all":
-        which = "none" if m["probes"][0] == "none" else "exact and block momentum only"
+    if "probes" in m:  # which probes ran and why (probes_needed): the record then says what Auto's time went on
+        which = {"all": "every family", "blocks": "exact and block momentum only", "none": "none"}[m["probes"][0]]
         lines.append(f"[bunsan]   fixed-cost probes: {which}: {m['probes'][1]}")
     return "\n".join(lines)

@@ -144,3 +144,37 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     # exact kept (the block algorithm only 5% faster): every probe too
     rows = [per_step[0], ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0095)]
     assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "all"
+
+
+def test_the_printed_table_says_which_probes_ran_and_why():
+    decision = {
+        "label": "block_momentum:512",
+        "step": 4,
+        "workers": 2,
+        "why": "predicted 470.0% faster than exact (>= min_gain 10%)",
+        "measured": {
+            "exact_step_s": 0.0599,
+            "compute_s": 0.0072,
+            "bandwidth": 0.094e9 / 8,
+            "latency_s": 138e-6,
+            "decide_s": 0.48,
+            "network_s": 0.25,
+            "fixed_probe_s": 0.19,
+        },
+        "predictions": [
+            {"label": "exact", "step_s": 0.0599},
+            {"label": "block_momentum:512", "step_s": 0.0105},
+        ],
+    }
+    table = auto.format_decision(decision)
+    assert "fixed-cost probes" not in table.splitlines()[-1]  # not measured (e.g. a given network): no line
+    chosen = [line for line in table.splitlines() if line.endswith("<- chosen")]
+    assert len(chosen) == 1 and chosen[0].split()[1:3] == ["block_momentum:512", "10.50"]
+    assert "measured and decided in 0.48 s (network 0.25 s, fixed-cost probes 0.19 s)" in table
+    for mode, said in (
+        ("all", "every family"),
+        ("blocks", "exact and block momentum only"),
+        ("none", "none"),
+    ):
+        decision["measured"]["probes"] = [mode, "the reason"]
+        assert auto.format_decision(decision).splitlines()[-1] == f"[bunsan]   fixed-cost probes: {said}: the reason"
