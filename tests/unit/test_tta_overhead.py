@@ -1,0 +1,48 @@
+"""docs/experiments/tta_overhead.py: the figures docs/plan.md quotes for run 8, on a hand-made record."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "tta_overhead.py"
+
+
+def _config(label, curve, ends, run_dir):
+    return {
+        "label": label,
+        "workers": 2,
+        "status": "ok",
+        "test_error": curve[-1],
+        "test_error_curve": curve,
+        "epoch_end_s": ends,
+        "dir": str(run_dir),
+    }
+
+
+def test_ratio_first_epoch_excess_and_ratio_without_it(tmp_path):
+    record = tmp_path / "digits_cnn-loopback"
+    auto_dir = record / "np2-auto_risk_high"
+    auto_dir.mkdir(parents=True)
+    (auto_dir / "stdout.txt").write_text("[bunsan] Auto at step 4, 2 workers: ...; measured and decided in 0.30 s\n")
+    configs = [
+        # exact ends at 5%: the target is 6%
+        _config("data_parallel", [0.20, 0.10, 0.05], [1.0, 2.0, 3.0], record / "np2-data_parallel"),
+        # the best fixed setting: 6% in epoch 2, at 1.0 s
+        _config("model_averaging:block_size=1024", [0.20, 0.06, 0.05], [0.5, 1.0, 1.5], record / "np2-ma"),
+        # auto: first epoch 0.4 s longer; the target in epoch 2, at 1.5 s
+        _config("auto:risk=high", [0.30, 0.06, 0.05], [0.9, 1.5, 2.1], auto_dir),
+    ]
+    (record / "compare.json").write_text(json.dumps({"arguments": {"model": "digits_cnn"}, "configs": configs}))
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    row = next(line for line in out.splitlines() if line.startswith("digits_cnn-loopback"))
+    # auto 1.50 s, best 1.00 s, ratio 1.50, decided in 0.30 s, excess 0.9 - 0.5 = 0.40 s, (1.5 - 0.4) / 1.0
+    assert row.split()[1:] == ["2", "1.50", "1.00", "1.50", "0.30", "0.40", "1.10"]
+    median = next(line for line in out.splitlines() if line.startswith("digits_cnn ") and "loopback" in line)
+    assert median.split() == ["digits_cnn", "loopback", "2", "1", "1.50", "0.40", "1.10"]
