@@ -8,7 +8,14 @@ setting's (the exact measuring steps, the network and codec measurements and the
 probes all fall in it), and the ratio with that excess taken out of auto's time. Then the
 median of each over the seeds, per model, network and worker count.
 
+``--against LABEL`` compares auto with that setting instead of the best, and says whether
+their test-error curves are the same (e.g. the fixed setting Auto chose, with a warm start
+of the samples Auto trained exactly while measuring: a switch that changed nothing else
+gives the same curve).
+
   python docs/experiments/tta_overhead.py 'runs/tta10/*/compare.json'
+  python docs/experiments/tta_overhead.py 'runs/twin-s*/compare.json' \
+      --against model_averaging:block_size=1024,warm_start=1408
 """
 
 from __future__ import annotations
@@ -39,11 +46,13 @@ def main() -> None:
     parser.add_argument("records", nargs="+", help="compare.json files or glob patterns")
     parser.add_argument("--reference", default="data_parallel")
     parser.add_argument("--points", type=float, default=1.0)
+    parser.add_argument("--against", help="the setting to compare auto with (default: the best fixed one)")
     args = parser.parse_args()
     paths = sorted({p for pattern in args.records for p in glob.glob(pattern)})
     if not paths:
         parser.error("no record matches")
-    header = f"{'record':30s} {'np':>2s} {'auto (s)':>8s} {'best (s)':>8s} {'ratio':>5s} {'decide (s)':>10s} {'1st-epoch excess (s)':>20s} {'ratio without it':>16s}"
+    print(f"auto against: {args.against or 'the best fixed setting of the same record'}")
+    header = f"{'record':30s} {'np':>2s} {'auto (s)':>8s} {'best (s)':>8s} {'ratio':>5s} {'decide (s)':>10s} {'1st-epoch excess (s)':>20s} {'ratio without it':>16s} {'epochs':>7s} {'same curve':>10s}"
     print(header)
     print("-" * len(header))
     groups: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {}
@@ -55,11 +64,14 @@ def main() -> None:
             here = [r for r in rows if r["workers"] == workers]
             auto = next((r for r in here if r["label"].startswith("auto")), None)
             fixed = [r for r in here if not r["label"].startswith("auto") and r["tta_s"] is not None]
+            if args.against:
+                fixed = [r for r in fixed if r["label"] == args.against]
             if auto is None or auto["tta_s"] is None or not fixed:
                 continue
             best = min(fixed, key=lambda r: r["tta_s"])
             configs = {c["label"]: c for c in document["configs"] if c["workers"] == workers}
             auto_config, best_config = configs[auto["label"]], configs[best["label"]]
+            same = auto_config["test_error_curve"] == best_config["test_error_curve"]
             excess = auto_config["epoch_end_s"][0] - best_config["epoch_end_s"][0]
             run_dir = Path(auto_config.get("dir", ""))
             if not run_dir.is_dir():
@@ -68,7 +80,8 @@ def main() -> None:
             ratio, without = auto["tta_s"] / best["tta_s"], (auto["tta_s"] - excess) / best["tta_s"]
             print(
                 f"{Path(path).parent.name:30s} {workers:2d} {auto['tta_s']:8.2f} {best['tta_s']:8.2f} {ratio:5.2f} "
-                f"{'-' if decide is None else f'{decide:.2f}':>10s} {excess:20.2f} {without:16.2f}"
+                f"{'-' if decide is None else f'{decide:.2f}':>10s} {excess:20.2f} {without:16.2f} "
+                f"{str(auto['epoch']) + '/' + str(best['epoch']):>7s} {'yes' if same else 'no':>10s}"
             )
             key = (arguments.get("model", "?"), arguments.get("network") or "loopback", workers)
             groups.setdefault(key, []).append((ratio, excess, without))
