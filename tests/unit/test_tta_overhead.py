@@ -8,6 +8,11 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "tta_overhead.py"
 
 
+def _run(tmp_path, *options):
+    command = [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json"), *options]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
+
+
 def _config(label, curve, ends, run_dir):
     return {
         "label": label,
@@ -34,25 +39,13 @@ def test_ratio_first_epoch_excess_and_ratio_without_it(tmp_path):
         _config("auto:risk=high", [0.30, 0.06, 0.05], [0.9, 1.5, 2.1], auto_dir),
     ]
     (record / "compare.json").write_text(json.dumps({"arguments": {"model": "digits_cnn"}, "configs": configs}))
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    out = _run(tmp_path)
     row = next(line for line in out.splitlines() if line.startswith("digits_cnn-loopback"))
     # auto 1.50 s, best 1.00 s, ratio 1.50, decided in 0.30 s, excess 0.9 - 0.5 = 0.40 s, (1.5 - 0.4) / 1.0
     assert row.split()[1:] == ["2", "1.50", "1.00", "1.50", "0.30", "0.40", "1.10", "2/2", "no"]
     median = next(line for line in out.splitlines() if line.startswith("digits_cnn ") and "loopback" in line)
     assert median.split() == ["digits_cnn", "loopback", "2", "1", "1.50", "0.40", "1.10"]
     # against exact instead: the target in its epoch 3, at 3.0 s; excess 0.9 - 1.0; (1.5 + 0.1) / 3.0
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json"), "--against", "data_parallel"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    out = _run(tmp_path, "--against", "data_parallel")
     row = next(line for line in out.splitlines() if line.startswith("digits_cnn-loopback"))
     assert row.split()[1:] == ["2", "1.50", "3.00", "0.50", "0.30", "-0.10", "0.53", "2/3", "no"]
