@@ -59,7 +59,12 @@ def main() -> None:
     for path in paths:
         document = json.loads(Path(path).read_text())
         arguments = document.get("arguments", {})
-        rows = tta_rows(document["configs"], args.reference, args.points)
+        try:
+            rows = tta_rows(document["configs"], args.reference, args.points)
+        except ValueError as error:
+            parser.error(f"{path}: {error}")
+        if args.against and all(c["label"] != args.against for c in document["configs"]):
+            parser.error(f"{path} has no setting {args.against!r}")
         for workers in sorted({r["workers"] for r in rows}):
             here = [r for r in rows if r["workers"] == workers]
             auto = next((r for r in here if r["label"].startswith("auto")), None)

@@ -37,6 +37,8 @@ def test_ratio_first_epoch_excess_and_ratio_without_it(tmp_path):
         _config("model_averaging:block_size=1024", [0.20, 0.06, 0.05], [0.5, 1.0, 1.5], record / "np2-ma"),
         # auto: first epoch 0.4 s longer; the target in epoch 2, at 1.5 s
         _config("auto:risk=high", [0.30, 0.06, 0.05], [0.9, 1.5, 2.1], auto_dir),
+        # auto's twin: the same curve, each epoch 0.2 s sooner
+        _config("model_averaging:warm_start=1", [0.30, 0.06, 0.05], [0.7, 1.3, 1.9], record / "np2-twin"),
     ]
     (record / "compare.json").write_text(json.dumps({"arguments": {"model": "digits_cnn"}, "configs": configs}))
     out = _run(tmp_path)
@@ -49,3 +51,15 @@ def test_ratio_first_epoch_excess_and_ratio_without_it(tmp_path):
     out = _run(tmp_path, "--against", "data_parallel")
     row = next(line for line in out.splitlines() if line.startswith("digits_cnn-loopback"))
     assert row.split()[1:] == ["2", "1.50", "3.00", "0.50", "0.30", "-0.10", "0.53", "2/3", "no"]
+    # against the twin: the same curve; 1.5 / 1.3, excess 0.2, (1.5 - 0.2) / 1.3
+    row = next(
+        line for line in _run(tmp_path, "--against", "model_averaging:warm_start=1").splitlines() if "loopback" in line
+    )
+    assert row.split()[1:] == ["2", "1.50", "1.30", "1.15", "0.30", "0.20", "1.00", "2/2", "yes"]
+    # a setting the record does not have: one sentence, not an empty table
+    failed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(record / "compare.json"), "--against", "exact"],
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 2 and "has no setting 'exact'" in failed.stderr
