@@ -7,7 +7,8 @@ as exact :class:`~bunsan.algorithms.data_parallel.DataParallelSGD`. After
 * the step time of exact SGD on this job (median over the steps, slowest rank);
 * the network of the job's own process group: all-reduces and all-gathers of
   several sizes fitted to alpha and beta (:func:`bunsan.algorithms.measure.measure_network`);
-* the codec's speed (:func:`bunsan.algorithms.measure.measure_codec`).
+* the codec's speed, timed on every rank at once as the exchange encodes
+  (:func:`bunsan.algorithms.measure.measure_codec`, ``collective=True``).
 
 Rank 0 feeds them to :mod:`bunsan.algorithms.cost_model`: the compute per step is
 what remains of the measured exact step once the exposed exchange predicted for
@@ -467,11 +468,12 @@ class Auto(Algorithm):
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         codec: dict[str, float] = {}
         codecs: tuple[tuple[int, float, float, float], ...] = ()
-        if deciding and network is not None:
+        if network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
-            codec = measure_codec(numel, repeats=2)
+            codec = measure_codec(numel, repeats=2, collective=True, group=self.group)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
-            codecs = measure_codecs(numel, (2, 8), repeats=2) if self.risk != "low" else ()
+            if self.risk != "low":
+                codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group)
         fixed: dict[str, float] = {}
         plan: tuple[Any, ...] | None = None
         probing: tuple[str, str] | None = None

@@ -19,6 +19,7 @@ from bunsan import comm
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
 __all__ = [
+    "CODEC_FIELDS",
     "PROBE_SIZES",
     "can_overlap",
     "measure_codec",
@@ -54,11 +55,32 @@ def median_time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, float]:
+CODEC_FIELDS = ("encode_s_per_element", "decode_s_per_element", "codec_call_s", "cast_s_per_element")
+
+
+def measure_codec(
+    numel: int, bits: int = 1, *, repeats: int = 3, collective: bool = False, group: Any = None
+) -> dict[str, float]:
     """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
     fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
-    back (``cast_s_per_element``)."""
+    back (``cast_s_per_element``).
+
+    ``collective``: every rank of ``group`` calls this at the same step and times the codec at
+    the same moment (a barrier before each timing), and every rank returns the slowest rank's
+    figures. A synchronous exchange encodes on every worker at once, so where workers share
+    cores (4 on 2 in bunsan's benchmarks) each encoder runs at about half the speed it has
+    alone. Timed by each rank on its own, the 8-bit codec of the 10.5M-parameter MLP at 4
+    workers came out at 64 ms a step in one ``bunsan bench predict`` run and 132 ms in
+    another the same day (whether the ranks happened to time it together), and its 8- and
+    1-bit steps were predicted up to 30% short (docs/plan.md); timed together, the codec
+    runs as the job's exchange meets it. On separate cores or devices the two agree.
+    """
     from bunsan.compression import Quantizer
+
+    def timed(fn: Any, count: int) -> float:
+        if collective:
+            comm.barrier(group)
+        return median_time(fn, count)
 
     numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
     quantizer = Quantizer(bits)
@@ -67,13 +89,13 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
     payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8)
     out = torch.empty(numel)
     quantizer.encode_with_feedback(x, residual, out=payload)  # warm up
-    encode = median_time(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
-    decode = median_time(lambda: quantizer.decode(payload, numel, out=out), repeats)
+    encode = timed(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
+    decode = timed(lambda: quantizer.decode(payload, numel, out=out), repeats)
     # the fixed cost of one call: encode + decode of one small chunk, halved
     small = x[: quantizer.chunk_size]
     small_payload = payload[: quantizer.payload_bytes(small.numel())]
     call = (
-        median_time(
+        timed(
             lambda: (
                 quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
                 quantizer.decode(small_payload, small.numel(), out=out[: small.numel()]),
@@ -83,13 +105,18 @@ def measure_codec(numel: int, bits: int = 1, *, repeats: int = 3) -> dict[str, f
         / 2
     )
     half = torch.empty(numel, dtype=torch.float16)
-    cast = median_time(lambda: (half.copy_(x), out.copy_(half)), repeats)
-    return {
+    cast = timed(lambda: (half.copy_(x), out.copy_(half)), repeats)
+    found = {
         "encode_s_per_element": max(0.0, encode - call) / numel,
         "decode_s_per_element": max(0.0, decode - call) / numel,
         "codec_call_s": call,
         "cast_s_per_element": cast / numel,
     }
+    if collective:  # every rank the slowest rank's figures
+        slowest = torch.tensor([found[k] for k in CODEC_FIELDS], dtype=torch.float64)
+        comm.all_reduce(slowest, op="max", group=group)
+        found = dict(zip(CODEC_FIELDS, slowest.tolist()))
+    return found
 
 
 def measure_network(
@@ -140,11 +167,14 @@ def measure_network(
     return network
 
 
-def measure_codecs(numel: int, bits: Sequence[int], *, repeats: int = 3) -> tuple[tuple[int, float, float, float], ...]:
-    """:func:`measure_codec` at each width of ``bits``, as :attr:`bunsan.algorithms.cost_model.Profile.codecs`."""
+def measure_codecs(
+    numel: int, bits: Sequence[int], *, repeats: int = 3, collective: bool = False, group: Any = None
+) -> tuple[tuple[int, float, float, float], ...]:
+    """:func:`measure_codec` at each width of ``bits``, as :attr:`bunsan.algorithms.cost_model.Profile.codecs`
+    (``collective``: as there, every rank at once, the slowest rank's figures)."""
     found = []
     for b in sorted(set(bits)):
-        codec = measure_codec(numel, b, repeats=repeats)
+        codec = measure_codec(numel, b, repeats=repeats, collective=collective, group=group)
         found.append((b, codec["encode_s_per_element"], codec["decode_s_per_element"], codec["codec_call_s"]))
     return tuple(found)
 

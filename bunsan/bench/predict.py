@@ -181,8 +181,9 @@ def _worker(spec: dict[str, Any]) -> int:
         x = torch.randn(spec["batch"], *shape, generator=g)
         y = torch.randint(0, 10, (spec["batch"],), generator=g)
         measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
-        codec: dict[str, Any] = measure_codec(measured["params"])
-        codecs = measure_codecs(measured["params"], bits)
+        # every rank at once, as the job's exchange encodes (measure_codec)
+        codec: dict[str, Any] = measure_codec(measured["params"], collective=True)
+        codecs = measure_codecs(measured["params"], bits, collective=True)
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
         trainers: list[tuple[Any, Any, Any, dict[str, Any], list[float]]] = []
