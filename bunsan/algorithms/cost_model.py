@@ -56,6 +56,8 @@ from bunsan.algorithms.network_model import (
 
 __all__ = [
     "ALGORITHMS",
+    "ASYNC_OWN_PASSES",
+    "ASYNC_REMOTE_PASSES",
     "Candidate",
     "Network",
     "Prediction",
@@ -84,6 +86,13 @@ __all__ = [
 ALGORITHMS = ("data_parallel", "block_momentum", "model_averaging", "async")
 FIRST_BUCKET_BYTES = 2**20  # DataParallelSGD's small first bucket
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
+# Passes over the parameters in memory per push and pull of async SGD (bunsan.algorithms.async_sgd),
+# counted in its code. Rank 0's worker, in-process: pack the parameters into the message, subtract
+# the base (the update), the server adds it to its model, copies the model into the reply, the
+# worker unpacks the reply into its parameters and copies it into its base: 6. A remote worker
+# packs, subtracts, unpacks and copies the base (its push and pull are on the wire): 4.
+ASYNC_OWN_PASSES = 6
+ASYNC_REMOTE_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,9 @@ class Profile:
             traffic; 0 where not measured).
         update_s_per_element: time per element of a block update (model averaging,
             block momentum) beyond the all-reduce.
+        copy_s_per_element: one pass over the parameters in memory (a float32 copy), per
+            element: async SGD's in-process exchange is made of such passes
+            (:data:`ASYNC_OWN_PASSES`, :data:`ASYNC_REMOTE_PASSES`; 0 where not measured).
         straggler_s: how much longer the slowest of the workers takes, on average, than
             their mean compute in a step (:func:`compute_with_stragglers`); a
             synchronous step waits for the slowest worker (Dean et al. 2012; Chen et al.
@@ -136,6 +148,7 @@ class Profile:
     decode_s_per_element: float = 0.0
     update_s_per_element: float = 0.0
     cast_s_per_element: float = 0.0
+    copy_s_per_element: float = 0.0
     straggler_s: float = 0.0
     tensors: int = 1
     codec_call_s: float = 0.0
@@ -155,6 +168,7 @@ class Profile:
             "codec_call_s",
             "straggler_s",
             "cast_s_per_element",
+            "copy_s_per_element",
         ):
             check_seconds(name, getattr(self, name), zero=True)
         for bits, *costs in self.codecs:
@@ -322,11 +336,18 @@ def block_steps(block_size: int, batch: int) -> int:
 
 
 def async_step(
-    compute_s: float, model_bytes: float, workers: int, network: Network, sync_steps: int, apply_s: float = 0.0
+    compute_s: float,
+    model_bytes: float,
+    workers: int,
+    network: Network,
+    sync_steps: int,
+    apply_s: float = 0.0,
+    local_s: float = 0.0,
 ) -> tuple[float, float]:
     """``(step seconds, exposed seconds)`` of a remote worker of the rank-0 parameter server.
 
-    A worker pays its own push and pull (``2 (alpha + M / beta)``) every
+    A worker pays its own push and pull (``2 (alpha + M / beta)``) and its in-memory
+    work around them (``local_s``) every
     ``sync_steps`` steps; rank 0's link, full duplex, receives ``N - 1`` pushes and
     sends ``N - 1`` models per sync round, and rank 0 applies ``N - 1`` updates, so
     a round cannot be shorter than ``(N - 1) (alpha + M / beta + apply)``.
@@ -336,7 +357,7 @@ def async_step(
     if workers <= 1:
         return compute_s, 0.0
     round_trip = 2 * (network.latency_s + model_bytes / network.bandwidth) + apply_s
-    own = compute_s + round_trip / sync_steps
+    own = compute_s + (round_trip + local_s) / sync_steps
     server = (workers - 1) * (network.latency_s + model_bytes / network.bandwidth + apply_s) / sync_steps
     step = max(own, server)
     return step, step - compute_s
@@ -440,8 +461,9 @@ def predict(
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
     nbytes = profile.params * 4
     apply_s = profile.update_s_per_element * profile.params
-    remote, _ = async_step(compute, nbytes, n, network, k, apply_s)
-    own = compute  # rank 0's worker reaches the server in-process
+    pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
+    remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
+    own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
     if not overlap and n > 1:  # ... but the server's transfers run on its core
         own += (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k
     step = n / (1 / own + (n - 1) / remote) + (profile.fixed(candidate.label) if n > 1 else 0.0)

@@ -55,7 +55,13 @@ def median_time(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-CODEC_FIELDS = ("encode_s_per_element", "decode_s_per_element", "codec_call_s", "cast_s_per_element")
+CODEC_FIELDS = (
+    "encode_s_per_element",
+    "decode_s_per_element",
+    "codec_call_s",
+    "cast_s_per_element",
+    "copy_s_per_element",
+)
 
 
 def measure_codec(
@@ -63,7 +69,8 @@ def measure_codec(
 ) -> dict[str, float]:
     """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
     fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
-    back (``cast_s_per_element``).
+    back (``cast_s_per_element``), and of one float32 copy (``copy_s_per_element``: a pass over the
+    parameters in memory, as async SGD's in-process exchange makes).
 
     ``collective``: every rank of ``group`` calls this at the same step and times the codec at
     the same moment (a barrier before each timing), and every rank returns the slowest rank's
@@ -106,11 +113,13 @@ def measure_codec(
     )
     half = torch.empty(numel, dtype=torch.float16)
     cast = timed(lambda: (half.copy_(x), out.copy_(half)), repeats)
+    copy = timed(lambda: out.copy_(x), repeats)
     found = {
         "encode_s_per_element": max(0.0, encode - call) / numel,
         "decode_s_per_element": max(0.0, decode - call) / numel,
         "codec_call_s": call,
         "cast_s_per_element": cast / numel,
+        "copy_s_per_element": copy / numel,
     }
     if collective:  # every rank the slowest rank's figures
         slowest = torch.tensor([found[k] for k in CODEC_FIELDS], dtype=torch.float64)

@@ -394,6 +394,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                     "decode_s_per_element",
                     "codec_call_s",
                     "cast_s_per_element",
+                    "copy_s_per_element",
                     "tensors",
                     "chunks",
                     "codecs",

@@ -114,6 +114,20 @@ def test_async_bottleneck_is_rank_zero():
     assert p.step_s == pytest.approx(11 / 35) and p.bytes_per_step == 4e6
 
 
+def test_async_in_process_passes_over_the_model():
+    net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
+    # one pass over 1e6 parameters: 1 ms; rank 0's worker makes 6 per push and pull, a remote 4
+    profile = Profile(compute_s=0.1, params=1_000_000, copy_s_per_element=1e-9)
+    assert (cm.ASYNC_OWN_PASSES, cm.ASYNC_REMOTE_PASSES) == (6, 4)
+    assert cm.async_step(0.1, 4e6, 2, net, 1, local_s=4e-3)[0] == pytest.approx(0.184)
+    p = cm.predict(profile, net, Candidate("async"), 2)  # rank 0 at 0.106 s, the remote at 0.184 s
+    assert p.step_s == pytest.approx(2 / (1 / 0.106 + 1 / 0.184))
+    # a push every 4 steps (sync_period 128 at batch 32): the passes are amortized like the round trip
+    every4 = cm.predict(profile, net, Candidate("async", {"sync_period": 128}), 2)
+    assert every4.step_s == pytest.approx(2 / (1 / 0.1015 + 1 / 0.121))
+    assert cm.predict(profile, net, Candidate("async"), 1).step_s == pytest.approx(0.1)  # alone: no passes
+
+
 def test_global_batch_divides_the_compute():
     profile = Profile(compute_s=0.4, params=10, batch=128)
     assert profile.at_workers(4, global_batch=True).compute_s == pytest.approx(0.1)
