@@ -56,6 +56,7 @@ __all__ = [
     "run_recorded_job",
     "say_jobs",
     "slug",
+    "stop_with_parent",
     "tail",
     "usable_cores",
     "write_record",
@@ -141,18 +142,38 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
+def stop_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for a job a benchmark starts: SIGTERM reaches it when the benchmark dies.
+
+    A benchmark's job is a launcher (``bunsan run``, the shaped-network launcher)
+    that stops its workers, and removes its namespaces, on SIGTERM. Ctrl-C and a
+    timeout stop it through :func:`run_job`; without this a benchmark ended by
+    ``kill``, a scheduler's SIGTERM or SIGKILL left its running job behind, workers
+    and all (seen: a ``bunsan bench predict`` killed at 100 Mbit/s left its job
+    training on). ``PR_SET_PDEATHSIG`` fires when the starting thread ends, so
+    start jobs from the main thread (as every benchmark here does).
+    """
+    from bunsan.launch.proctree import die_with_launcher_hook
+
+    return die_with_launcher_hook(signal.SIGTERM)
+
+
 def run_job(
     command: Sequence[str], directory: Path, timeout_s: float, env: dict[str, str]
 ) -> tuple[str, int | None, float]:
     """Run one job, output to ``directory``; return ``(status, exit code, seconds)``.
 
-    ``status`` is ``"ok"``, ``"failed"`` or ``"timeout"``.
+    ``status`` is ``"ok"``, ``"failed"`` or ``"timeout"``. The job is stopped (SIGTERM,
+    then SIGKILL) on a timeout and on Ctrl-C, and gets SIGTERM however this process
+    ends (:func:`stop_with_parent`).
     """
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "command.txt").write_text(shlex.join(command) + "\n")
     start = time.perf_counter()
     with open(directory / "stdout.txt", "wb") as out, open(directory / "stderr.txt", "wb") as err:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, preexec_fn=stop_with_parent()
+        )
         try:
             code: int | None = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

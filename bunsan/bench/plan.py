@@ -24,7 +24,7 @@ from typing import Any
 
 from bunsan._table import format_table
 from bunsan._validate import check_number
-from bunsan.bench._common import check_at_least, check_positive, command_main, refuse
+from bunsan.bench._common import check_at_least, check_positive, command_main, refuse, stop_with_parent
 from bunsan.bench.specs import parse_workers
 
 __all__ = [
@@ -309,7 +309,7 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
     else:
         command += ["-np", "2"]
     command += ["--", sys.executable, "-m", "bunsan.bench.measure"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, preexec_fn=stop_with_parent())
     if done.returncode != 0:
         raise RuntimeError(f"the probe job failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
     for line in reversed(done.stdout.splitlines()):

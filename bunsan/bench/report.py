@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bunsan.bench._common import stop_with_parent
 from bunsan.bench.doc_tables import (
     ACCURACY_RUNS,
     COMM_COLUMNS,
@@ -361,7 +362,9 @@ def run(chosen: Sequence[Block], out: Path, render_only: bool, timeout_s: float,
             if command not in done:
                 print(f"[bench-docs] {block.name}: {command.replace('{out}', str(out))}", flush=True)
                 try:
-                    proc = subprocess.run(argv_of(command, out), cwd=root, timeout=timeout_s)
+                    proc = subprocess.run(
+                        argv_of(command, out), cwd=root, timeout=timeout_s, preexec_fn=stop_with_parent()
+                    )
                     done[command] = proc.returncode == 0
                 except subprocess.TimeoutExpired:
                     done[command] = False

@@ -145,13 +145,15 @@ def job_alive(processes: Sequence[subprocess.Popen[bytes]], job_id: str, variabl
     return bool(running) or bool(job_pids(job_id, variable=variable))
 
 
-def die_with_launcher_hook() -> Callable[[], None] | None:
+def die_with_launcher_hook(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """Return a ``preexec_fn`` that makes the worker die with the launcher (Linux).
 
     ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends,
     so workers must be started from the launcher's main thread, which lives
     as long as the launcher. libc is loaded here, before the fork, so the
-    child only makes two system calls.
+    child only makes two system calls. ``sig``: what the child gets then;
+    SIGKILL for a worker, SIGTERM for a child that is itself a launcher and
+    must stop its own workers (a benchmark's job: :func:`bunsan.bench._common.run_job`).
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -163,7 +165,7 @@ def die_with_launcher_hook() -> Callable[[], None] | None:
     launcher = os.getpid()
 
     def die_with_launcher() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
         if os.getppid() != launcher:  # the launcher died before prctl took effect
             os._exit(1)
 

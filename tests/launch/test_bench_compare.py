@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -133,3 +136,46 @@ def test_a_job_past_its_timeout_is_stopped(tmp_path):
     )
     assert (status, code) == ("timeout", None)
     assert seconds < 15
+
+
+def _alive(pid: int, mark: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return mark.encode() in f.read()  # not another process that got the pid since
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_benchmark_killed_mid_job_leaves_no_job_behind(tmp_path, sig):
+    # A benchmark ended by kill, a scheduler's SIGTERM or SIGKILL: its running job gets SIGTERM too.
+    pidfile = tmp_path / "job.pid"
+    job = "import os, pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(120)"
+    driver = textwrap.dedent(
+        f"""
+        import os, sys
+        from pathlib import Path
+        from bunsan.bench._common import run_job
+        run_job([sys.executable, "-c", {job!r}, {str(pidfile)!r}], Path({str(tmp_path / "job")!r}), 120.0, dict(os.environ))
+        """
+    )
+    bench = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pidfile.exists() and pidfile.read_text()):
+            assert bench.poll() is None and time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        pid = int(pidfile.read_text())
+        assert _alive(pid, str(pidfile))
+        bench.send_signal(sig)
+        bench.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(pid, str(pidfile)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid, str(pidfile)), "the job outlived its benchmark"
+    finally:
+        bench.kill()
+        bench.wait()
+        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text()), str(pidfile)):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
