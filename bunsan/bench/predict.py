@@ -164,6 +164,7 @@ def _worker(spec: dict[str, Any]) -> int:
         measure_fixed_costs,
         measure_network,
     )
+    from bunsan.launch.hosts import usable_cores
 
     torch.set_num_threads(1)
     bunsan.init(timeout_s=spec["timeout_s"])
@@ -171,6 +172,9 @@ def _worker(spec: dict[str, Any]) -> int:
     network = measure_network()
     candidates = cm.default_candidates(spec["block_size"])
     overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
+    # async: the server's transfers travel through memory on loopback; they find a spare core
+    # where every worker has one (cost_model.predict)
+    spare_core = spec["network"] is not None or usable_cores() >= bunsan.local_size()
     fixed = measure_fixed_costs(candidates, network, overlap=overlap, distribute=bunsan.distribute)
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
@@ -228,7 +232,7 @@ def _worker(spec: dict[str, Any]) -> int:
             mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
-            predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
+            predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
             rows.append(
                 {
                     "model": name,
@@ -247,6 +251,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "straggler_s": profile.straggler_s,
                     "fixed_s": profile.fixed(candidate.label),
                     "overlap": overlap,
+                    "spare_core": spare_core,
                 }
             )
         del trainers

@@ -262,6 +262,11 @@ def test_async_server_on_the_compute_core_without_overlap():
     p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
     assert p.step_s == pytest.approx(3 / (1 / 0.26 + 2 / 0.18))
     assert cm.predict(profile, net, Candidate("async"), 3).step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
+    # every worker with a core of its own: the transfers run on the remotes' idle cores, not rank 0's
+    spared = cm.predict(profile, net, Candidate("async"), 3, overlap=False, spare_core=True)
+    assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
+    crowded = cm.predict(profile, net, Candidate("async"), 3, overlap=True, spare_core=False)
+    assert crowded.step_s == pytest.approx(p.step_s)
 
 
 def test_measure_codecs_one_entry_per_width():
