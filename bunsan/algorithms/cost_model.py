@@ -389,9 +389,9 @@ def predict(
     that no worker computes on; where not, they run on rank 0's and its worker is charged them.
     Where each worker has a core of its own, a remote worker's core idles during its own round
     trip and the server thread's copies run there: the 10.5M-parameter MLP at 2 workers on 2
-    cores, rank 0's worker spent 41.6 ms a step in its exchange with the remote's transfers over
-    loopback and 36.6 ms with them on a 1 Gbit/s link, 5 ms for 84 MB through memory (the model
-    had charged 65 ms). ``None``: as ``overlap``.
+    cores, rank 0's worker spent 41.7 ms a step in its exchange with the remote's transfers over
+    loopback and 38.8 ms with them on a 1 Gbit/s link, 3 ms for 84 MB through memory where the
+    model had charged 65 ms (docs/experiments/async_exchange.py). ``None``: as ``overlap``.
     """
     check_int("workers", workers, minimum=1)
     options = candidate.options
