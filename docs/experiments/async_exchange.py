@@ -24,16 +24,12 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan import models
+from bunsan.algorithms.measure import median_time
 
 
 def median_ms(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    fn()  # warm up
+    return median_time(fn, repeats) * 1e3
 
 
 def main() -> None:
