@@ -450,10 +450,27 @@ class Watchdog(threading.Thread):
                 r: (pid, start) for r, (host, pid, start) in peers.items() if r != self.rank and host == self.host
             }
 
+    def _abort_note(self) -> tuple[int, str] | None:
+        """The failed rank and its reason, where a rank has left a failure note (:func:`signal_abort`)."""
+        if not self.store.check([_ABORT_KEY]):
+            return None
+        failed, _, reason = self.store.get(_ABORT_KEY).decode(errors="replace").partition(":")
+        return int(failed), reason
+
     def _check_local_peers(self) -> None:
-        """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it."""
+        """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it.
+
+        Unless it left a failure note between this loop's look at the store and its death (a
+        rank that raises writes the note, then exits): then its failure is the reason."""
         for r, (pid, start) in (self._local_peers or {}).items():
             if not treewatch.is_alive(pid, start):
+                try:
+                    note = self._abort_note()
+                except Exception:
+                    note = None
+                if note is not None and note[0] == r:
+                    self._end(f"rank {r} failed ({note[1]}); see its traceback above", peer=r)
+                    return
                 why = (
                     f"died without a word (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
                 )
@@ -467,11 +484,9 @@ class Watchdog(threading.Thread):
                 self._beats += 1
                 self.store.set(_BEAT_KEY.format(rank=self.rank), str(self._beats))
                 _inspector.poll(self.store)  # out-of-step collectives and stall reports
-                if self.store.check([_ABORT_KEY]):
-                    value = self.store.get(_ABORT_KEY).decode(errors="replace")
-                    failed, _, reason = value.partition(":")
-                    if int(failed) != self.rank:
-                        self._end(f"rank {failed} failed ({reason}); see its traceback above", peer=int(failed))
+                note = self._abort_note()
+                if note is not None and note[0] != self.rank:
+                    self._end(f"rank {note[0]} failed ({note[1]}); see its traceback above", peer=note[0])
                 self._find_local_peers()
             except Exception as e:
                 if not self._stop_event.is_set():
