@@ -62,7 +62,13 @@ collective, and a rank that has already called ``join()`` does not take part in 
 
 The decision and the measurements go into ``state_dict()``; loading it builds
 the decided algorithm directly, so a resumed run does not change algorithm (to
-decide again, load only the torch optimizer's state).
+decide again, load only the torch optimizer's state). A run checkpointed before
+the decision keeps its timed steps and goes on measuring; where it decides, and
+what, depends on step times (``measure_budget_s``, the network, the codec), so it
+need not decide as an uninterrupted run of the same job would. A resume that must
+equal an uninterrupted run bit for bit needs both runs to decide alike: checkpoint
+after the decision, or fix the inputs (``measure_budget_s=None``, a given
+``network``; tests/dist/test_training_session.py does both).
 
 This is a thin wrapper: the wrapped algorithm (``self.inner``) does the work.
 Delegated: ``setup`` (builds the exact one), ``setup_buffers``,
@@ -351,8 +357,8 @@ class Auto(Algorithm):
             self._last_end = now
             self._measured += 1
             # Decide after measure_steps + 1 steps, counted from the start of training (a resumed run
-            # decides at the same step as an uninterrupted one); the same count on every rank. Or
-            # sooner, when the timed steps are slow enough (_budget_spent, collective).
+            # counts on from where it stopped); the same count on every rank. Or sooner, when the
+            # timed steps are slow enough (_budget_spent, collective; it depends on their times).
             if (self._measured > self.measure_steps and self._durations) or self._budget_spent():
                 self._decide()
             else:

@@ -195,24 +195,24 @@ def _body_codec_together(rank: int, world_size: int) -> dict:
     real = Quantizer.encode_with_feedback
 
     def slow(self, *args, **kwargs):  # rank 1's encoder shares its core with something else
-        time.sleep(0.005)
+        time.sleep(0.02)
         return real(self, *args, **kwargs)
 
     slowed = mock.patch.object(Quantizer, "encode_with_feedback", slow) if rank == 1 else contextlib.nullcontext()
     with slowed:
-        together = measure_codec(4096, 8, repeats=1, collective=True)
-        alone = measure_codec(4096, 8, repeats=1)
+        together = measure_codec(4096, 8, repeats=3, collective=True)
+        alone = measure_codec(4096, 8, repeats=3)
     return {"together": together, "alone": alone}
 
 
 def test_the_codec_measured_together_is_the_slowest_ranks_on_every_rank(workers):
     results = workers.run(f"{__name__}:_body_codec_together")
     assert results[0]["together"] == results[1]["together"]  # one answer for the job
-    # rank 1's 5 ms per encode: the encode of 4096 elements costs about 2.5 ms beyond the call's
-    # (the call is half an encode plus a decode); rank 0 alone encodes in microseconds
-    assert results[0]["together"]["encode_s_per_element"] * 4096 > 1e-3
-    assert results[0]["alone"]["encode_s_per_element"] * 4096 < 1e-3
-    assert results[1]["alone"]["encode_s_per_element"] * 4096 > 1e-3
+    # rank 1's 20 ms per encode: the encode of 4096 elements costs about 10 ms beyond the call's
+    # (the call is half an encode plus a decode); rank 0 alone encodes in tens of microseconds
+    assert results[0]["together"]["encode_s_per_element"] * 4096 > 4e-3
+    assert results[0]["alone"]["encode_s_per_element"] * 4096 < 4e-3
+    assert results[1]["alone"]["encode_s_per_element"] * 4096 > 4e-3
 
 
 def _body_probes_needed(rank: int, world_size: int, network: dict, force: str | None = None) -> dict:
