@@ -206,8 +206,11 @@ def probes_needed(
     own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
     below exact's, and exact's below fp16's and the quantized widths', so the probes can
     only lower a block algorithm's prediction against the per-step candidates'. Where,
-    without them, a block algorithm beats every per-step candidate, exact included, by
-    ``min_gain`` (a margin for probes where fp16 measured a little under exact):
+    without them, a block algorithm is the fastest and beats exact and fp16 by ``min_gain``
+    (a margin for probes where fp16 measured a little under exact; a quantized width needs
+    none: its striped exchange makes two collectives per bucket where exact makes one, and
+    its probe came out at 1.26-4.5 times exact's in all 18 pairs of ``bunsan bench
+    predict``, so its probe can only slow it):
 
     * ``"blocks"``: only exact's probe (to take its fixed cost out of the compute) and the
       block probe run, for the block size: with both known the budget of the block-size
@@ -222,11 +225,14 @@ def probes_needed(
     if chosen.algorithm not in BLOCK_ALGORITHMS:
         return "all", "a per-step candidate is predicted fastest"
     best = predictions[index].step_s
-    others = [p for c, p in zip(candidates, predictions) if c.algorithm not in BLOCK_ALGORITHMS]
-    close = [p.label for p in others if p.step_s < (1 + min_gain) * best]
+    # exact and fp16/bf16 (its probe may come out under exact's): a quantized width is already slower
+    unquantized = [
+        p for c, p in zip(candidates, predictions) if c.algorithm == "data_parallel" and "bits" not in c.options
+    ]
+    close = [p.label for p in unquantized if p.step_s < (1 + min_gain) * best]
     if close:
         return "all", f"{', '.join(close)} within {100 * min_gain:.0f}% of {chosen.label}"
-    lead = f"{chosen.label} beats every per-step candidate by {100 * min_gain:.0f}% or more without them"
+    lead = f"{chosen.label} is fastest and beats exact and fp16 by {100 * min_gain:.0f}% or more without them"
     if int(chosen.options["block_size"]) >= BLOCK_STEPS[-1] * batch:
         return "none", f"{lead}, at the {BLOCK_STEPS[-1]}-step cap"
     return "blocks", f"{lead}; exact's and the block probe for its block size"

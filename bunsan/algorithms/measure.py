@@ -43,6 +43,8 @@ def register_distribute(fn: Callable[..., Any]) -> None:
 
 # all-reduce message sizes in bytes: a latency-bound one, then bandwidth-bound ones
 PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
+# a size whose first all-reduce took enough_s or longer is timed this many times (measure_network)
+LONG_REPEATS = 2
 
 
 def median_time(fn: Any, repeats: int) -> float:
@@ -140,12 +142,20 @@ def measure_network(
     already far past the latency (0.06-0.4 ms here), so larger ones add no
     information on beta, only time: on a 100 Mbit/s link one 1 MiB all-reduce at
     4 workers takes 0.13 s and this measurement timed 11 of them. Every rank stops
-    at the same size (the slowest rank's time decides).
+    at the same size (the slowest rank's time decides). With ``enough_s``, a size
+    past the first whose untimed first all-reduce already took that long on the
+    slowest rank is timed ``min(repeats, LONG_REPEATS)`` times, its float16
+    all-reduce too: a
+    collective of tens of ms moves little from call to call (the fitted bandwidth at
+    100 Mbit/s moved as much with 2 repeats as with 3), and on a slow link each
+    repeat costs that long: 0.19 s instead of 0.25 for the probe at 2 workers, 0.28
+    instead of 0.38 at 4 (docs/plan.md).
     """
     n = comm.get_world_size(group)
     reduce_points: list[tuple[int, float]] = []
     gather_points: list[tuple[int, float]] = []
     sizes = sorted(sizes)
+    timed_repeats = repeats
     for nbytes in sizes:
         if enough_s is not None and len(reduce_points) >= 2 and reduce_points[-1][1] >= enough_s:
             break
@@ -153,12 +163,20 @@ def measure_network(
         tensor = torch.ones(numel)
         piece = torch.ones(max(1, numel // n))
         gathered = torch.empty(piece.numel() * n)
+        first_s = time.perf_counter()
         comm.all_reduce(tensor, group=group)  # warm up this size's buffers
+        first_s = time.perf_counter() - first_s
         comm.all_gather_into(gathered, piece, group=group)
+        timed_repeats = repeats
+        if enough_s is not None and reduce_points:  # not the latency point; the slowest rank's first call decides
+            first = torch.tensor([first_s], dtype=torch.float64)
+            comm.all_reduce(first, op="max", group=group)
+            if float(first[0]) >= enough_s:
+                timed_repeats = min(repeats, LONG_REPEATS)
         comm.barrier(group)
-        reduce_s = median_time(functools.partial(comm.all_reduce, tensor, group=group), repeats)
+        reduce_s = median_time(functools.partial(comm.all_reduce, tensor, group=group), timed_repeats)
         comm.barrier(group)
-        gather_s = median_time(functools.partial(comm.all_gather_into, gathered, piece, group=group), repeats)
+        gather_s = median_time(functools.partial(comm.all_gather_into, gathered, piece, group=group), timed_repeats)
         slowest = torch.tensor([reduce_s, gather_s], dtype=torch.float64)
         comm.all_reduce(slowest, op="max", group=group)
         reduce_points.append((numel * 4, float(slowest[0])))
@@ -168,7 +186,9 @@ def measure_network(
     halves = torch.ones(max(1, reduce_points[-1][0] // 2), dtype=torch.float16)
     comm.all_reduce(halves, group=group)
     comm.barrier(group)
-    half_s = torch.tensor([median_time(lambda: comm.all_reduce(halves, group=group), repeats)], dtype=torch.float64)
+    half_s = torch.tensor(
+        [median_time(lambda: comm.all_reduce(halves, group=group), timed_repeats)], dtype=torch.float64
+    )
     comm.all_reduce(half_s, op="max", group=group)
     wire_s = float(half_s[0]) - 2 * (n - 1) * network.latency_s
     if wire_s > 0:

@@ -306,7 +306,8 @@ def _body_network_sizes(rank: int, world_size: int, enough_s) -> dict:
     with mock.patch.object(comm, "all_reduce", counting):
         # 5 repeats: medians of 2 on loopback let one slow 4-byte all-reduce outlast a 1 MiB one (CI at c602d1e)
         network = measure_network(sizes=(4, 1 << 20, 4 << 20), repeats=5, enough_s=enough_s)
-    return {"sizes": sorted(set(seen)), "bandwidth": network.bandwidth, "latency": network.latency_s}
+    calls = {size: seen.count(size) for size in sorted(set(seen))}
+    return {"sizes": sorted(set(seen)), "calls": calls, "bandwidth": network.bandwidth, "latency": network.latency_s}
 
 
 def test_network_probe_stops_growing_once_a_message_is_slow_enough(workers):
@@ -315,8 +316,13 @@ def test_network_probe_stops_growing_once_a_message_is_slow_enough(workers):
     short = workers.run(f"{__name__}:_body_network_sizes", enough_s=0.0)
     assert short[0]["sizes"] == short[1]["sizes"] == [4, 1 << 20]
     assert short[0]["bandwidth"] == short[1]["bandwidth"] > 0  # one fit for the job
+    # ... and the 1 MiB size, whose first call took longer than enough_s, only LONG_REPEATS times after it;
+    # the latency point keeps its 5
+    long_repeats = bunsan.algorithms.measure.LONG_REPEATS
+    assert short[0]["calls"] == short[1]["calls"] == {4: 1 + 5, 1 << 20: 1 + long_repeats}
     full = workers.run(f"{__name__}:_body_network_sizes", enough_s=None)
     assert full[0]["sizes"] == [4, 1 << 20, 4 << 20]
+    assert full[0]["calls"] == {4: 6, 1 << 20: 6, 4 << 20: 6}
 
 
 def _body_network_retry(rank: int, world_size: int) -> dict:

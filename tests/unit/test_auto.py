@@ -134,6 +134,16 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     ]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
     assert mode == "all" and why.startswith("fp16 within 10%")
+    # 1 bit within 10% of the block algorithm but slower: its probe can only slow it further (two
+    # collectives per bucket against exact's one), so no probe runs at the cap
+    rows = [
+        *per_step,
+        ("1-bit", "data_parallel", {"bits": 1}, 0.0062),
+        ("8-bit", "data_parallel", {"bits": 8}, 0.0061),
+        ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
+    ]
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "none" and "beats exact and fp16 by 10%" in why
     # a per-step candidate chosen (1 bit here): its fixed cost is above exact's, every probe runs
     rows = [
         *per_step,
