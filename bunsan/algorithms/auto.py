@@ -100,7 +100,7 @@ from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_fixed_costs, measure_network
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
-__all__ = ["Auto", "candidates_for", "choose", "infer_compute", "probes_needed"]
+__all__ = ["PROBE_FAMILIES", "Auto", "candidates_for", "choose", "infer_compute", "probe_family", "probes_needed"]
 
 RISKS = ("low", "medium", "high")
 # an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else
@@ -196,46 +196,85 @@ def candidates_for(
     return found
 
 
+PROBE_FAMILIES = ("exact", "fp16", "quantized", "block")  # one fixed-cost probe each (Auto._probes)
+
+
+def probe_family(candidate: cm.Candidate) -> str:
+    """The fixed-cost probe family of a candidate: ``exact``, ``fp16`` (either half type), ``quantized``
+    (every bit width: one striped exchange) or ``block`` (both block algorithms)."""
+    if candidate.algorithm in BLOCK_ALGORITHMS:
+        return "block"
+    if "bits" in candidate.options:
+        return "quantized"
+    return "fp16" if candidate.options.get("compression") else "exact"
+
+
 def probes_needed(
     candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float, batch: int
 ) -> tuple[str, str]:
-    """Which fixed-cost probes can change a decision predicted without them: ``("all" | "blocks" | "none", why)``.
+    """Which fixed-cost probes can change a decision predicted without them: ``(families, why)``.
+
+    ``families``: ``"none"``, or the families of :data:`PROBE_FAMILIES` whose probes run,
+    joined by ``+`` (e.g. ``"exact+block"``).
 
     Without the probes every candidate is charged exact's fixed cost (it stays in the
     inferred compute). The probes take it out of the compute and charge each candidate its
     own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
     below exact's, and exact's below fp16's and the quantized widths', so the probes can
-    only lower a block algorithm's prediction against the per-step candidates'. Where,
-    without them, a block algorithm is the fastest and beats exact and fp16 by ``min_gain``
-    (a margin for probes where fp16 measured a little under exact; a quantized width needs
-    none: its striped exchange makes two collectives per bucket where exact makes one, and
-    its probe came out at 1.26-4.5 times exact's in all 18 pairs of ``bunsan bench
-    predict``, so its probe can only slow it):
+    only lower a block algorithm's prediction against the per-step candidates'. A
+    quantized width's probe can only slow it: its striped exchange makes two collectives
+    per bucket where exact makes one, and its probe came out at 1.26-4.5 times exact's in
+    all 18 pairs of ``bunsan bench predict``. fp16's probe may come out a little under
+    exact's, hence a margin of ``min_gain`` for it.
 
-    * ``"blocks"``: only exact's probe (to take its fixed cost out of the compute) and the
-      block probe run, for the block size: with both known the budget of the block-size
-      rule (5% of the compute) shrinks and a block's exposed cost grows, so the block can
-      only lengthen. The per-step candidates are charged exact's fixed cost, under theirs.
-    * ``"none"``: the block is already at the 16-step cap, where it stays: no probe at all.
-
-    Otherwise ``"all"``: every family's probe.
+    Where, without them, a block algorithm is the fastest and beats exact and fp16 by
+    ``min_gain``: ``"none"`` if its block is already at the 16-step cap, where it stays;
+    else ``"exact+block"``, for the block size: with both known the budget of the
+    block-size rule (5% of the compute) shrinks and a block's exposed cost grows, so the
+    block can only lengthen. Otherwise exact's probe (to take its fixed cost out of the
+    compute) and the block probe (it can make a block algorithm the choice) run, fp16's
+    where fp16 is within ``min_gain`` of the fastest, and the quantized probe where a bit
+    width is the fastest (one that is not can only fall further behind). A candidate
+    whose probe did not run is charged exact's fixed cost, under its own.
     """
     index, _ = choose(predictions, min_gain)
     chosen = candidates[index]
-    if chosen.algorithm not in BLOCK_ALGORITHMS:
-        return "all", "a per-step candidate is predicted fastest"
-    best = predictions[index].step_s
-    # exact and fp16/bf16 (its probe may come out under exact's): a quantized width is already slower
-    unquantized = [
-        p for c, p in zip(candidates, predictions) if c.algorithm == "data_parallel" and "bits" not in c.options
+    fastest = min(range(len(predictions)), key=lambda i: predictions[i].step_s)
+    best = predictions[fastest].step_s
+    margin = f"{100 * min_gain:.0f}%"
+    close_fp16 = [
+        p.label
+        for c, p in zip(candidates, predictions)
+        if probe_family(c) == "fp16" and p.step_s < (1 + min_gain) * best
     ]
-    close = [p.label for p in unquantized if p.step_s < (1 + min_gain) * best]
-    if close:
-        return "all", f"{', '.join(close)} within {100 * min_gain:.0f}% of {chosen.label}"
-    lead = f"{chosen.label} is fastest and beats exact and fp16 by {100 * min_gain:.0f}% or more without them"
-    if int(chosen.options["block_size"]) >= BLOCK_STEPS[-1] * batch:
-        return "none", f"{lead}, at the {BLOCK_STEPS[-1]}-step cap"
-    return "blocks", f"{lead}; exact's and the block probe for its block size"
+    close = [
+        p.label
+        for c, p in zip(candidates, predictions)
+        if probe_family(c) in ("exact", "fp16") and p.step_s < (1 + min_gain) * best
+    ]
+    if chosen.algorithm in BLOCK_ALGORITHMS and not close:
+        lead = f"{chosen.label} is fastest and beats exact and fp16 by {margin} or more without them"
+        if int(chosen.options["block_size"]) >= BLOCK_STEPS[-1] * batch:
+            return "none", f"{lead}, at the {BLOCK_STEPS[-1]}-step cap"
+        return "exact+block", f"{lead}; exact's and the block probe for its block size"
+    if index == 0 and fastest == 0:
+        why = "exact predicted fastest without them"
+    elif index == 0:
+        why = f"exact kept without them ({candidates[fastest].label} less than {margin} faster)"
+    elif chosen.algorithm in BLOCK_ALGORITHMS:
+        why = f"{', '.join(close)} within {margin} of {chosen.label}"
+    else:
+        why = f"{chosen.label} predicted fastest without them"
+    families = ["exact"]
+    if close_fp16:
+        families.append("fp16")
+    if probe_family(candidates[fastest]) == "quantized":
+        families.append("quantized")
+    if any(probe_family(c) == "block" for c in candidates):
+        families.append("block")
+    if families == ["exact"]:  # exact's probe alone moves its fixed cost out of the compute and back
+        return "none", f"{why}: no probe can change the decision"
+    return "+".join(families), why
 
 
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
@@ -499,10 +538,11 @@ class Auto(Algorithm):
             probing = comm.broadcast_object(probing, src=0, group=self.group)
             assert probing is not None
             if probing[0] != "none":  # every rank: the probe is collective
+                families = set(probing[0].split("+"))
                 probes, shared = self._probes()
-                if probing[0] == "blocks":
-                    probes = [p for p in probes if p.label in ("exact", "block_momentum")]
-                    shared = {"model_averaging": "block_momentum"}
+                probes = [p for p in probes if probe_family(p) in families]
+                kept = {p.label for p in probes}
+                shared = {label: source for label, source in shared.items() if source in kept}
                 fixed = dict(
                     measure_fixed_costs(
                         probes,
@@ -515,8 +555,14 @@ class Auto(Algorithm):
                     )
                 )
                 fixed.update({label: fixed[source] for label, source in shared.items()})
-                if probing[0] == "blocks" and plan is not None:  # rank 0: per-step candidates at exact's
-                    fixed.update({c.label: fixed["exact"] for c in plan[2] if c.algorithm not in BLOCK_ALGORITHMS})
+                if plan is not None:  # rank 0: a per-step candidate whose probe did not run at exact's, under its own
+                    fixed.update(
+                        {
+                            c.label: fixed["exact"]
+                            for c in plan[2]
+                            if c.algorithm not in BLOCK_ALGORITHMS and c.label not in fixed
+                        }
+                    )
                 plan = None  # predicted again below, with the fixed costs
         probe_s = time.perf_counter() - probe_started
         decision: dict[str, Any] | None = None
@@ -634,6 +680,8 @@ def format_decision(decision: dict[str, Any]) -> str:
         lines.append(f"[bunsan]   {p['label']:<28} {p['step_s'] * 1e3:9.2f} ms/step predicted{mark}")
     lines.append(f"[bunsan]   chosen: {decision['label']}: {decision['why']}")
     if "probes" in m:  # which probes ran and why (probes_needed): the record then says what Auto's time went on
-        which = {"all": "every family", "blocks": "exact and block momentum only", "none": "none"}[m["probes"][0]]
+        mode = m["probes"][0]
+        older = {"all": "every family", "blocks": "exact and block momentum only"}  # records before 'exact+block'
+        which = older.get(mode) or ("none" if mode == "none" else ", ".join(mode.split("+")))
         lines.append(f"[bunsan]   fixed-cost probes: {which}: {m['probes'][1]}")
     return "\n".join(lines)

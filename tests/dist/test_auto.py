@@ -255,15 +255,28 @@ def test_only_the_probes_that_can_change_the_decision_run_on_every_rank(workers)
     assert algorithm in ("block_momentum", "model_averaging") and int(size) == 16 * 8  # 16 steps of 8
     assert [r["probed"] for r in slow] == [[], []] and slow[0]["probes"][0] == "none"
     assert set(slow[0]["fixed"].values()) == {0.0}  # every candidate charged exact's, inside the compute
-    # "blocks": exact's and the block probe only; the per-step candidates charged exact's fixed cost
-    blocks = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="blocks")
+    # exact's and the block probe only; the per-step candidates charged exact's fixed cost
+    blocks = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+block")
     assert [r["probed"] for r in blocks] == [[["exact", "block_momentum"]]] * 2
     fixed = blocks[0]["fixed"]
     assert fixed["fp16"] == fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] == fixed["exact"]
-    # a fast network: exact or a per-step candidate is in the running, and every rank runs every probe
+    # fp16's too: fp16 charged its own, the bit widths exact's
+    some = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+block")
+    assert [r["probed"] for r in some] == [[["exact", "fp16", "block_momentum"]]] * 2
+    fixed = some[0]["fixed"]
+    assert fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] == fixed["exact"] != fixed["fp16"]
+    # every family: the bit widths share the quantized probe's cost
+    every = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+quantized+block")
+    assert [r["probed"] for r in every] == [[["exact", "fp16", "1-bit", "block_momentum"]]] * 2
+    fixed = every[0]["fixed"]
+    assert fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] != fixed["exact"]
+    # a fast network: exact or a per-step candidate is in the running; every rank runs the families
+    # rank 0's rule named, exact's among them
     fast = workers.run(f"{__name__}:_body_probes_needed", network=FAST)
-    assert [len(r["probed"]) for r in fast] == [1, 1] and len(fast[0]["probed"][0]) == 4
-    assert fast[0]["probes"][0] == "all"
+    families = {"exact": "exact", "fp16": "fp16", "1-bit": "quantized", "block_momentum": "block"}
+    named = fast[0]["probes"][0].split("+")
+    assert "exact" in named and fast[0]["probed"] == fast[1]["probed"]
+    assert [families[label] for label in fast[0]["probed"][0]] == named
 
 
 def _body_probe_steps(rank: int, world_size: int, warmup) -> list:

@@ -125,15 +125,15 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     assert mode == "none" and "model_averaging:512" in why and "16-step cap" in why
     # below the cap: exact's and the block probe, which may lengthen the block
     rows = [*per_step, ("model_averaging:256", "model_averaging", {"block_size": 256}, 0.0060)]
-    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "blocks"
-    # fp16 within 10% of the block algorithm (0.0065 < 1.1 * 0.0060): a probe could swap them
+    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "exact+block"
+    # fp16 within 10% of the block algorithm (0.0065 < 1.1 * 0.0060): its probe could swap them
     rows = [
         per_step[0],
         ("fp16", "data_parallel", {"compression": "fp16"}, 0.0065),
         ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
     ]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
-    assert mode == "all" and why.startswith("fp16 within 10%")
+    assert mode == "exact+fp16+block" and why.startswith("fp16 within 10%")
     # 1 bit within 10% of the block algorithm but slower: its probe can only slow it further (two
     # collectives per bucket against exact's one), so no probe runs at the cap
     rows = [
@@ -144,16 +144,41 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     ]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
     assert mode == "none" and "beats exact and fp16 by 10%" in why
-    # a per-step candidate chosen (1 bit here): its fixed cost is above exact's, every probe runs
+    # a bit width predicted fastest: its probe (which may slow it past the block) and exact's and the
+    # block's run; fp16 is 2.25x the fastest, no probe can bring it near
     rows = [
         *per_step,
         ("1-bit", "data_parallel", {"bits": 1}, 0.0040),
         ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
     ]
-    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "all"
-    # exact kept (the block algorithm only 5% faster): every probe too
-    rows = [per_step[0], ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0095)]
-    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "all"
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "exact+quantized+block" and why == "1-bit predicted fastest without them"
+    # exact kept (the block algorithm only 5% faster): the probes may take exact's fixed cost off the
+    # block (exact's and the block's), fp16 is within 10% of the fastest (its own may be under exact's);
+    # the quantized widths, slower, only fall further behind
+    rows = [
+        per_step[0],
+        ("fp16", "data_parallel", {"compression": "fp16"}, 0.0098),
+        ("2-bit", "data_parallel", {"bits": 2}, 0.0120),
+        ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0095),
+    ]
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "exact+fp16+block" and why.startswith("exact kept without them (block_momentum:512")
+    # risk "low" (no block, no bit width) with exact fastest and fp16 far behind: no probe can change it
+    rows = [per_step[0], ("fp16", "data_parallel", {"compression": "fp16"}, 0.0130)]
+    mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
+    assert mode == "none" and why.startswith("exact predicted fastest")
+    # ... but with fp16 within 10%, exact's and fp16's
+    rows = [per_step[0], ("fp16", "data_parallel", {"compression": "fp16"}, 0.0105)]
+    assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "exact+fp16"
+
+
+def test_probe_families():
+    assert auto.probe_family(cm.Candidate("data_parallel", {}, "exact")) == "exact"
+    assert auto.probe_family(cm.Candidate("data_parallel", {"compression": "bf16"}, "bf16")) == "fp16"
+    assert auto.probe_family(cm.Candidate("data_parallel", {"bits": 8, "warm_start": 0}, "8-bit")) == "quantized"
+    assert auto.probe_family(cm.Candidate("model_averaging", {"block_size": 64}, "model_averaging:64")) == "block"
+    assert auto.probe_family(cm.Candidate("block_momentum", {"block_size": 64}, "block_momentum")) == "block"
 
 
 def test_the_printed_table_says_which_probes_ran_and_why():
@@ -182,9 +207,10 @@ def test_the_printed_table_says_which_probes_ran_and_why():
     assert len(chosen) == 1 and chosen[0].split()[1:3] == ["block_momentum:512", "10.50"]
     assert "measured and decided in 0.48 s (network 0.25 s, fixed-cost probes 0.19 s)" in table
     for mode, said in (
-        ("all", "every family"),
+        ("all", "every family"),  # records written before the families were named
         ("blocks", "exact and block momentum only"),
         ("none", "none"),
+        ("exact+fp16+block", "exact, fp16, block"),
     ):
         decision["measured"]["probes"] = [mode, "the reason"]
         assert auto.format_decision(decision).splitlines()[-1] == f"[bunsan]   fixed-cost probes: {said}: the reason"
