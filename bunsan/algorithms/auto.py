@@ -49,13 +49,15 @@ epochs and model averaging at 4.4% (exact SGD ends at 1.1% after 30; time-to-acc
 campaign, docs/plan.md), so below 0.5 it goes to block momentum.
 
 Measuring stops early once the slowest rank's timed steps add up to
-``measure_budget_s`` (0.1 s), after at least 3 of them: where a step takes tens of
-milliseconds or more, its time is far above the machine's timing noise and 3 steps pin
-it down, while 10 exact steps cost most where exact is slowest (58-88 ms each for the
-digits CNN at 100 Mbit/s in bunsan's time-to-accuracy campaign, 3.9 s each for the
-10.5M MLP at 100 Mbit/s and 2 workers). Where steps take milliseconds, all
-``measure_steps`` are taken. From the third timed step on, each measuring step
-all-reduces one number, so that every rank stops at the same step.
+``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where those two agree
+within ``min_gain`` on every rank: where a step takes tens of milliseconds or more, its
+time is far above the machine's timing noise and 2-3 steps pin it down, while 10 exact
+steps cost most where exact is slowest (58-92 ms each for the digits CNN at 100 Mbit/s
+in bunsan's time-to-accuracy campaign, 3.9 s each for the 10.5M MLP at 100 Mbit/s and 2
+workers). A third step is timed where the two differ by more than the margin the decision
+itself asks: one outlier then cannot be the mean. Where steps take milliseconds, all
+``measure_steps`` are taken. From the second timed step on, each measuring step
+all-reduces two numbers, so that every rank stops at the same step.
 
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
@@ -112,7 +114,8 @@ ENOUGH_S = 0.02
 # 4-byte all-reduce's median of 3 can exceed a 1 MiB one's (2 of 6 campaign runs on a loaded machine)
 RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
-MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s)
+MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s) ...
+MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
@@ -298,7 +301,8 @@ class Auto(Algorithm):
     Args:
         measure_steps: exact steps timed before deciding (the first is not timed).
         measure_budget_s: decide sooner, once the slowest rank's timed steps add up to this
-            many seconds (after at least 3 timed steps); ``None`` always takes ``measure_steps``.
+            many seconds (after at least 3 timed steps, or 2 that agree within ``min_gain``);
+            ``None`` always takes ``measure_steps``.
         risk: ``"low"``, ``"medium"`` or ``"high"``: which candidates are allowed (module docstring).
         min_gain: a candidate replaces exact SGD only when predicted at least this much faster.
         warm_start: samples (global) trained exactly before compression or blocks start, counted
@@ -411,12 +415,17 @@ class Auto(Algorithm):
 
     def _budget_spent(self) -> bool:
         """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
-        ``MIN_TIMED``-th timed step on: every rank has timed as many steps, and all stop together)."""
-        if self.measure_budget_s is None or len(self._durations) < MIN_TIMED:
+        ``MIN_AGREEING``-th timed step on: every rank has timed as many steps, and all stop together).
+        At ``MIN_AGREEING`` steps only if, on every rank, they agree within ``min_gain`` (the margin the
+        decision itself asks); from ``MIN_TIMED`` on their median rejects one outlier."""
+        count = len(self._durations)
+        if self.measure_budget_s is None or count < MIN_AGREEING:
             return False
-        spent = torch.tensor([sum(self._durations)], dtype=torch.float64)
-        comm.all_reduce(spent, op="max", group=self.group)
-        return float(spent[0]) >= self.measure_budget_s
+        spread = max(self._durations) / max(min(self._durations), 1e-12) if count < MIN_TIMED else 1.0
+        figures = torch.tensor([sum(self._durations), spread], dtype=torch.float64)
+        comm.all_reduce(figures, op="max", group=self.group)
+        spent, spread = float(figures[0]), float(figures[1])
+        return spent >= self.measure_budget_s and spread <= 1 + self.min_gain
 
     def join(self) -> None:
         self.inner.join()

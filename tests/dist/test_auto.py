@@ -115,8 +115,8 @@ def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
     decided_at = None
     for i in range(12):
         _train(model, optimizer, rank, 1, start=i)
-        if rank == 1:
-            time.sleep(sleep_s)  # only rank 1 is slow: the slowest rank's time decides for all
+        if rank == 1:  # only rank 1 is slow: the slowest rank's time decides for all
+            time.sleep(sleep_s[min(i, len(sleep_s) - 1)] if isinstance(sleep_s, tuple) else sleep_s)
         if auto.decision is not None and decided_at is None:
             decided_at = i + 1
     return {"decided_at": decided_at, "step": auto.decision["step"], "label": auto.decision["label"]}
@@ -124,13 +124,15 @@ def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
 
 @pytest.mark.parametrize(
     ("budget", "sleep_s", "step"),
-    [(0.1, 0.05, 4), (1.0, 0.0, 11), (None, 0.05, 11)],
-    ids=["slow-steps-stop-early", "fast-steps-take-all", "no-budget"],
+    [(0.1, 0.05, 3), (0.1, (0.05, 0.08, 0.05), 4), (1.0, 0.0, 11), (None, 0.05, 11)],
+    ids=["slow-steps-stop-early", "two-that-differ-take-a-third", "fast-steps-take-all", "no-budget"],
 )
 def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep_s, step):
-    # 1 untimed step, then 3 timed ones of 50 ms on rank 1 (0.15 s >= 0.1): the decision after step 4
-    # on both ranks, though rank 0's own steps take about a millisecond; fast steps (9 timed of about
-    # a millisecond, far under 1 s even on a loaded machine) and no budget take all 10
+    # 1 untimed step, then 2 timed ones of 50 ms on rank 1 (0.10 s >= 0.1, within 10% of each other):
+    # the decision after step 3 on both ranks, though rank 0's own steps take about a millisecond; two
+    # timed steps of 50 and 80 ms differ by more than min_gain (10%): a third is timed, decision after
+    # step 4; fast steps (9 timed of about a millisecond, far under 1 s even on a loaded machine) and
+    # no budget take all 10
     results = workers.run(f"{__name__}:_body_budget", budget=budget, sleep_s=sleep_s)
     assert [r["decided_at"] for r in results] == [step, step]
     assert [r["step"] for r in results] == [step, step]
