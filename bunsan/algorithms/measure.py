@@ -145,11 +145,10 @@ def measure_network(
     at the same size (the slowest rank's time decides). With ``enough_s``, a size
     past the first whose untimed first all-reduce already took that long on the
     slowest rank is timed ``min(repeats, LONG_REPEATS)`` times, its float16
-    all-reduce too: a
-    collective of tens of ms moves little from call to call (the fitted bandwidth at
-    100 Mbit/s moved as much with 2 repeats as with 3), and on a slow link each
-    repeat costs that long: 0.19 s instead of 0.25 for the probe at 2 workers, 0.28
-    instead of 0.38 at 4 (docs/plan.md).
+    all-reduce too: a collective of tens of ms moves little from call to call (the
+    fitted bandwidth at 100 Mbit/s moved as much with 2 repeats as with 3), and on a
+    slow link each repeat costs that long: 0.19 s instead of 0.25 for the probe at 2
+    workers, 0.28 instead of 0.38 at 4 (docs/plan.md).
     """
     n = comm.get_world_size(group)
     reduce_points: list[tuple[int, float]] = []
