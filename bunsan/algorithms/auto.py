@@ -245,16 +245,12 @@ def probes_needed(
     fastest = min(range(len(predictions)), key=lambda i: predictions[i].step_s)
     best = predictions[fastest].step_s
     margin = f"{100 * min_gain:.0f}%"
-    close_fp16 = [
-        p.label
-        for c, p in zip(candidates, predictions)
-        if probe_family(c) == "fp16" and p.step_s < (1 + min_gain) * best
-    ]
-    close = [
-        p.label
+    # exact and fp16 within min_gain of the fastest: their probes can lower them (fp16's may come out under exact's)
+    close = {
+        p.label: probe_family(c)
         for c, p in zip(candidates, predictions)
         if probe_family(c) in ("exact", "fp16") and p.step_s < (1 + min_gain) * best
-    ]
+    }
     if chosen.algorithm in BLOCK_ALGORITHMS and not close:
         lead = f"{chosen.label} is fastest and beats exact and fp16 by {margin} or more without them"
         if int(chosen.options["block_size"]) >= BLOCK_STEPS[-1] * batch:
@@ -269,7 +265,7 @@ def probes_needed(
     else:
         why = f"{chosen.label} predicted fastest without them"
     families = ["exact"]
-    if close_fp16:
+    if "fp16" in close.values():
         families.append("fp16")
     if probe_family(candidates[fastest]) == "quantized":
         families.append("quantized")
