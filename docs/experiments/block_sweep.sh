@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Time to accuracy of the block algorithms at several block lengths, with exact SGD as the
+# reference (issue 19): the evidence for Auto's block-length rule (bunsan/algorithms/auto.py).
+# Per model the block algorithm Auto would take under the campaign's optimizer (block momentum
+# for the digits CNN, SGD without momentum; model averaging for MNIST-1D, momentum 0.9), at
+# block sizes (per worker, in samples) of 8 to 128 steps at 2 and 4 workers; the training
+# settings are those of docs/experiments/tta_campaign.sh.
+# Usage: docs/experiments/block_sweep.sh OUT_DIR [NETWORKS] [MODELS]; SEEDS as in tta_campaign.sh
+set -euo pipefail
+out=${1:?usage: block_sweep.sh OUT_DIR [NETWORKS] [MODELS]}
+networks=${2:-"loopback rate=100mbit"}
+models=${3:-"digits_cnn mnist1d_cnn"}
+bunsan=${BUNSAN:-bunsan}
+seeds=${SEEDS:-0}
+for net in $networks; do
+  shaping=()
+  [ "$net" != loopback ] && shaping=(--network "$net")
+  for model in $models; do
+    case $model in
+      # per-worker batch 32 at 2 workers, 16 at 4: 256..2048 are 8..64 and 16..128 steps
+      digits_cnn)  args=(--model digits_cnn --dataset digits -np 2,4 --epochs 30 --batch 64 --lr 0.1 --momentum 0)
+                   algos=(data_parallel block_momentum:block_size=256 block_momentum:block_size=512
+                          block_momentum:block_size=1024 block_momentum:block_size=2048) ;;
+      # per-worker batch 64 at 2 workers, 32 at 4: 512..4096 are 8..64 and 16..128 steps
+      mnist1d_cnn) args=(--model mnist1d_cnn --dataset mnist1d -np 2,4 --epochs 40 --batch 128 --lr 0.05 --momentum 0.9)
+                   algos=(data_parallel model_averaging:block_size=512 model_averaging:block_size=1024
+                          model_averaging:block_size=2048 model_averaging:block_size=4096) ;;
+      *) echo "unknown model $model" >&2; exit 2 ;;
+    esac
+    for seed in $seeds; do
+      dir="$out/${model}-${net//=/_}"
+      [ "$seed" != 0 ] && dir="$dir-s$seed"
+      $bunsan bench compare "${args[@]}" --seed "$seed" "${shaping[@]}" --algorithms "${algos[@]}" \
+        --no-plots --out "$dir"
+      $bunsan bench tta "$dir/compare.json" | tee "$dir/tta.txt"
+    done
+  done
+done
