@@ -26,27 +26,32 @@ README "Choosing an algorithm"):
 * ``"high"``: also 1-bit (with ``rotate=True`` under SGD momentum >= 0.7, where
   plain 1 bit failed on MNIST-1D), block momentum and model averaging.
 
-Rules for the settings: the measuring steps are the warm start of compressed
-and block algorithms (``warm_start`` adds to it, in global samples); a block is
-the smallest of 2, 4, 8 or 16 steps whose amortized exchange costs at most 5% of
-the compute, as small blocks stay closest to exact SGD, and never longer than 16
-steps even where the exchange then costs more: local SGD matches minibatch SGD's
-accuracy up to about 16 local steps (Lin et al. 2020, "Don't Use Large Mini-Batches,
-Use Local SGD", ICLR), and in bunsan's time-to-accuracy campaign (docs/plan.md)
-Auto's blocks of 32 and 64 steps never came within a point of exact SGD's final error
-in 8 of 11 runs of the first campaign (whose curves read rank 0's replica mid-block,
-which counted long blocks late; with the synchronized model, runs 6-7, the digits CNN's
-32-64-step blocks reach the target 6-9 epochs after Auto's 16-step ones, and MNIST-1D's
-32-step blocks in the same epoch as 16-step ones). The two block algorithms exchange the same bytes once per block and are
-predicted alike; a tie goes by the optimizer's own momentum. Block momentum (BMUF, Chen and
-Huo 2016) filters the block updates with a momentum of ``1 - 1/N``, which stacks on the
-optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended 1.9-4.7 points behind
-exact where model averaging ended 0.4 behind (README, accuracy table), so from momentum 0.5
-the tie goes to model averaging, the plain local SGD of Lin et al. Without momentum the
-block momentum is what the optimizer lacks: on the digits CNN at 4 workers (SGD, no
-momentum) Auto's block momentum with blocks of 16 steps was at 0.8% test error after 10
-epochs and model averaging at 4.4% (exact SGD ends at 1.1% after 30; time-to-accuracy
-campaign, docs/plan.md), so below 0.5 it goes to block momentum.
+Rules for the settings: the measuring steps are the warm start of compressed and block
+algorithms (``warm_start`` adds to it, in global samples); a block is the smallest of 2,
+4, 8, 16 or 32 steps whose amortized exchange costs at most 5% of the compute, as small
+blocks stay closest to exact SGD, and never longer than 32 steps even where the exchange
+then costs more. The cap is bunsan's block-length sweep
+(``docs/experiments/block_sweep.sh``, docs/plan.md): each model's block algorithm at 8
+to 128 steps per block against exact SGD, seeds 0-2, on loopback and at 100 Mbit/s. On
+the digits CNN the epochs to exact's final error plus a point stay at 8-10 from 8 to 32
+steps and grow to 9-11 at 64 and 14 at 128; on MNIST-1D they stay at 26-29 up to 128. In
+time to that error 32-step blocks beat 16-step ones in all 8 of the sweep's rows
+(1.00-1.15 of the fastest setting against 1.14-1.62); longer blocks were faster only on
+MNIST-1D, whose epochs do not grow (64-128 steps, 3-15% faster than 32), and tied at 64
+steps on the digits CNN at 100 Mbit/s and 4 workers. The earlier cap of 16 steps
+followed Lin et al. 2020 ("Don't Use Large Mini-Batches, Use Local SGD", ICLR), whose
+local SGD matches minibatch SGD up to about 16 local steps; the sweep is the measurement
+on bunsan's own models. The two block algorithms exchange the same bytes once per block
+and are predicted alike; a tie goes by the optimizer's own momentum. Block momentum
+(BMUF, Chen and Huo 2016) filters the block updates with a momentum of ``1 - 1/N``,
+which stacks on the optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended
+1.9-4.7 points behind exact where model averaging ended 0.4 behind (README, accuracy
+table), so from momentum 0.5 the tie goes to model averaging, the plain local SGD of Lin
+et al. Without momentum the block momentum is what the optimizer lacks: on the digits
+CNN at 4 workers (SGD, no momentum) Auto's block momentum with blocks of 16 steps was at
+0.8% test error after 10 epochs and model averaging at 4.4% (exact SGD ends at 1.1%
+after 30; time-to-accuracy campaign, docs/plan.md), so below 0.5 it goes to block
+momentum.
 
 Measuring stops early once the slowest rank's timed steps add up to
 ``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where those two agree
@@ -113,7 +118,7 @@ ENOUGH_S = 0.02
 # the network probe once more when the first fit found no growth with size: on loopback the
 # 4-byte all-reduce's median of 3 can exceed a 1 MiB one's (2 of 6 campaign runs on a loaded machine)
 RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
-BLOCK_STEPS = (2, 4, 8, 16)  # local steps per block; the last is the cap (module docstring)
+BLOCK_STEPS = (2, 4, 8, 16, 32)  # local steps per block; the last is the cap (module docstring)
 MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s) ...
 MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
@@ -231,7 +236,7 @@ def probes_needed(
     exact's, hence a margin of ``min_gain`` for it.
 
     Where, without them, a block algorithm is the fastest and beats exact and fp16 by
-    ``min_gain``: ``"none"`` if its block is already at the 16-step cap, where it stays;
+    ``min_gain``: ``"none"`` if its block is already at the 32-step cap, where it stays;
     else ``"exact+block"``, for the block size: with both known the budget of the
     block-size rule (5% of the compute) shrinks and a block's exposed cost grows, so the
     block can only lengthen. Otherwise exact's probe (to take its fixed cost out of the

@@ -250,11 +250,11 @@ def _body_probes_needed(rank: int, world_size: int, network: dict, force: str | 
 
 
 def test_only_the_probes_that_can_change_the_decision_run_on_every_rank(workers):
-    # 50 ms latency per exchange: only blocks amortize it, at the 16-step cap, and they win by far
+    # 50 ms latency per exchange: only blocks amortize it, at the 32-step cap, and they win by far
     slow = workers.run(f"{__name__}:_body_probes_needed", network={"latency_s": 0.05, "bandwidth": 1e9})
     assert slow[0]["label"] == slow[1]["label"]
     algorithm, size = slow[0]["label"].split(":")
-    assert algorithm in ("block_momentum", "model_averaging") and int(size) == 16 * 8  # 16 steps of 8
+    assert algorithm in ("block_momentum", "model_averaging") and int(size) == 32 * 8  # 32 steps of 8
     assert [r["probed"] for r in slow] == [[], []] and slow[0]["probes"][0] == "none"
     assert set(slow[0]["fixed"].values()) == {0.0}  # every candidate charged exact's, inside the compute
     # exact's and the block probe only; the per-step candidates charged exact's fixed cost

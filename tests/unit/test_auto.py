@@ -70,12 +70,17 @@ def test_bad_arguments():
         auto.Auto(min_gain=-0.1)
 
 
-def test_block_size_is_capped_at_sixteen_steps():
+def test_block_size_is_capped_at_thirty_two_steps():
     # 100 MB at 2 workers over 100 Mbit/s: about 8 s per exchange against 10 ms of compute; no
-    # block is within budget, and the block stays at 16 steps (the accuracy cap), not longer
+    # block is within budget, and the block stays at 32 steps (the accuracy cap), not longer
     profile = cm.Profile(compute_s=0.01, params=25_000_000, batch=32)
     found = auto.candidates_for("high", profile, cm.Network(1e-4, 1.25e7), 2)
-    assert [c.options["block_size"] for c in found[5:]] == [16 * 32, 16 * 32]
+    assert [c.options["block_size"] for c in found[5:]] == [32 * 32, 32 * 32]
+    # 4 MB at 4 workers, 0.5 GB/s: 2 * 3/4 * 4e6 / 5e8 = 12 ms per exchange against 10 ms of compute;
+    # 5% (0.5 ms) needs 24 steps: 0.75 ms at 16, 0.375 ms at 32, the first within budget
+    one_mb = cm.Profile(compute_s=0.01, params=1_000_000, batch=32)
+    found = auto.candidates_for("high", one_mb, cm.Network(0.0, 5e8), 4)
+    assert [c.options["block_size"] for c in found[5:]] == [32 * 32, 32 * 32]
 
 
 def test_one_fixed_cost_probe_per_family():
@@ -117,14 +122,14 @@ def _predicted(rows):
 
 
 def test_probes_needed_by_what_the_decision_without_them_hinges_on():
-    batch = 32  # the cap: 16 steps of 32 samples = 512
+    batch = 32  # the cap: 32 steps of 32 samples = 1024
     per_step = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
     # model averaging at the cap, 1.5x faster than fp16 and 1.67x than exact: no probe at all
-    rows = [*per_step, ("model_averaging:512", "model_averaging", {"block_size": 512}, 0.0060)]
+    rows = [*per_step, ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
-    assert mode == "none" and "model_averaging:512" in why and "16-step cap" in why
-    # below the cap: exact's and the block probe, which may lengthen the block
-    rows = [*per_step, ("model_averaging:256", "model_averaging", {"block_size": 256}, 0.0060)]
+    assert mode == "none" and "model_averaging:1024" in why and "32-step cap" in why
+    # below the cap (16 steps): exact's and the block probe, which may lengthen the block
+    rows = [*per_step, ("model_averaging:512", "model_averaging", {"block_size": 512}, 0.0060)]
     assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "exact+block"
     # fp16 within 10% of the block algorithm (0.0065 < 1.1 * 0.0060): its probe could swap them
     rows = [
@@ -140,7 +145,7 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
         *per_step,
         ("1-bit", "data_parallel", {"bits": 1}, 0.0062),
         ("8-bit", "data_parallel", {"bits": 8}, 0.0061),
-        ("block_momentum:512", "block_momentum", {"block_size": 512}, 0.0060),
+        ("block_momentum:1024", "block_momentum", {"block_size": 1024}, 0.0060),
     ]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
     assert mode == "none" and "beats exact and fp16 by 10%" in why

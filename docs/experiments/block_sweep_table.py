@@ -1,0 +1,80 @@
+"""Medians over seeds of ``docs/experiments/block_sweep.sh``'s records: per model, network and
+worker count, each setting's steps per block, epochs to the target, time to target, whole run,
+and time to target relative to the fastest setting of its row group.
+
+    python docs/experiments/block_sweep_table.py 'runs/sweep1/*/compare.json'
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+
+from bunsan._table import format_table
+from bunsan.bench.tta import tta_rows
+
+
+def main(pattern: str) -> None:
+    groups: dict[tuple[str, str, int, str], list[dict]] = defaultdict(list)
+    batches: dict[tuple[str, int], int] = {}
+    for path in sorted(glob.glob(pattern)):
+        record = json.load(open(path))
+        arguments = record["arguments"]
+        network = arguments.get("network") or "loopback"
+        for row in tta_rows(record["configs"], "data_parallel", 1.0):
+            groups[(arguments["model"], str(network), row["workers"], row["label"])].append(row)
+        for config in record["configs"]:
+            batches[(arguments["model"], config["workers"])] = config["per_worker_batch"]
+    table = []
+    best: dict[tuple[str, str, int], float] = {}
+    medians = {}
+    for key, rows in groups.items():
+        times = [r["tta_s"] if r["tta_s"] is not None else float("inf") for r in rows]
+        median = statistics.median(times)
+        medians[key] = (
+            median,
+            statistics.median(r["epoch"] or 999 for r in rows),
+            statistics.median(r["run_s"] for r in rows),
+            len(rows),
+        )
+        best[key[:3]] = min(best.get(key[:3], float("inf")), median)
+    for key in sorted(medians):
+        model, network, workers, label = key
+        median, epoch, run_s, seeds = medians[key]
+        size = re.search(r"block_size=(\d+)", label)
+        steps = str(int(size.group(1)) // batches[(model, workers)]) if size else "1"
+        table.append(
+            [
+                model,
+                network,
+                str(workers),
+                label,
+                steps,
+                str(seeds),
+                f"{epoch:g}",
+                f"{median:.2f}",
+                f"{run_s:.2f}",
+                f"{median / best[key[:3]]:.2f}",
+            ]
+        )
+    columns = [
+        "model",
+        "network",
+        "workers",
+        "setting",
+        "steps/block",
+        "seeds",
+        "epochs to target",
+        "to target (s)",
+        "whole run (s)",
+        "vs fastest",
+    ]
+    print(format_table(columns, table))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
