@@ -13,6 +13,7 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from bunsan._table import format_table
 from bunsan.bench.tta import tta_rows
@@ -22,7 +23,7 @@ def main(pattern: str) -> None:
     groups: dict[tuple[str, str, int, str], list[dict]] = defaultdict(list)
     batches: dict[tuple[str, int], int] = {}
     for path in sorted(glob.glob(pattern)):
-        record = json.load(open(path))
+        record = json.loads(Path(path).read_text())
         arguments = record["arguments"]
         network = arguments.get("network") or "loopback"
         for row in tta_rows(record["configs"], "data_parallel", 1.0):
