@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import re
 import statistics
 import sys
@@ -34,15 +35,15 @@ def main(pattern: str) -> None:
     best: dict[tuple[str, str, int], float] = {}
     medians = {}
     for key, rows in groups.items():
-        times = [r["tta_s"] if r["tta_s"] is not None else float("inf") for r in rows]
-        median = statistics.median(times)
+        # a missed target counts as later than any time or epoch; a median that is one prints as "-"
+        median = statistics.median(math.inf if r["tta_s"] is None else r["tta_s"] for r in rows)
         medians[key] = (
             median,
-            statistics.median(r["epoch"] or 999 for r in rows),
+            statistics.median(math.inf if r["epoch"] is None else r["epoch"] for r in rows),
             statistics.median(r["run_s"] for r in rows),
             len(rows),
         )
-        best[key[:3]] = min(best.get(key[:3], float("inf")), median)
+        best[key[:3]] = min(best.get(key[:3], math.inf), median)
     for key in sorted(medians):
         model, network, workers, label = key
         median, epoch, run_s, seeds = medians[key]
@@ -56,10 +57,10 @@ def main(pattern: str) -> None:
                 label,
                 steps,
                 str(seeds),
-                f"{epoch:g}",
-                f"{median:.2f}",
+                "-" if math.isinf(epoch) else f"{epoch:g}",
+                "-" if math.isinf(median) else f"{median:.2f}",
                 f"{run_s:.2f}",
-                f"{median / best[key[:3]]:.2f}",
+                "-" if math.isinf(median) else f"{median / best[key[:3]]:.2f}",
             ]
         )
     columns = [

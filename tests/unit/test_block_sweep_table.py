@@ -37,6 +37,7 @@ def test_steps_per_block_medians_over_seeds_and_ratio_to_the_fastest(tmp_path):
             exact,
             _config("block_momentum:block_size=512", [0.20, 0.06, 0.05], [0.5, 1.0, 1.5]),  # 16 steps: 1.0 s
             _config("block_momentum:block_size=1024", [0.06, 0.05, 0.05], [0.4, 0.8, 1.2]),  # 32 steps: 0.4 s
+            _config("block_momentum:block_size=2048", [0.30, 0.20, 0.10], [0.3, 0.6, 0.9]),  # 64 steps: missed
         ],
     )
     _record(
@@ -46,6 +47,7 @@ def test_steps_per_block_medians_over_seeds_and_ratio_to_the_fastest(tmp_path):
             exact,
             _config("block_momentum:block_size=512", [0.20, 0.10, 0.06], [0.5, 1.0, 1.6]),  # 1.6 s
             _config("block_momentum:block_size=1024", [0.20, 0.06, 0.05], [0.4, 0.8, 1.2]),  # 0.8 s
+            _config("block_momentum:block_size=2048", [0.30, 0.20, 0.06], [0.3, 0.6, 0.9]),  # 0.9 s
         ],
     )
     command = [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json")]
@@ -55,3 +57,5 @@ def test_steps_per_block_medians_over_seeds_and_ratio_to_the_fastest(tmp_path):
     assert rows["block_momentum:block_size=512"][4:] == ["16", "2", "2.5", "1.30", "1.55", "2.17"]
     assert rows["block_momentum:block_size=1024"][4:] == ["32", "2", "1.5", "0.60", "1.20", "1.00"]
     assert rows["data_parallel"][4:] == ["1", "2", "3", "3.00", "3.00", "5.00"]
+    # missed in one of two seeds: the median is a miss, shown as "-" (no sentinel epoch or time)
+    assert rows["block_momentum:block_size=2048"][4:] == ["64", "2", "-", "-", "0.90", "-"]
