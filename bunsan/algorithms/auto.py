@@ -54,15 +54,16 @@ after 30; time-to-accuracy campaign, docs/plan.md), so below 0.5 it goes to bloc
 momentum.
 
 Measuring stops early once the slowest rank's timed steps add up to
-``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where those two agree
-within ``min_gain`` on every rank: where a step takes tens of milliseconds or more, its
+``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where the job's time of
+each (the slowest rank's, step by step: a synchronous step ends when its slowest rank
+ends) agrees within ``min_gain``: where a step takes tens of milliseconds or more, its
 time is far above the machine's timing noise and 2-3 steps pin it down, while 10 exact
 steps cost most where exact is slowest (58-92 ms each for the digits CNN at 100 Mbit/s
 in bunsan's time-to-accuracy campaign, 3.9 s each for the 10.5M MLP at 100 Mbit/s and 2
 workers). A third step is timed where the two differ by more than the margin the decision
 itself asks: one outlier then cannot be the mean. Where steps take milliseconds, all
 ``measure_steps`` are taken. From the second timed step on, each measuring step
-all-reduces two numbers, so that every rank stops at the same step.
+all-reduces three numbers, so that every rank stops at the same step.
 
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
@@ -417,15 +418,17 @@ class Auto(Algorithm):
     def _budget_spent(self) -> bool:
         """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
         ``MIN_AGREEING``-th timed step on: every rank has timed as many steps, and all stop together).
-        At ``MIN_AGREEING`` steps only if, on every rank, they agree within ``min_gain`` (the margin the
-        decision itself asks); from ``MIN_TIMED`` on their median rejects one outlier."""
+        At ``MIN_AGREEING`` steps only if the slowest rank's time of each step (the job's step time) agrees
+        within ``min_gain`` (the margin the decision itself asks): a fast rank's jitter of a tenth of a
+        millisecond does not hold back a job whose steps take 50 ms. From ``MIN_TIMED`` on, their median
+        rejects one outlier."""
         count = len(self._durations)
         if self.measure_budget_s is None or count < MIN_AGREEING:
             return False
-        spread = max(self._durations) / max(min(self._durations), 1e-12) if count < MIN_TIMED else 1.0
-        figures = torch.tensor([sum(self._durations), spread], dtype=torch.float64)
+        figures = torch.tensor([sum(self._durations), *self._durations[:MIN_AGREEING]], dtype=torch.float64)
         comm.all_reduce(figures, op="max", group=self.group)
-        spent, spread = float(figures[0]), float(figures[1])
+        spent, first = float(figures[0]), figures[1:].tolist()
+        spread = max(first) / max(min(first), 1e-12) if count < MIN_TIMED else 1.0
         return spent >= self.measure_budget_s and spread <= 1 + self.min_gain
 
     def join(self) -> None:

@@ -124,11 +124,12 @@ def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
 
 @pytest.mark.parametrize(
     ("budget", "sleep_s", "step"),
-    [(0.1, 0.05, 3), (0.1, (0.05, 0.08, 0.05), 4), (1.0, 0.0, 11), (None, 0.05, 11)],
+    [(0.1, 0.25, 3), (0.1, (0.05, 0.08, 0.05), 4), (1.0, 0.0, 11), (None, 0.05, 11)],
     ids=["slow-steps-stop-early", "two-that-differ-take-a-third", "fast-steps-take-all", "no-budget"],
 )
 def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep_s, step):
-    # 1 untimed step, then 2 timed ones of 50 ms on rank 1 (0.10 s >= 0.1, within 10% of each other):
+    # 1 untimed step, then 2 timed ones of 250 ms on rank 1 (0.5 s >= 0.1, within 10% of each other even
+    # where a loaded machine wakes a sleeper 20 ms late; with 50 ms steps a CI run once took a third):
     # the decision after step 3 on both ranks, though rank 0's own steps take about a millisecond; two
     # timed steps of 50 and 80 ms differ by more than min_gain (10%): a third is timed, decision after
     # step 4; fast steps (9 timed of about a millisecond, far under 1 s even on a loaded machine) and
