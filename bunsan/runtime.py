@@ -317,8 +317,9 @@ def _check_in_step() -> None:
     mismatch = _inspector.compare_at_end(timeout_s=30.0)
     if mismatch is not None:
         raise CommunicationError(mismatch)
-    mine = torch.tensor([_inspector.collectives_in_world()], dtype=torch.int64)
-    counts = torch.empty(n, dtype=torch.int64)
+    device = comm.tensor_device()  # NCCL moves only CUDA tensors
+    mine = torch.tensor([_inspector.collectives_in_world()], dtype=torch.int64, device=device)
+    counts = torch.empty(n, dtype=torch.int64, device=device)
     comm.all_gather_into(counts, mine)
     values = counts.tolist()
     if len(set(values)) > 1:

@@ -105,7 +105,14 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
-from bunsan.algorithms.measure import can_overlap, measure_codec, measure_codecs, measure_fixed_costs, measure_network
+from bunsan.algorithms.measure import (
+    can_overlap,
+    measure_codec,
+    measure_codecs,
+    measure_fixed_costs,
+    measure_network,
+    synchronize,
+)
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = ["PROBE_FAMILIES", "Auto", "candidates_for", "choose", "infer_compute", "probe_family", "probes_needed"]
@@ -402,6 +409,7 @@ class Auto(Algorithm):
     def after_step(self) -> None:
         self.inner.after_step()
         if self.decision is None:
+            synchronize(self._device())  # on a GPU: the step's kernels and exchange, not their launches
             now = time.perf_counter()
             if self._last_end is not None:
                 self._durations.append(now - self._last_end)
@@ -415,6 +423,10 @@ class Auto(Algorithm):
             else:
                 self._last_end = time.perf_counter()  # the check's all-reduce not counted in the next step
 
+    def _device(self) -> torch.device:
+        """Where the model's parameters are: where its steps, its exchange and its codec run."""
+        return self.named_params[0][1].device if self.named_params else torch.device("cpu")
+
     def _budget_spent(self) -> bool:
         """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
         ``MIN_AGREEING``-th timed step on: every rank has timed as many steps, and all stop together).
@@ -425,7 +437,11 @@ class Auto(Algorithm):
         count = len(self._durations)
         if self.measure_budget_s is None or count < MIN_AGREEING:
             return False
-        figures = torch.tensor([sum(self._durations), *self._durations[:MIN_AGREEING]], dtype=torch.float64)
+        figures = torch.tensor(
+            [sum(self._durations), *self._durations[:MIN_AGREEING]],
+            dtype=torch.float64,
+            device=comm.tensor_device(self.group),
+        )
         comm.all_reduce(figures, op="max", group=self.group)
         spent, first = float(figures[0]), figures[1:].tolist()
         spread = max(first) / max(min(first), 1e-12) if count < MIN_TIMED else 1.0
@@ -508,13 +524,15 @@ class Auto(Algorithm):
 
     def _decide(self) -> None:
         started = time.perf_counter()
-        slowest = torch.tensor([statistics.median(self._durations)], dtype=torch.float64)
+        slowest = torch.tensor(
+            [statistics.median(self._durations)], dtype=torch.float64, device=comm.tensor_device(self.group)
+        )
         comm.all_reduce(slowest, op="max", group=self.group)
         step_s = float(slowest[0])
         n = self.world_size
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
-        network: cm.Network | None = self.network
-        if network is None:
+        network: cm.Network | None = self.network if n > 1 else None
+        if network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
             # every rank fits the same (max-reduced) timings, so all succeed or all fail, and retry alike
             try:
@@ -526,7 +544,7 @@ class Auto(Algorithm):
                     network = None
         # the exchange overlaps backward only where it does not need the compute's core
         local = runtime.local_size()
-        device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+        device = self._device()
         overlap = can_overlap(device, local, over_memory=local == runtime.size())
         network_s = time.perf_counter() - started
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
@@ -534,10 +552,10 @@ class Auto(Algorithm):
         codecs: tuple[tuple[int, float, float, float], ...] = ()
         if network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
-            codec = measure_codec(numel, repeats=2, collective=True, group=self.group)
+            codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             if self.risk != "low":
-                codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group)
+                codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)
         fixed: dict[str, float] = {}
         plan: tuple[Any, ...] | None = None
         probing: tuple[str, str] | None = None
@@ -586,7 +604,11 @@ class Auto(Algorithm):
                 "label": "exact",
                 "step": self._measured,
                 "workers": n,
-                "why": "the network measurement was inconclusive (times did not grow with size): exact kept",
+                "why": (
+                    "the network measurement was inconclusive (times did not grow with size): exact kept"
+                    if n > 1
+                    else "one worker: nothing to exchange, exact kept"
+                ),
                 "measured": {"exact_step_s": step_s},
                 "predictions": [],
             }

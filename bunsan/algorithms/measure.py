@@ -28,6 +28,7 @@ __all__ = [
     "measure_network",
     "median_time",
     "register_distribute",
+    "synchronize",
 ]
 
 # bunsan.distribute, registered by bunsan.optim when it is imported: the probe of fixed costs builds
@@ -47,12 +48,24 @@ PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 LONG_REPEATS = 2
 
 
-def median_time(fn: Any, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls of ``fn()``."""
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for ``device``'s queued work (a CUDA device's kernels and NCCL collectives; nothing on the CPU).
+
+    A clock read on the host times a CUDA step's launches, not its work: the kernels run after
+    the host returns, and an NCCL collective's ``wait()`` only orders the compute stream after it.
+    """
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Any, repeats: int, device: torch.device | str | None = None) -> float:
+    """Median seconds of ``repeats`` calls of ``fn()`` (on a CUDA ``device``: until its work is done)."""
     times = []
+    synchronize(device)
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -67,7 +80,13 @@ CODEC_FIELDS = (
 
 
 def measure_codec(
-    numel: int, bits: int = 1, *, repeats: int = 3, collective: bool = False, group: Any = None
+    numel: int,
+    bits: int = 1,
+    *,
+    repeats: int = 3,
+    collective: bool = False,
+    group: Any = None,
+    device: torch.device | str | None = None,
 ) -> dict[str, float]:
     """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
     fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
@@ -83,20 +102,25 @@ def measure_codec(
     another the same day (whether the ranks happened to time it together), and its 8- and
     1-bit steps were predicted up to 30% short (docs/plan.md); timed together, the codec
     runs as the job's exchange meets it. On separate cores or devices the two agree.
+
+    ``device``: where the job's gradients are, so where its codec runs (default the CPU); on a
+    GPU each timing waits for the device's kernels.
     """
     from bunsan.compression import Quantizer
 
     def timed(fn: Any, count: int) -> float:
         if collective:
             comm.barrier(group)
-        return median_time(fn, count)
+        return median_time(fn, count, device)
 
+    device = torch.device(device if device is not None else "cpu")
     numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
     quantizer = Quantizer(bits)
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))  # not the global RNG: training's draws stay
-    residual = torch.zeros(numel)
-    payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8)
-    out = torch.empty(numel)
+    # not the global RNG: training's draws stay
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    residual = torch.zeros(numel, device=device)
+    payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8, device=device)
+    out = torch.empty(numel, device=device)
     quantizer.encode_with_feedback(x, residual, out=payload)  # warm up
     encode = timed(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
     decode = timed(lambda: quantizer.decode(payload, numel, out=out), repeats)
@@ -113,7 +137,7 @@ def measure_codec(
         )
         / 2
     )
-    half = torch.empty(numel, dtype=torch.float16)
+    half = torch.empty(numel, dtype=torch.float16, device=device)
     cast = timed(lambda: (half.copy_(x), out.copy_(half)), repeats)
     copy = timed(lambda: out.copy_(x), repeats)
     found = {
@@ -124,7 +148,7 @@ def measure_codec(
         "copy_s_per_element": copy / numel,
     }
     if collective:  # every rank the slowest rank's figures
-        slowest = torch.tensor([found[k] for k in CODEC_FIELDS], dtype=torch.float64)
+        slowest = torch.tensor([found[k] for k in CODEC_FIELDS], dtype=torch.float64, device=comm.tensor_device(group))
         comm.all_reduce(slowest, op="max", group=group)
         found = dict(zip(CODEC_FIELDS, slowest.tolist()))
     return found
@@ -151,6 +175,7 @@ def measure_network(
     workers, 0.28 instead of 0.38 at 4 (docs/plan.md).
     """
     n = comm.get_world_size(group)
+    device = comm.tensor_device(group)  # NCCL's probe moves GPU memory, as the job's exchange does
     reduce_points: list[tuple[int, float]] = []
     gather_points: list[tuple[int, float]] = []
     sizes = sorted(sizes)
@@ -159,34 +184,39 @@ def measure_network(
         if enough_s is not None and len(reduce_points) >= 2 and reduce_points[-1][1] >= enough_s:
             break
         numel = max(1, nbytes // 4)
-        tensor = torch.ones(numel)
-        piece = torch.ones(max(1, numel // n))
-        gathered = torch.empty(piece.numel() * n)
+        tensor = torch.ones(numel, device=device)
+        piece = torch.ones(max(1, numel // n), device=device)
+        gathered = torch.empty(piece.numel() * n, device=device)
+        synchronize(device)
         first_s = time.perf_counter()
         comm.all_reduce(tensor, group=group)  # warm up this size's buffers
+        synchronize(device)
         first_s = time.perf_counter() - first_s
         comm.all_gather_into(gathered, piece, group=group)
         timed_repeats = repeats
         if enough_s is not None and reduce_points:  # not the latency point; the slowest rank's first call decides
-            first = torch.tensor([first_s], dtype=torch.float64)
+            first = torch.tensor([first_s], dtype=torch.float64, device=device)
             comm.all_reduce(first, op="max", group=group)
             if float(first[0]) >= enough_s:
                 timed_repeats = min(repeats, LONG_REPEATS)
         comm.barrier(group)
-        reduce_s = median_time(functools.partial(comm.all_reduce, tensor, group=group), timed_repeats)
+        reduce_s = median_time(functools.partial(comm.all_reduce, tensor, group=group), timed_repeats, device)
         comm.barrier(group)
-        gather_s = median_time(functools.partial(comm.all_gather_into, gathered, piece, group=group), timed_repeats)
-        slowest = torch.tensor([reduce_s, gather_s], dtype=torch.float64)
+        gather = functools.partial(comm.all_gather_into, gathered, piece, group=group)
+        gather_s = median_time(gather, timed_repeats, device)
+        slowest = torch.tensor([reduce_s, gather_s], dtype=torch.float64, device=device)
         comm.all_reduce(slowest, op="max", group=group)
         reduce_points.append((numel * 4, float(slowest[0])))
         gather_points.append((piece.numel() * 4, float(slowest[1])))
     network = network_from_timings(reduce_points, n, gather_points)
     # float16 at the largest size: Gloo reduces half precision in software on CPU
-    halves = torch.ones(max(1, reduce_points[-1][0] // 2), dtype=torch.float16)
+    halves = torch.ones(max(1, reduce_points[-1][0] // 2), dtype=torch.float16, device=device)
     comm.all_reduce(halves, group=group)
     comm.barrier(group)
     half_s = torch.tensor(
-        [median_time(lambda: comm.all_reduce(halves, group=group), timed_repeats)], dtype=torch.float64
+        [median_time(lambda: comm.all_reduce(halves, group=group), timed_repeats, device)],
+        dtype=torch.float64,
+        device=device,
     )
     comm.all_reduce(half_s, op="max", group=group)
     wire_s = float(half_s[0]) - 2 * (n - 1) * network.latency_s
@@ -196,13 +226,19 @@ def measure_network(
 
 
 def measure_codecs(
-    numel: int, bits: Sequence[int], *, repeats: int = 3, collective: bool = False, group: Any = None
+    numel: int,
+    bits: Sequence[int],
+    *,
+    repeats: int = 3,
+    collective: bool = False,
+    group: Any = None,
+    device: torch.device | str | None = None,
 ) -> tuple[tuple[int, float, float, float], ...]:
     """:func:`measure_codec` at each width of ``bits``, as :attr:`bunsan.algorithms.cost_model.Profile.codecs`
     (``collective``: as there, every rank at once, the slowest rank's figures)."""
     found = []
     for b in sorted(set(bits)):
-        codec = measure_codec(numel, b, repeats=repeats, collective=collective, group=group)
+        codec = measure_codec(numel, b, repeats=repeats, collective=collective, group=group, device=device)
         found.append((b, codec["encode_s_per_element"], codec["decode_s_per_element"], codec["codec_call_s"]))
     return tuple(found)
 
@@ -267,11 +303,12 @@ def measure_fixed_costs(
     if distribute is None:
         raise RuntimeError("measure_fixed_costs needs bunsan.distribute: pass it, or import bunsan.optim first")
     n = comm.get_world_size(group)
+    device = comm.tensor_device(group)  # the tiny models live where the job's gradients do
     if overlap is None:
         local_workers = runtime.local_size()
-        overlap = can_overlap("cpu", local_workers, over_memory=local_workers == runtime.size())
-    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
-    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1))
+        overlap = can_overlap(device, local_workers, over_memory=local_workers == runtime.size())
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0)).to(device)
+    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1)).to(device)
 
     def timed(model: Any, optimizer: Any) -> float:
         def run(count: int = steps) -> None:
@@ -282,25 +319,25 @@ def measure_fixed_costs(
 
         run(steps if warmup is None else warmup)  # warm up
         comm.barrier(group)
-        return median_time(run, repeats) / steps
+        return median_time(run, repeats, device) / steps
 
     fixed = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        local_model = torch.nn.Linear(4, 2)
+        local_model = torch.nn.Linear(4, 2).to(device)
         local = torch.tensor(
-            [timed(local_model, torch.optim.SGD(local_model.parameters(), lr=1e-3))], dtype=torch.float64
+            [timed(local_model, torch.optim.SGD(local_model.parameters(), lr=1e-3))], dtype=torch.float64, device=device
         )
         comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
         local_s = float(local[0])
         for candidate in candidates:
             torch.manual_seed(0)
-            tiny = torch.nn.Linear(4, 2)
+            tiny = torch.nn.Linear(4, 2).to(device)
             sgd = torch.optim.SGD(tiny.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
             model, optimizer = distribute(tiny, sgd, candidate.algorithm, group=group, **dict(candidate.options))
             step_s = timed(model, optimizer)
             optimizer.join()
-            slowest = torch.tensor([step_s], dtype=torch.float64)
+            slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
             comm.all_reduce(slowest, op="max", group=group)
             profile = cm.Profile(compute_s=local_s, params=10, batch=32, tensors=2, chunks=2)
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap)

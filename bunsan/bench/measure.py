@@ -38,6 +38,7 @@ from bunsan.algorithms.measure import (
     measure_fixed_costs,
     measure_network,
     median_time,
+    synchronize,
 )
 
 __all__ = [
@@ -72,16 +73,19 @@ def measure_compute(
         with torch.no_grad():
             model(inputs)
 
+    device = inputs.device  # on a GPU each timing waits for the step's kernels (synchronize)
     model.train()
     for _ in range(warmup):
         step()
+    synchronize(device)
     step_times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        synchronize(device)
         step_times.append(time.perf_counter() - start)
     compute = statistics.median(step_times)
-    forward_s = median_time(forward, steps)
+    forward_s = median_time(forward, steps, device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     tensors = sum(1 for p in model.parameters() if p.requires_grad)
     from bunsan.compression import DEFAULT_CHUNK_SIZE

@@ -261,6 +261,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--published", help=f"a published set-up: {', '.join(sorted(PUBLISHED))}")
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="with --model: where one worker computes, e.g. cuda (the step and the codec are timed there, "
+        "synchronized); default %(default)s, one thread",
+    )
+    parser.add_argument(
         "--backward-fraction",
         type=float,
         help="share of the step in backward (default: measured with --model, else 2/3)",
@@ -327,15 +333,19 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.model not in models.names():
         raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
-    torch.set_num_threads(1)  # as one worker of a CPU job runs
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is visible here")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as one worker of a CPU job runs
     kwargs, shape = model_inputs(args.model, None, 10)
     torch.manual_seed(0)
-    model = models.create(args.model, **kwargs)
+    model = models.create(args.model, **kwargs).to(device)
     # the batch of one worker at 1 worker (with --global-batch, the whole global batch)
-    x, y = torch.randn(args.batch, *shape), torch.randint(0, 10, (args.batch,))
+    x, y = torch.randn(args.batch, *shape).to(device), torch.randint(0, 10, (args.batch,)).to(device)
     measured = measure_compute(model, x, y)
-    measured.update(measure_codec(measured["params"]))
-    measured["codecs"] = measure_codecs(measured["params"], (8,))  # the candidates' other width
+    measured.update(measure_codec(measured["params"], device=device))
+    measured["codecs"] = measure_codecs(measured["params"], (8,), device=device)  # the candidates' other width
     return measured
 
 

@@ -23,7 +23,7 @@ __all__ = ["main"]
 def main() -> int:
     """One worker of the tiny all-reduce job: every rank adds rank + 1; print the result as JSON."""
     info = bunsan.init(timeout_s=60.0)
-    value = torch.tensor([float(info.rank + 1)])
+    value = torch.tensor([float(info.rank + 1)], device=comm.tensor_device())  # NCCL: a CUDA tensor
     started = time.perf_counter()
     comm.all_reduce(value)
     elapsed_ms = (time.perf_counter() - started) * 1e3

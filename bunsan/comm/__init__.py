@@ -15,6 +15,7 @@ from bunsan.comm.collectives import (
     get_world_size,
     global_rank,
     is_initialized,
+    tensor_device,
     wait,
 )
 from bunsan.comm.objects import broadcast_object, group_rank, group_size, scatter_objects, scatter_tensor
@@ -37,5 +38,6 @@ __all__ = [
     "is_initialized",
     "scatter_objects",
     "scatter_tensor",
+    "tensor_device",
     "wait",
 ]

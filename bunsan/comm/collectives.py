@@ -46,6 +46,7 @@ __all__ = [
     "get_world_size",
     "global_rank",
     "is_initialized",
+    "tensor_device",
     "wait",
 ]
 
@@ -76,6 +77,15 @@ def is_initialized() -> bool:
 def get_backend(group: ProcessGroup | None = None) -> str:
     """The backend of ``group`` (``"gloo"``, ``"nccl"``), or ``"none"`` without a process group."""
     return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def tensor_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live for ``group``'s backend to move it: NCCL moves only CUDA tensors (the
+    current device's), Gloo and no process group the CPU's. A collective of a few numbers (a maximum
+    over ranks, a count) allocates its tensor here, or it fails on NCCL even at one worker."""
+    if get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:

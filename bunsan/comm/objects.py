@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan._validate import check_int
+from bunsan.comm.collectives import tensor_device
 
 __all__ = ["broadcast_object", "group_rank", "group_size", "scatter_objects", "scatter_tensor"]
 
@@ -48,13 +49,6 @@ def _one_per_rank(name: str, items: Sequence[T] | None, src: int, size: int) -> 
 def _check_src(src: int, group: ProcessGroup | None) -> int:
     size = dist.get_world_size(group)
     return int(check_int("src", src, minimum=0, maximum=size - 1, hint="a rank of the group"))
-
-
-def _device(group: ProcessGroup | None) -> torch.device:
-    # NCCL moves only CUDA tensors; Gloo moves CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) -> Any:
@@ -122,7 +116,7 @@ def scatter_tensor(
         ``out``.
     """
     src = _check_src(src, group)
-    device = _device(group)
+    device = tensor_device(group)
     size = dist.get_world_size(group)
     scatter_list = None
     if dist.get_rank(group) == src:

@@ -1,6 +1,7 @@
 """Auto's pure parts: candidates by risk, the block-size rule, the choice, the compute inversion."""
 
 import pytest
+import torch
 
 from bunsan.algorithms import auto
 from bunsan.algorithms import cost_model as cm
@@ -219,3 +220,28 @@ def test_the_printed_table_says_which_probes_ran_and_why():
     ):
         decision["measured"]["probes"] = [mode, "the reason"]
         assert auto.format_decision(decision).splitlines()[-1] == f"[bunsan]   fixed-cost probes: {said}: the reason"
+
+
+def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):
+    import torch.nn.functional as F
+
+    import bunsan
+    from bunsan.algorithms import auto as auto_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a job of one worker has no network to measure")
+
+    monkeypatch.setattr(auto_module, "measure_network", no_probe)
+    monkeypatch.setattr(auto_module, "measure_fixed_costs", no_probe)
+    torch.manual_seed(0)
+    auto = bunsan.Auto(measure_steps=3, verbose=False)
+    model = torch.nn.Linear(4, 2)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), auto)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    for _ in range(4):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert auto.decision is not None and auto.decision["step"] == 4
+    assert (auto.decision["label"], auto.decision["workers"]) == ("exact", 1)
+    assert "one worker" in auto.decision["why"]

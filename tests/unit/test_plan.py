@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from bunsan.bench import plan
 from bunsan.cli import main
@@ -93,3 +94,12 @@ def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, tmp_path):
     assert main(["plan", *argv, "--png", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device is visible")
+def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
+    code = main(
+        ["plan", "--model", "mnist1d_cnn", "--device", "cuda", "--workers", "2", "--png", str(tmp_path / "m.png")]
+    )
+    assert code == 2
+    assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
