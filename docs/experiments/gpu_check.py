@@ -107,6 +107,36 @@ def _case_algorithm(name: str, make: Callable[[], Any], data: dict[str, Any]) ->
     return found
 
 
+def _case_probes() -> dict[str, Any]:
+    """Auto's measurements over the job's own group (at one worker Auto itself skips them: no exchange)."""
+    from bunsan.algorithms import cost_model as cm
+    from bunsan.algorithms.measure import measure_codec, measure_fixed_costs, measure_network
+    from bunsan.algorithms.network_model import Network
+
+    device = bunsan.device()
+    found: dict[str, Any] = {}
+    try:
+        network = measure_network(sizes=(4, 1 << 20, 4 << 20), repeats=3)
+        found["network"] = {"latency_us": network.latency_s * 1e6, "bandwidth_GBps": network.bandwidth / 1e9}
+    except ValueError as e:  # one rank: the times need not grow with size; the collectives ran
+        found["network"] = f"inconclusive at {bunsan.size()} worker(s): {e}"
+    codec = measure_codec(_digits_cnn_params(), bits=1, collective=True, device=device)
+    found["codec_1bit_ns_per_element"] = 1e9 * (codec["encode_s_per_element"] + codec["decode_s_per_element"])
+    candidates = [
+        cm.Candidate("data_parallel", {}, "exact"),
+        cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16"),
+        cm.Candidate("data_parallel", {"bits": 1}, "1-bit"),
+        cm.Candidate("block_momentum", {"block_size": 64}, "block_momentum"),
+    ]
+    fixed = measure_fixed_costs(candidates, Network(latency_s=1e-5, bandwidth=1e10))
+    found["fixed_ms"] = {label: 1e3 * s for label, s in fixed}
+    return found
+
+
+def _digits_cnn_params() -> int:
+    return sum(p.numel() for p in DigitsCNN().parameters())
+
+
 def _case_amp_clip(data: dict[str, Any]) -> dict[str, Any]:
     device = bunsan.device()
     torch.manual_seed(0)
@@ -168,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, Callable[[], dict[str, Any]]] = {
         name: (lambda name=name, make=make: _case_algorithm(name, make, data)) for name, make in _algorithms().items()
     }
+    cases["Auto's probes"] = _case_probes
     cases["exact AdamW+GradScaler+clip"] = lambda: _case_amp_clip(data)
     cases["SyncBatchNorm"] = lambda: _case_sync_batchnorm(data)
     cases["TrainingSession+Checkpoint+Test"] = lambda: _case_session(data)
