@@ -411,8 +411,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 )
             }
             backward = measured["backward_fraction"]
+            where = "1 thread" if args.device == "cpu" else args.device
             say(
-                f"measured {args.model}, batch {args.batch}, 1 thread: {compute_s * 1e3:.2f} ms per step "
+                f"measured {args.model}, batch {args.batch}, {where}: {compute_s * 1e3:.2f} ms per step "
                 f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
             )
         else:
