@@ -289,6 +289,44 @@ def probes_needed(
     return "+".join(families), why
 
 
+def later_probes_needed(
+    candidates: Sequence[cm.Candidate],
+    predictions: Sequence[cm.Prediction],
+    later: set[str],
+    exact_fixed_s: float,
+    min_gain: float,
+) -> tuple[str, str]:
+    """Which of the ``later`` probe families (``fp16``, ``quantized``) can still change the decision
+    once exact's and the block probe have run: ``(families or "none", why they were skipped)``.
+
+    ``predictions`` charge each candidate what the first probes found, and one whose probe did not
+    run exact's fixed cost. A probe can only move its candidates from there to their own fixed
+    cost; the decision is the fastest candidate against exact (:func:`choose`). A later family's
+    probe is skipped where even its optimistic bound is not faster than the fastest other
+    candidate: fp16 charged ``(1 - min_gain)`` of exact's fixed cost (its probe may come out a
+    little under exact's), a quantized width exact's (its striped exchange makes two collectives
+    per bucket where exact makes one: 1.26-4.5 times exact's in ``bunsan bench predict``). On
+    the MNIST-1D CNN at 4 workers on 2 cores, 6.9 of the 9.1 ms of an exact step were fixed
+    cost, and with it known the 32-step model averaging was predicted at 2.4 ms a step, far
+    below fp16 at any fixed cost near exact's: fp16's probe (a third of the probing) could not
+    change the choice.
+    """
+    optimistic = {"fp16": (1 - min_gain) * exact_fixed_s, "quantized": exact_fixed_s}
+    keep, skipped = [], []
+    for family in sorted(later):
+        mine = [i for i, c in enumerate(candidates) if probe_family(c) == family]
+        others = [p.step_s for i, p in enumerate(predictions) if i not in mine]
+        if not mine or not others:
+            continue
+        # each of the family's predictions with its charged fixed cost (exact's) swapped for the bound
+        bound = min(predictions[i].step_s - max(0.0, exact_fixed_s - optimistic[family]) for i in mine)
+        if bound < min(others):
+            keep.append(family)
+        else:
+            skipped.append(f"{family}'s probe skipped (at its lowest fixed cost still not the fastest)")
+    return ("+".join(keep) if keep else "none"), "; ".join(skipped)
+
+
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
     """Index of the chosen prediction (the first is exact) and why."""
     exact = predictions[0]
@@ -571,20 +609,49 @@ class Auto(Algorithm):
             if probing[0] != "none":  # every rank: the probe is collective
                 families = set(probing[0].split("+"))
                 probes, shared = self._probes()
-                probes = [p for p in probes if probe_family(p) in families]
-                kept = {p.label for p in probes}
-                shared = {label: source for label, source in shared.items() if source in kept}
-                fixed = dict(
-                    measure_fixed_costs(
-                        probes,
-                        network,
-                        group=self.group,
-                        overlap=overlap,
-                        steps=PROBE_STEPS,
-                        warmup=PROBE_WARMUP,
-                        repeats=PROBE_REPEATS,
+
+                def probe(wanted: set[str]) -> dict[str, float]:
+                    chosen = [p for p in probes if probe_family(p) in wanted]
+                    return dict(
+                        measure_fixed_costs(
+                            chosen,
+                            network,
+                            group=self.group,
+                            overlap=overlap,
+                            steps=PROBE_STEPS,
+                            warmup=PROBE_WARMUP,
+                            repeats=PROBE_REPEATS,
+                        )
                     )
-                )
+
+                # exact's and the block probe first; fp16's and the quantized one only where, given
+                # those, they can still change the decision (later_probes_needed)
+                fixed = probe(families & {"exact", "block"})
+                later = families - {"exact", "block"}
+                if later:
+                    skipped: tuple[str, str] | None = None
+                    if deciding:
+                        assert plan is not None
+                        so_far = {**fixed, **{a: fixed[b] for a, b in shared.items() if b in fixed}}
+                        so_far.update(
+                            {
+                                c.label: fixed["exact"]
+                                for c in plan[2]
+                                if c.algorithm not in BLOCK_ALGORITHMS and c.label not in so_far
+                            }
+                        )
+                        first = self._predict(step_s, network, n, overlap, so_far, codec, codecs)
+                        skipped = later_probes_needed(first[2], first[3], later, fixed["exact"], self.min_gain)
+                    skipped = comm.broadcast_object(skipped, src=0, group=self.group)
+                    assert skipped is not None
+                    wanted = set(skipped[0].split("+")) - {"none"}
+                    if wanted:
+                        fixed.update(probe(wanted))
+                    if skipped[1]:  # the record names the probes that ran
+                        ran = (families - later) | wanted
+                        probing = ("+".join(f for f in PROBE_FAMILIES if f in ran), f"{probing[1]}; {skipped[1]}")
+                kept = set(fixed)
+                shared = {label: source for label, source in shared.items() if source in kept}
                 fixed.update({label: fixed[source] for label, source in shared.items()})
                 if plan is not None:  # rank 0: a per-step candidate whose probe did not run at exact's, under its own
                     fixed.update(

@@ -218,13 +218,16 @@ def test_the_codec_measured_together_is_the_slowest_ranks_on_every_rank(workers)
     assert results[1]["alone"]["encode_s_per_element"] * 4096 > 4e-3
 
 
-def _body_probes_needed(rank: int, world_size: int, network: dict, force: str | None = None) -> dict:
+def _body_probes_needed(
+    rank: int, world_size: int, network: dict, force: str | None = None, later: str | None = None
+) -> dict:
     from unittest import mock
 
     from bunsan.algorithms import auto as auto_module
 
     probed: list[list[str]] = []
     real_measure, real_needed = auto_module.measure_fixed_costs, auto_module.probes_needed
+    real_later = auto_module.later_probes_needed
 
     def measuring(candidates, *args, **kwargs):
         probed.append([c.label for c in candidates])
@@ -233,12 +236,16 @@ def _body_probes_needed(rank: int, world_size: int, network: dict, force: str | 
     def needed(*args, **kwargs):  # rank 0 only: the others learn its answer
         return (force, "forced by the test") if force else real_needed(*args, **kwargs)
 
+    def needed_later(*args, **kwargs):  # rank 0 only, as above
+        return (later, "later forced by the test") if later else real_later(*args, **kwargs)
+
     model = _model()
     auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**network), verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     with (
         mock.patch.object(auto_module, "measure_fixed_costs", measuring),
         mock.patch.object(auto_module, "probes_needed", needed),
+        mock.patch.object(auto_module, "later_probes_needed", needed_later),
     ):
         _train(model, optimizer, rank, 6)
     measured = auto.decision["measured"]
@@ -263,23 +270,35 @@ def test_only_the_probes_that_can_change_the_decision_run_on_every_rank(workers)
     assert [r["probed"] for r in blocks] == [[["exact", "block_momentum"]]] * 2
     fixed = blocks[0]["fixed"]
     assert fixed["fp16"] == fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] == fixed["exact"]
-    # fp16's too: fp16 charged its own, the bit widths exact's
-    some = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+block")
-    assert [r["probed"] for r in some] == [[["exact", "fp16", "block_momentum"]]] * 2
+    # fp16's too, after exact's and the block's: fp16 charged its own, the bit widths exact's
+    some = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+block", later="fp16")
+    assert [r["probed"] for r in some] == [[["exact", "block_momentum"], ["fp16"]]] * 2
     fixed = some[0]["fixed"]
     assert fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] == fixed["exact"] != fixed["fp16"]
     # every family: the bit widths share the quantized probe's cost
-    every = workers.run(f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+quantized+block")
-    assert [r["probed"] for r in every] == [[["exact", "fp16", "1-bit", "block_momentum"]]] * 2
+    every = workers.run(
+        f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+quantized+block", later="fp16+quantized"
+    )
+    assert [r["probed"] for r in every] == [[["exact", "block_momentum"], ["fp16", "1-bit"]]] * 2
     fixed = every[0]["fixed"]
     assert fixed["8-bit"] == fixed["2-bit"] == fixed["1-bit"] != fixed["exact"]
+    # the later probes skipped (exact's and the block's left them no chance): charged exact's, and the
+    # record names the probes that ran
+    skipped = workers.run(
+        f"{__name__}:_body_probes_needed", network=FAST, force="exact+fp16+quantized+block", later="none"
+    )
+    assert [r["probed"] for r in skipped] == [[["exact", "block_momentum"]]] * 2
+    fixed = skipped[0]["fixed"]
+    assert fixed["fp16"] == fixed["8-bit"] == fixed["1-bit"] == fixed["exact"]
+    assert skipped[0]["probes"][0] == "exact+block" and "later forced by the test" in skipped[0]["probes"][1]
     # a fast network: exact or a per-step candidate is in the running; every rank runs the families
     # rank 0's rule named, exact's among them
     fast = workers.run(f"{__name__}:_body_probes_needed", network=FAST)
     families = {"exact": "exact", "fp16": "fp16", "1-bit": "quantized", "block_momentum": "block"}
     named = fast[0]["probes"][0].split("+")
     assert "exact" in named and fast[0]["probed"] == fast[1]["probed"]
-    assert [families[label] for label in fast[0]["probed"][0]] == named
+    assert fast[0]["probed"][0][0] == "exact"  # exact's first, with the block's; the others after
+    assert sorted(families[label] for call in fast[0]["probed"] for label in call) == sorted(named)
 
 
 def _body_probe_steps(rank: int, world_size: int, warmup) -> list:

@@ -179,6 +179,31 @@ def test_probes_needed_by_what_the_decision_without_them_hinges_on():
     assert auto.probes_needed(*_predicted(rows), 0.1, batch)[0] == "exact+fp16"
 
 
+def test_later_probes_only_where_they_can_still_change_the_decision():
+    # after exact's probe (fixed cost 6.9 ms) and the block probe: the MNIST-1D CNN at 4 workers on 2 cores,
+    # model averaging predicted at 2.4 ms, fp16 and 1 bit charged exact's fixed cost (9.2 and 10.4 ms)
+    rows = [
+        ("exact", "data_parallel", {}, 0.0091),
+        ("fp16", "data_parallel", {"compression": "fp16"}, 0.0092),
+        ("1-bit", "data_parallel", {"bits": 1}, 0.0104),
+        ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0024),
+    ]
+    mode, why = auto.later_probes_needed(*_predicted(rows), {"fp16", "quantized"}, 0.0069, 0.1)
+    # fp16 at 90% of exact's fixed cost: 9.2 - 0.69 = 8.5 ms, still far above 2.4: neither probe runs
+    assert mode == "none"
+    assert "fp16's probe skipped" in why and "quantized's probe skipped" in why
+    # fp16 0.5 ms behind the block algorithm: 10% of exact's fixed cost (0.69 ms) could put it ahead
+    rows[1] = ("fp16", "data_parallel", {"compression": "fp16"}, 0.0029)
+    mode, why = auto.later_probes_needed(*_predicted(rows), {"fp16", "quantized"}, 0.0069, 0.1)
+    assert mode == "fp16" and why == "quantized's probe skipped (at its lowest fixed cost still not the fastest)"
+    # ... but not 1 ms behind (0.69 ms short of it)
+    rows[1] = ("fp16", "data_parallel", {"compression": "fp16"}, 0.0034)
+    assert auto.later_probes_needed(*_predicted(rows), {"fp16"}, 0.0069, 0.1)[0] == "none"
+    # a bit width already fastest at exact's fixed cost: its probe runs (it can only slow it, past the block)
+    rows[2] = ("1-bit", "data_parallel", {"bits": 1}, 0.0020)
+    assert auto.later_probes_needed(*_predicted(rows), {"fp16", "quantized"}, 0.0069, 0.1)[0] == "quantized"
+
+
 def test_probe_families():
     assert auto.probe_family(cm.Candidate("data_parallel", {}, "exact")) == "exact"
     assert auto.probe_family(cm.Candidate("data_parallel", {"compression": "bf16"}, "bf16")) == "fp16"
