@@ -115,7 +115,16 @@ from bunsan.algorithms.measure import (
 )
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
-__all__ = ["PROBE_FAMILIES", "Auto", "candidates_for", "choose", "infer_compute", "probe_family", "probes_needed"]
+__all__ = [
+    "PROBE_FAMILIES",
+    "Auto",
+    "candidates_for",
+    "choose",
+    "infer_compute",
+    "later_probes_needed",
+    "probe_family",
+    "probes_needed",
+]
 
 RISKS = ("low", "medium", "high")
 # an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else

@@ -132,6 +132,12 @@ def _call(
 def _communication_error(what: str, seq: int, e: BaseException) -> CommunicationError:
     text = str(e)
     first = text.splitlines()[0] if text else type(e).__name__
+    if "no backend type associated with device type" in text.lower():  # no peer died: the tensor's device
+        return CommunicationError(
+            f"{what} (collective #{seq}) failed: its tensor is on a device that this process group's backend "
+            "does not move (NCCL moves only CUDA tensors, Gloo CPU ones); allocate it on "
+            f"bunsan.comm.tensor_device(group). Backend said: {first}"
+        )
     # The peers' published states often say what went wrong (a forgotten join(),
     # collectives out of step); that sentence comes first, the backend's after it.
     # Inside finalize()'s join the likely cause needs no store (which may have died with the peer).
@@ -184,18 +190,24 @@ def all_reduce(
     call, measured here): DataParallelSGD launches one per bucket on the critical
     path of backward. Complex tensors take torch's path (it reduces them as pairs of reals).
 
+    In a group of one the tensor is already the result: nothing is sent, and no backend
+    sees it (NCCL would refuse a CPU tensor even then: a lone process on a GPU machine
+    whose model stays on the CPU).
+
     Args:
         op: ``"sum"``, ``"max"`` or ``"min"``.
         async_op: return a work handle to pass to :func:`wait` instead of blocking.
 
     Returns:
-        The work handle when ``async_op``, else None.
+        The work handle when ``async_op`` (None in a group of one), else None.
     """
     check_choice("op", op, _REDUCE_OPS)
     n = get_world_size(group)
     if traffic is not None:
         nbytes = tensor.numel() * tensor.element_size()
         traffic.add(2 * (n - 1) / n * nbytes, 2 * (n - 1) / n * nbytes)
+    if n == 1:
+        return None
     if tensor.is_complex():
         start = functools.partial(dist.all_reduce, tensor, op=_REDUCE_OPS[op], group=group, async_op=async_op)
     else:
@@ -219,9 +231,12 @@ def broadcast_tensors(
     """Overwrite ``tensors`` with rank ``src``'s values, in place. Collective.
 
     Tensors are sent as one flat message per (dtype, device), in the order of
-    :func:`bunsan.comm.layout.group_by_kind`. ``src`` is a global rank.
+    :func:`bunsan.comm.layout.group_by_kind`. ``src`` is a global rank. In a group of
+    one there is nothing to send.
     """
     n = get_world_size(group)
+    if n == 1:
+        return
     is_src = get_rank() == src
     for members in group_by_kind([(str(i), t) for i, t in enumerate(tensors)]):
         layout = FlatGroup.of(members)
