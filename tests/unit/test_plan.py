@@ -103,3 +103,13 @@ def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
     )
     assert code == 2
     assert "--device cuda: no CUDA device is visible here" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_device_cuda_measures_the_profile_on_the_gpu(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = ["plan", "--model", "mnist1d_cnn", "--device", "cuda", "--workers", "2"]
+    code = main([*args, "--png", str(tmp_path / "m.png"), "--json", str(out)])
+    assert code == 0
+    assert "batch 32, cuda: " in capsys.readouterr().out
+    assert json.loads(out.read_text())["profile"]["compute_s"] > 0
