@@ -333,6 +333,8 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.model not in models.names():
         raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N (where one worker computes), got {args.device!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: no CUDA device is visible here")

@@ -96,6 +96,17 @@ def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, tmp_path):
     assert message in err and err.count("\n") == 1
 
 
+def test_device_must_be_the_cpu_or_a_cuda_device(tmp_path, capsys):
+    for bad in ("foo", "meta", "cuda:x"):
+        code = main(
+            ["plan", "--model", "mnist1d_cnn", "--device", bad, "--workers", "2", "--png", str(tmp_path / "m.png")]
+        )
+        assert code == 2, bad
+        assert (
+            f"--device must be cpu, cuda or cuda:N (where one worker computes), got {bad!r}" in capsys.readouterr().err
+        )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device is visible")
 def test_device_cuda_without_a_gpu_is_a_clear_error(tmp_path, capsys):
     code = main(
