@@ -62,8 +62,7 @@ def all_reduce_metrics(values: Mapping[str, Any], group: Any = None) -> dict[str
         numbers.append(float(value))
     buffer = torch.tensor(numbers, dtype=torch.float64)
     if comm.get_world_size(group) > 1:
-        if comm.get_backend(group) == "nccl":
-            buffer = buffer.to(torch.device("cuda", torch.cuda.current_device()))
+        buffer = buffer.to(comm.tensor_device(group))  # NCCL: the current CUDA device
         # Every rank must send the same number of values: a missing name would pair
         # one rank's "loss" with another's "samples". Check the names first.
         everyone = comm.all_gather_object(names, group=group)

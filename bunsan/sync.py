@@ -125,7 +125,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     # Every rank must pass tensors of the same devices (NCCL: the current CUDA
     # device); the optimizer's load_state_dict then moves each state tensor to
     # its parameter's device.
-    device = torch.device("cuda", torch.cuda.current_device()) if comm.get_backend() == "nccl" else torch.device("cpu")
+    device = comm.tensor_device()
     if is_root:
         received = [t.detach().to(device) for t in tensors]
     else:
