@@ -260,7 +260,9 @@ def probes_needed(
     compute) and the block probe (it can make a block algorithm the choice) run, fp16's
     where fp16 is within ``min_gain`` of the fastest, and the quantized probe where a bit
     width is the fastest (one that is not can only fall further behind). A candidate
-    whose probe did not run is charged exact's fixed cost, under its own.
+    whose probe did not run is charged exact's fixed cost, under its own. Of the families
+    named, fp16's and the quantized probe run second, after exact's and the block's, and
+    only where :func:`later_probes_needed` finds they can still change the decision.
     """
     index, _ = choose(predictions, min_gain)
     chosen = candidates[index]
