@@ -37,6 +37,16 @@ def _within(pieces: list[Piece], lo: int, length: int) -> list[Piece]:
     return inside
 
 
+def _take_out(out: Tensor, pieces: list[Piece]) -> None:
+    """``out[lo:hi] = (out[lo:hi] - a * b) / divisor`` for each piece, rounded as ``decode_sum``'s ``then``."""
+    for start, end, b, a, divisor in pieces:
+        out[start:end].sub_(b.reshape(-1), alpha=a).div_(divisor)
+
+
+def _one(source: tuple[Tensor, int]) -> tuple[Tensor, tuple[int]]:
+    return source[0], (source[1],)
+
+
 class QuantizedExchange(Algorithm):
     """The quantized half of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a mixin of it)."""
 
@@ -60,7 +70,10 @@ class QuantizedExchange(Algorithm):
         active = self._round is None or self._round[1] > 0
         values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
         start = time.perf_counter()
-        for j, stripe in enumerate(q.segments):
+        if q.batched:  # one call for every stripe of the bucket (a GPU: stripes.coded_per_bucket)
+            residual = q.residual if active and self.error_feedback else None
+            q.codec(None).encode(values, q.send, residual)
+        for j, stripe in enumerate([] if q.batched else q.segments):
             base = j * q.payload
             for lo, length, at in stripe:
                 out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
@@ -94,8 +107,15 @@ class QuantizedExchange(Algorithm):
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             start = time.perf_counter()
+            if q.batched:
+                owned = q.codec(me)
+                # the owner alone sums its stripe: one reduction over the ranks' payloads
+                rows = owned.decode_sum_rows(q.received, [i * q.payload for i in range(n)])
+                if n_active != n:
+                    rows.mul_(n / n_active)
+                owned.encode_gathered(rows, q.own_payload, q.owner_residual if self.error_feedback else None)
             position = 0
-            for lo, length, at in q.segments[me]:
+            for lo, length, at in [] if q.batched else q.segments[me]:
                 summed = q.summed[position : position + length]
                 size = quantizer.payload_bytes(length)
                 # rank order: the same sum on whichever rank owns the stripe
@@ -116,7 +136,11 @@ class QuantizedExchange(Algorithm):
             start = time.perf_counter()
             decoded = bucket.buffer if bucket.buffer.dtype == torch.float32 else None
             mine = pieces.get(bucket.index, []) if pieces is not None else []
-            for j, stripe in enumerate(q.segments):
+            if q.batched:
+                q.codec(None).decode(q.gathered, bucket.buffer)
+                if decoded is not None:
+                    _take_out(decoded, mine)
+            for j, stripe in enumerate([] if q.batched else q.segments):
                 for lo, length, at in stripe:
                     base = j * q.payload + at
                     payload = q.gathered[base : base + quantizer.payload_bytes(length)]
@@ -161,7 +185,19 @@ class QuantizedExchange(Algorithm):
             wait(q.work, "quantized gradient gather")
             start = time.perf_counter()
             mine = pieces.get(bucket.index, []) if pieces is not None else []
-            for j, stripe in enumerate(q.segments):
+            if q.batched:
+                for j in (0, 1):
+                    found = {me: (q.send, j * q.payload)}
+                    found[other] = (q.received, other * q.payload) if j == me else (q.gathered, j * q.payload)
+                    codec = q.codec(j)
+                    # rank order: the same sum on both ranks
+                    rows = codec.decode_rows(*_one(found[0]))[0].add_(codec.decode_rows(*_one(found[1]))[0])
+                    if n_active != 2:
+                        rows.mul_(2 / n_active)
+                    codec.scatter(rows, bucket.buffer)
+                if bucket.buffer.dtype == torch.float32:
+                    _take_out(bucket.buffer, mine)
+            for j, stripe in enumerate([] if q.batched else q.segments):
                 # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
                 # (j == me, in received) or now (j == other, in gathered, which it owns).
                 theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]

@@ -6,8 +6,9 @@ is in :mod:`bunsan.algorithms.data_parallel.quantized`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from torch import Tensor
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.compression import Quantizer
 from bunsan.compression.rotation import RotatedQuantizer
+from bunsan.compression.segments import SegmentCodec, batches
 
-__all__ = ["Segment", "Stripes", "build_stripes", "plan_stripes"]
+__all__ = ["Segment", "Stripes", "build_stripes", "coded_per_bucket", "plan_stripes"]
 
 Segment = tuple[int, int, int]  # (offset in the bucket, length, offset in the stripe's payload)
 
@@ -79,6 +81,25 @@ class Stripes:
     gathered: Tensor  # uint8 [world_size x payload]
     params_index: Tensor  # int64: the bytes of ``send`` that hold the chunks' parameters (float32)
     work: Any = None
+    quantizer: Quantizer | None = None  # set where the codec runs one call per bucket (coded_per_bucket)
+    _codecs: dict[int | None, SegmentCodec] = field(default_factory=dict)
+
+    @property
+    def batched(self) -> bool:
+        """Whether this bucket is coded in one call per phase (:class:`SegmentCodec`), not per segment."""
+        return self.quantizer is not None
+
+    def codec(self, stripe: int | None) -> SegmentCodec:
+        """The one-call codec of stripe ``stripe`` (payload offsets within one stripe's payload), or of
+        every stripe (``None``: offsets within ``send``, ``gathered``); built on first use."""
+        if stripe not in self._codecs:
+            assert self.quantizer is not None
+            if stripe is None:
+                segments = [(lo, n, j * self.payload + at) for j, s in enumerate(self.segments) for lo, n, at in s]
+            else:
+                segments = list(self.segments[stripe])
+            self._codecs[stripe] = SegmentCodec(self.quantizer, segments, self.residual.device)
+        return self._codecs[stripe]
 
     def sent_finite(self) -> Tensor:
         """Whether every chunk parameter this rank encoded into ``send`` is finite (a 0-d bool tensor).
@@ -87,6 +108,20 @@ class Stripes:
         parameters (about 1/64 of the payload) finds it without a pass over the values.
         """
         return torch.isfinite(self.send[self.params_index].view(torch.float32)).all()
+
+
+def coded_per_bucket(quantizer: Quantizer | RotatedQuantizer, device: torch.device) -> bool:
+    """Whether the striped exchange codes a bucket in one call per phase (:class:`SegmentCodec`) rather
+    than one per segment: on a GPU, where every call costs its kernel launches (0.18-0.9 ms on an
+    H200, whatever its size), for the codecs :func:`bunsan.compression.segments.batches` takes. On CPU
+    the per-segment calls run the C kernels in cache. ``BUNSAN_CODEC_CALLS=bucket`` or ``segment``
+    overrides the choice (the tests use it to run the one-call codec on CPU)."""
+    forced = os.environ.get("BUNSAN_CODEC_CALLS", "")
+    if forced not in ("", "bucket", "segment"):
+        raise ValueError(f"BUNSAN_CODEC_CALLS must be bucket or segment, got {forced!r}")
+    if not batches(quantizer):
+        return False
+    return forced == "bucket" if forced else device.type != "cpu"
 
 
 def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world_size: int) -> Stripes:
@@ -135,4 +170,5 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
         octets(payload),
         octets(n * payload),
         params_index,
+        quantizer=quantizer if isinstance(quantizer, Quantizer) and coded_per_bucket(quantizer, device) else None,
     )

@@ -1,0 +1,264 @@
+"""One codec call for many segments: the striped exchange's codec on a GPU.
+
+The striped exchange (:mod:`bunsan.algorithms.data_parallel.quantized`) codes every
+segment of a bucket on its own, as :meth:`Quantizer.encode` needs one flat vector per
+call: a segment lies inside one parameter, so that no chunk mixes two parameters'
+scales. On CPU that costs little (the C kernels of :mod:`bunsan.compression.native`
+run a segment in microseconds). On a GPU every call launches some twenty kernels
+whatever its size: 0.18-0.9 ms per call on an H200 (docs/plan.md, "On a GPU"), and a
+bucket at 256 workers has about a thousand segments, so the exchange was all launches.
+
+:class:`SegmentCodec` codes all the segments of a plan at once. It lays their chunks out
+as the rows of one ``(rows, chunk_size)`` matrix, gathered by index (full chunks first,
+then the short last chunk of each segment, zero-padded and masked), runs the chunk
+arithmetic of :class:`~bunsan.compression.quantize.Quantizer` on the whole matrix, and
+writes every segment's payload where the per-segment call would: the same layout byte
+for byte (per segment ``[offset | step | packed codes]``), so either side may decode it
+with the other. The codes are the same; a short chunk's two parameters come from a
+masked reduction over the padded row, which may round differently in the last bit from
+the per-segment call's reduction over the chunk alone; error feedback is exact either
+way (the residual is ``v - decode(payload)`` of this payload). A sum of several
+payloads (the owner's sum of every rank's stripe) is one decode of all of them and one
+reduction over the ranks.
+
+Plain quantizers only (every bit width, chunk sizes whose codes start on a byte: 512 and
+any multiple of 8); the rotated 1-bit codec keeps its per-segment calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from bunsan.compression.bits import code_dtype, pack_bits, unpack_bits
+from bunsan.compression.quantize import CLIP_ALPHA, Quantizer
+
+__all__ = ["SegmentCodec", "batches"]
+
+Segment = tuple[int, int, int]  # (offset in the values, length, offset in the payload)
+
+
+def batches(quantizer: object) -> bool:
+    """Whether :class:`SegmentCodec` can code for ``quantizer``: a plain :class:`Quantizer` whose
+    chunks' codes start on a byte (``chunk_size * bits`` a multiple of 8)."""
+    return type(quantizer) is Quantizer and (quantizer.chunk_size * quantizer.bits) % 8 == 0
+
+
+class SegmentCodec:
+    """Encode and decode a fixed list of segments of a flat buffer in one call each.
+
+    Args:
+        quantizer: the codec's settings (:func:`batches` must accept it).
+        segments: ``(offset in the values, length, offset in the payload)`` per segment,
+            as :class:`~bunsan.algorithms.data_parallel.stripes.Stripes` places them; each
+            segment's payload is ``quantizer.payload_bytes(length)`` bytes.
+        device: where the buffers are.
+    """
+
+    def __init__(self, quantizer: Quantizer, segments: Sequence[Segment], device: torch.device | str) -> None:
+        if not batches(quantizer):
+            raise ValueError(f"{quantizer!r} codes one segment per call (chunk codes must start on a byte)")
+        self.quantizer, self.device = quantizer, torch.device(device)
+        chunk, bits = quantizer.chunk_size, quantizer.bits
+        self.numel = sum(length for _, length, _ in segments)
+        full: list[tuple[int, int, int, int]] = []  # value offset, offset's byte, step's byte, codes' byte
+        short: list[tuple[int, int, int, int, int]] = []  # the same, then the length
+        for lo, length, at in segments:
+            chunks = -(-length // chunk)
+            codes_at = at + quantizer.params_bytes(length)
+            for j in range(chunks):
+                row = (lo + j * chunk, at + 4 * j, at + 4 * (chunks + j), codes_at + j * chunk * bits // 8)
+                rest = length - j * chunk
+                if rest >= chunk:
+                    full.append(row)
+                else:
+                    short.append((*row, rest))
+        self.full_rows, self.rows = len(full), len(full) + len(short)
+        table = torch.tensor([r[:4] for r in full] + [r[:4] for r in short], dtype=torch.int64).reshape(-1, 4)
+        self._starts, self._offset_at, self._step_at, self._codes_at = table.to(self.device).unbind(1)
+        lengths = [chunk] * len(full) + [r[4] for r in short]
+        self._lengths = torch.tensor(lengths, dtype=torch.float32, device=self.device)
+        columns = torch.arange(chunk, device=self.device)
+        self._columns = columns
+        self._bytes = torch.arange(chunk * bits // 8, device=self.device)
+        self._four = torch.arange(4, device=self.device)
+        # the short rows: which of their padded cells are elements, and which packed bytes are sent
+        short_lengths = torch.tensor([r[4] for r in short], dtype=torch.int64, device=self.device)
+        short_mask = columns[None, :] < short_lengths[:, None]  # (short rows, chunk)
+        self._mask = torch.ones(self.rows, chunk, dtype=torch.bool, device=self.device)
+        self._mask[self.full_rows :] = short_mask
+        cell = short_mask.reshape(-1).nonzero().squeeze(1)
+        self._short_cell = cell  # flat index into the short rows' matrix
+        self._short_dst = self._starts[self.full_rows :][cell // chunk] + cell % chunk
+        sent = self._bytes[None, :] < ((short_lengths * bits + 7) // 8)[:, None]
+        self._sent = sent  # (short rows, bytes of a full chunk's codes)
+        byte = sent.reshape(-1).nonzero().squeeze(1)
+        self._short_byte = byte  # flat index into the short rows' packed bytes
+        self._short_byte_dst = (
+            self._codes_at[self.full_rows :][byte // self._bytes.numel()] + byte % self._bytes.numel()
+        )
+
+    def __repr__(self) -> str:
+        return f"SegmentCodec({self.quantizer!r}, {self.rows} chunks, {self.numel} elements)"
+
+    # -- values <-> rows ------------------------------------------------------------------------
+    def _full_index(self) -> Tensor:
+        return self._starts[: self.full_rows, None] + self._columns[None, :]
+
+    def gather(self, values: Tensor) -> Tensor:
+        """The segments of flat ``values`` as float32 rows ``(rows, chunk_size)``, short ones zero-padded."""
+        flat = values.reshape(-1)
+        rows = torch.zeros(self.rows, self.quantizer.chunk_size, dtype=torch.float32, device=self.device)
+        rows[: self.full_rows] = flat[self._full_index()]
+        rows[self.full_rows :].view(-1)[self._short_cell] = flat[self._short_dst].float()
+        return rows
+
+    def scatter(self, rows: Tensor, out: Tensor) -> Tensor:
+        """Write the elements of ``rows`` (padding left out) into flat ``out`` at the segments' offsets."""
+        flat = out.view(-1)
+        flat[self._full_index().reshape(-1)] = rows[: self.full_rows].reshape(-1).to(flat.dtype)
+        flat[self._short_dst] = rows[self.full_rows :].reshape(-1)[self._short_cell].to(flat.dtype)
+        return out
+
+    # -- encoding -------------------------------------------------------------------------------
+    def encode(self, values: Tensor, payload: Tensor, residual: Tensor | None = None, shift: int = 0) -> None:
+        """Encode the segments of ``values`` into ``payload`` (at the segments' payload offsets plus
+        ``shift``); with ``residual`` (float32, indexed as ``values``), error feedback as
+        :meth:`Quantizer.encode_with_feedback`: ``v = values + residual`` is encoded and the residual
+        becomes ``v - decode``."""
+        self.encode_gathered(self.gather(values), payload, residual, shift)
+
+    def encode_gathered(self, rows: Tensor, payload: Tensor, residual: Tensor | None = None, shift: int = 0) -> None:
+        """:meth:`encode` of values already laid out as rows (:meth:`gather`); ``rows`` is overwritten."""
+        if residual is None:
+            self.encode_rows(rows, payload, shift)
+            return
+        rows.add_(self.gather(residual))  # v = x + residual, as the per-segment call adds it
+        decoded = self.encode_rows(rows, payload, shift, reconstruct=True)
+        assert decoded is not None
+        self.scatter(rows.sub_(decoded), residual)  # residual = v - decode(payload)
+
+    def encode_rows(self, rows: Tensor, payload: Tensor, shift: int = 0, reconstruct: bool = False) -> Tensor | None:
+        """Encode float32 ``rows`` (as :meth:`gather` lays them out) into ``payload``; ``rows`` is read only.
+
+        ``reconstruct``: also return what the payload decodes to, as :meth:`decode_rows` would."""
+        q = self.quantizer
+        if not self.rows:
+            return rows if reconstruct else None
+        mask = self._mask
+        if q.bits == 1:
+            codes, offset, step = _encode_1bit(rows, mask, self._lengths)
+        else:
+            codes, offset, step = _encode_levels(rows, mask, self._lengths, q.bits)
+        codes.mul_(mask.to(codes.dtype))  # the padding's codes are 0: the last byte's unused bits are zero
+        packed = pack_bits(codes, q.bits).view(self.rows, -1)
+        self._put_params(payload, offset, self._offset_at + shift)
+        self._put_params(payload, step, self._step_at + shift)
+        flat = payload.view(-1)
+        flat[self._codes_at[: self.full_rows, None] + shift + self._bytes[None, :]] = packed[: self.full_rows]
+        flat[self._short_byte_dst + shift] = packed[self.full_rows :].reshape(-1)[self._short_byte]
+        if not reconstruct:
+            return None
+        return codes.to(torch.float32).mul_(step[:, None]).add_(offset[:, None])
+
+    def _put_params(self, payload: Tensor, values: Tensor, at: Tensor) -> None:
+        payload.view(-1)[at[:, None] + self._four[None, :]] = values.contiguous().view(torch.uint8).view(-1, 4)
+
+    # -- decoding -------------------------------------------------------------------------------
+    def decode_rows(self, payload: Tensor, shifts: Sequence[int]) -> Tensor:
+        """Decode the plan's payloads found at each of ``shifts`` in ``payload``: float32
+        ``(len(shifts), rows, chunk_size)``, each ``offset + code * step`` as :meth:`Quantizer.decode`
+        rounds it (padding decodes to ``offset``; :meth:`scatter` leaves it out)."""
+        q, flat = self.quantizer, payload.view(-1)
+        if not self.rows:
+            return torch.zeros(len(shifts), 0, q.chunk_size, device=self.device)
+        moved = torch.tensor(list(shifts), dtype=torch.int64, device=self.device)[:, None, None]
+        offset = self._get_params(flat, self._offset_at[None, :, None] + moved)
+        step = self._get_params(flat, self._step_at[None, :, None] + moved)
+        index = self._codes_at[:, None] + self._bytes[None, :]
+        # a short chunk's bytes past its codes belong to the next field, or lie past the payload:
+        # read its first byte again there (those codes fall in the padding, which scatter leaves out)
+        index[self.full_rows :] = torch.where(
+            self._sent, index[self.full_rows :], self._codes_at[self.full_rows :, None]
+        )
+        packed = flat[index[None] + moved]  # (k, rows, bytes of a full chunk's codes)
+        k = len(shifts)
+        codes = unpack_bits(packed.reshape(-1), q.bits, k * self.rows * q.chunk_size).view(k, self.rows, -1)
+        out = codes.to(torch.float32)
+        return out.mul_(step[..., None]).add_(offset[..., None])
+
+    def _get_params(self, flat: Tensor, at: Tensor) -> Tensor:
+        return flat[at + self._four].contiguous().view(torch.float32).squeeze(-1)
+
+    def decode(self, payload: Tensor, out: Tensor, shift: int = 0) -> Tensor:
+        """Decode the plan's payloads (at ``shift``) into flat ``out`` at the segments' offsets."""
+        return self.scatter(self.decode_rows(payload, (shift,))[0], out)
+
+    def decode_sum_rows(self, payload: Tensor, shifts: Sequence[int]) -> Tensor:
+        """The sum of the payloads at ``shifts`` as rows: the first plus the second plus ... in
+        that order for two (both ranks of a pair compute it); one reduction over them from three."""
+        decoded = self.decode_rows(payload, shifts)
+        if len(shifts) <= 2:
+            total = decoded[0]
+            for more in decoded[1:]:
+                total = total.add_(more)
+            return total
+        return decoded.sum(0)
+
+
+def _encode_1bit(rows: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Seide et al.'s two means per row over its valid cells (whatever the padding holds): codes,
+    offset, step."""
+    codes = (rows >= 0) & mask
+    positive = codes.to(torch.float32)
+    count_pos = positive.sum(1)
+    kept = rows * positive
+    sum_pos = kept.sum(1)
+    sum_neg = (rows - kept).mul_(mask).sum(1)
+    count_neg = lengths - count_pos
+    zero = torch.zeros_like(sum_pos)
+    mean_pos = torch.where(count_pos > 0, sum_pos / count_pos.clamp(min=1), zero)
+    mean_neg = torch.where(count_neg > 0, sum_neg / count_neg.clamp(min=1), zero)
+    inf = torch.tensor(float("inf"), device=rows.device)
+    low, high = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
+    constant = low == high  # a rounded sum / count can miss a constant chunk's value: take it exactly
+    mean_pos = torch.where(constant, high.clamp(min=0), mean_pos)
+    mean_neg = torch.where(constant, low.clamp(max=0), mean_neg)
+    return codes.to(torch.uint8), mean_neg, mean_pos - mean_neg
+
+
+def _inverse(step: Tensor) -> Tensor:
+    inverse = step.reciprocal()
+    return torch.where(torch.isfinite(inverse), inverse, torch.zeros_like(inverse))
+
+
+def _encode_levels(rows: Tensor, mask: Tensor, lengths: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Uniform ``2 ** bits`` levels per row over its valid cells, with the clipped range tried at 2-4
+    bits, as :class:`Quantizer` does per chunk: codes, offset, step."""
+    top = float(2**bits - 1)
+    inf = torch.tensor(float("inf"), device=rows.device)
+    low, high = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
+    step = (high - low) / top
+    valid = mask.to(torch.float32)
+
+    def squared_error(lo: Tensor, st: Tensor) -> Tensor:
+        codes = ((rows - lo[:, None]) * _inverse(st)[:, None]).add_(0.5).floor_().clamp_(0, top)
+        return torch.linalg.vector_norm((codes * st[:, None] + lo[:, None] - rows) * valid, dim=1).square_()
+
+    if bits in CLIP_ALPHA:
+        positions = (rows - low[:, None]) * _inverse(step)[:, None] * valid
+        mean = positions.sum(1) / lengths
+        spread = (torch.linalg.vector_norm(positions, dim=1).square_() / lengths - mean * mean).clamp_(min=0).sqrt_()
+        spread *= CLIP_ALPHA[bits]
+        clip_low = low + (mean - spread).clamp(min=0) * step
+        clip_step = ((mean + spread).clamp(max=top) - (mean - spread).clamp(min=0)) * (step / top)
+        use_clip = squared_error(clip_low, clip_step) < squared_error(low, step)  # ties keep [min, max]
+        low = torch.where(use_clip, clip_low, low)
+        step = torch.where(use_clip, clip_step, step)
+    scaled = ((rows - low[:, None]) * _inverse(step)[:, None]).add_(0.5)
+    # clipped ranges clip; [min, max] changes no valid cell (it truncates to the same code), but the
+    # padding may lie outside it (its codes are zeroed after)
+    scaled.clamp_(0, top)
+    return scaled.to(code_dtype(bits)), low, step

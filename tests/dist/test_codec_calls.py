@@ -1,0 +1,77 @@
+"""The striped exchange coded in one call per bucket (a GPU's path) against one call per segment.
+
+``BUNSAN_CODEC_CALLS=bucket`` runs on CPU what a GPU runs (stripes.coded_per_bucket); each body
+sets the variable itself, so the module's warm workers never carry one test's mode into another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import bunsan
+from bunsan.algorithms.data_parallel import DataParallelSGD
+from tests.dist import test_quantized as quantized
+
+
+def _in_mode(mode: str) -> None:
+    os.environ["BUNSAN_CODEC_CALLS"] = mode
+
+
+def _body_identity(rank, world_size, mode, bits, steps):
+    _in_mode(mode)
+    return quantized._body_error_feedback_identity(rank, world_size, bits, steps)
+
+
+def _body_momentum(rank, world_size, mode, bits, local_momentum):
+    _in_mode(mode)
+    return quantized._body_momentum(rank, world_size, bits, local_momentum, nesterov=False)[0]
+
+
+def _body_batched_flag(rank, world_size, mode, bits):
+    _in_mode(mode)
+    model = nn.Sequential(nn.Linear(37, 11), nn.Linear(11, 3))
+    algorithm = DataParallelSGD(bits=bits)
+    bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    algorithm.reduce_gradients()
+    return [q.batched for q in algorithm._stripes.values()]
+
+
+@pytest.mark.parametrize(("mode", "bits", "batched"), [("bucket", 1, True), ("segment", 1, False), ("bucket", 8, True)])
+def test_the_variable_picks_the_codec_calls(workers, mode, bits, batched):
+    results = workers.run(f"{__name__}:_body_batched_flag", mode=mode, bits=bits)
+    assert results[0] and all(flag == batched for flag in results[0])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize("size", [2, 4])
+def test_one_call_per_bucket_loses_nothing_and_replicas_agree(workers, workers4, size, bits):
+    pool = workers if size == 2 else workers4
+    results = pool.run(f"{__name__}:_body_identity", mode="bucket", bits=bits, steps=8)
+    for i in range(2):  # per parameter
+        applied = torch.tensor(results[0][0][i])
+        true = torch.tensor(results[0][1][i])
+        residual_sum = sum(torch.tensor(r[2][i]) for r in results) + sum(torch.tensor(r[3][i]) for r in results)
+        torch.testing.assert_close(applied + residual_sum, true, rtol=0, atol=2e-5)
+        assert (applied - true).abs().max() > 1e-4  # quantization did drop something
+        assert all(r[4][i] == results[0][4][i] for r in results)  # every replica applies the same gradient
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("size", [2, 4])
+def test_one_call_per_bucket_trains_as_one_call_per_segment(workers, workers4, size, bits):
+    """The same codes; a short chunk's two means may differ in the last bit (a masked reduction), and
+    the owner's sum of 4 ranks is one reduction instead of three additions in rank order: the
+    parameters after 8 steps of local momentum SGD (the decode takes momentum units out) agree to
+    float32 rounding, not bit for bit."""
+    pool = workers if size == 2 else workers4
+    per_bucket = pool.run(f"{__name__}:_body_momentum", mode="bucket", bits=bits, local_momentum=True)
+    per_segment = pool.run(f"{__name__}:_body_momentum", mode="segment", bits=bits, local_momentum=True)
+    assert all(r == per_bucket[0] for r in per_bucket)  # replicas agree
+    assert all(r == per_segment[0] for r in per_segment)
+    torch.testing.assert_close(torch.tensor(per_bucket[0]), torch.tensor(per_segment[0]), rtol=0, atol=1e-5)
