@@ -105,6 +105,7 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
+from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.measure import (
     can_overlap,
     measure_codec,
@@ -114,6 +115,7 @@ from bunsan.algorithms.measure import (
     synchronize,
 )
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
+from bunsan.compression import Quantizer
 
 __all__ = [
     "PROBE_FAMILIES",
@@ -521,6 +523,7 @@ class Auto(Algorithm):
             batch=batch,
             tensors=len(params),
             chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params),
+            codec_per_bucket=coded_per_bucket(Quantizer(1), self._device()),
         )
 
     def _momentum(self) -> float:

@@ -126,7 +126,10 @@ class Profile:
         chunks: quantization chunks of 512 when every tensor is cut on its own (its
             last chunk short); ``None``: ``ceil(params / 512)``, as if one tensor.
         codec_call_s: fixed time of one encode or decode call, whatever its size
-            (dominant for small models on CPU).
+            (dominant for small models on CPU, and on a GPU, where a call is its kernel launches).
+        codec_per_bucket: the striped exchange codes a bucket in one call per phase
+            (:func:`bunsan.algorithms.data_parallel.stripes.coded_per_bucket`: on a GPU) instead
+            of one call per segment (:func:`codec_calls`).
         codecs: the codec at other bit widths, ``(bits, encode_s_per_element,
             decode_s_per_element, codec_call_s)`` each; a quantized candidate of those bits
             uses its own entry (8-bit encoding costs several times 1-bit's per element on
@@ -155,6 +158,7 @@ class Profile:
     chunks: int | None = None
     codecs: tuple[tuple[int, float, float, float], ...] = ()
     fixed_s: tuple[tuple[str, float], ...] = ()
+    codec_per_bucket: bool = False
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -315,16 +319,22 @@ def compute_with_stragglers(times: Sequence[Sequence[float]]) -> tuple[float, fl
     return mean, slowest - mean
 
 
-def codec_calls(tensors: int, buckets: int, workers: int) -> float:
-    """Encode and decode calls per step of the striped exchange (each segment is coded on its own).
+def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = False) -> float:
+    """Encode and decode calls per step of the striped exchange.
 
-    A stripe cut meets about ``tensors + workers`` segments per bucket
-    (:func:`bunsan.algorithms.data_parallel.plan_stripes` cuts at parameter and
-    stripe ends): encode all of them, decode the received ones, encode the own
-    stripe (``tensors / N + 1``), decode the gathered ones: ``3 (T + B N) + T / N + B``.
+    Each segment coded on its own (CPU): a stripe cut meets about ``tensors + workers``
+    segments per bucket (:func:`bunsan.algorithms.data_parallel.plan_stripes` cuts at
+    parameter and stripe ends): encode all of them, decode the received ones, encode the
+    own stripe (``tensors / N + 1``), decode the gathered ones: ``3 (T + B N) + T / N + B``.
+    ``per_bucket`` (:class:`bunsan.compression.segments.SegmentCodec`, a GPU): per bucket one
+    encode, one decode of every rank's payload of the own stripe, one encode of their sum and
+    one decode of the gathered stripes, ``4 B``; at 2 workers one encode and four decodes
+    (each rank's payload of each stripe), ``5 B``.
     """
     if workers <= 1:
         return 0.0
+    if per_bucket:
+        return (5 if workers == 2 else 4) * buckets
     segments = tensors + buckets * workers
     return 3 * segments + tensors / workers + buckets
 
@@ -443,7 +453,13 @@ def predict(
                 else (
                     encode_s * profile.params * (1 + 1 / n)
                     + decode_s * profile.params * 2
-                    + call_s * codec_calls(profile.tensors, len(buckets), n)
+                    + call_s
+                    * codec_calls(
+                        profile.tensors,
+                        len(buckets),
+                        n,
+                        profile.codec_per_bucket and not _option(options, "rotate", False),
+                    )
                 )
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own

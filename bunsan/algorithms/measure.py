@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bunsan import comm
+from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
 __all__ = [
@@ -46,6 +47,8 @@ def register_distribute(fn: Callable[..., Any]) -> None:
 PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 # a size whose first all-reduce took enough_s or longer is timed this many times (measure_network)
 LONG_REPEATS = 2
+# segments per timed call of the one-call codec (a bucket of a few dozen parameters; measure_codec)
+SEGMENTS_PER_CALL = 64
 
 
 def synchronize(device: torch.device | str | None) -> None:
@@ -107,6 +110,7 @@ def measure_codec(
     GPU each timing waits for the device's kernels.
     """
     from bunsan.compression import Quantizer
+    from bunsan.compression.segments import SegmentCodec
 
     def timed(fn: Any, count: int) -> float:
         if collective:
@@ -121,22 +125,46 @@ def measure_codec(
     residual = torch.zeros(numel, device=device)
     payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8, device=device)
     out = torch.empty(numel, device=device)
-    quantizer.encode_with_feedback(x, residual, out=payload)  # warm up
-    encode = timed(lambda: quantizer.encode_with_feedback(x, residual, out=payload), repeats)
-    decode = timed(lambda: quantizer.decode(payload, numel, out=out), repeats)
+    small = min(quantizer.chunk_size, numel)
+    if coded_per_bucket(quantizer, device):
+        # the exchange's own codec there (a GPU): one call for all of a bucket's segments, cut here
+        # into SEGMENTS_PER_CALL as parameters cut a bucket (their count costs no extra call)
+        length = -(-numel // SEGMENTS_PER_CALL)
+        cuts, at = [], 0
+        for lo in range(0, numel, length):
+            cuts.append((lo, min(length, numel - lo), at))
+            at += quantizer.payload_bytes(min(length, numel - lo))
+        payload = torch.empty(at, dtype=torch.uint8, device=device)
+        whole, one = SegmentCodec(quantizer, cuts, device), SegmentCodec(quantizer, [(0, small, 0)], device)
+
+        def encode_fn() -> None:
+            whole.encode(x, payload, residual)
+
+        def decode_fn() -> None:
+            whole.decode(payload, out)
+
+        def call_fn() -> None:
+            one.encode(x, payload, residual)
+            one.decode(payload, out)
+
+    else:
+        small_payload = payload[: quantizer.payload_bytes(small)]
+
+        def encode_fn() -> None:
+            quantizer.encode_with_feedback(x, residual, out=payload)
+
+        def decode_fn() -> None:
+            quantizer.decode(payload, numel, out=out)
+
+        def call_fn() -> None:
+            quantizer.encode_with_feedback(x[:small], residual[:small], out=small_payload)
+            quantizer.decode(small_payload, small, out=out[:small])
+
+    encode_fn()  # warm up
+    encode = timed(encode_fn, repeats)
+    decode = timed(decode_fn, repeats)
     # the fixed cost of one call: encode + decode of one small chunk, halved
-    small = x[: quantizer.chunk_size]
-    small_payload = payload[: quantizer.payload_bytes(small.numel())]
-    call = (
-        timed(
-            lambda: (
-                quantizer.encode_with_feedback(small, residual[: small.numel()], out=small_payload),
-                quantizer.decode(small_payload, small.numel(), out=out[: small.numel()]),
-            ),
-            max(repeats, 9),
-        )
-        / 2
-    )
+    call = timed(call_fn, max(repeats, 9)) / 2
     half = torch.empty(numel, dtype=torch.float16, device=device)
     cast = timed(lambda: (half.copy_(x), out.copy_(half)), repeats)
     copy = timed(lambda: out.copy_(x), repeats)

@@ -328,8 +328,10 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bunsan import models
+    from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
     from bunsan.bench.measure import measure_codec, measure_codecs, measure_compute
     from bunsan.bench.synthetic import model_inputs
+    from bunsan.compression import Quantizer
 
     if args.model not in models.names():
         raise ValueError(f"unknown model {args.model!r}; choose one of {', '.join(models.names())}")
@@ -348,6 +350,7 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
     measured = measure_compute(model, x, y)
     measured.update(measure_codec(measured["params"], device=device))
     measured["codecs"] = measure_codecs(measured["params"], (8,), device=device)  # the candidates' other width
+    measured["codec_per_bucket"] = coded_per_bucket(Quantizer(1), device)
     return measured
 
 
@@ -410,6 +413,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                     "tensors",
                     "chunks",
                     "codecs",
+                    "codec_per_bucket",
                 )
             }
             backward = measured["backward_fraction"]
