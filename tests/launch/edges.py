@@ -32,6 +32,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers.environment import without_bunsan_settings
+
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -100,11 +102,7 @@ class Outcome:
 
 
 def _env(tag: str, **extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "BUNSAN_", "GLOO_", "TORCHELASTIC"))
-    }
+    env = without_bunsan_settings("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GLOO_", "TORCHELASTIC")
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", EDGE_TAG=tag, **extra)
     return env
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bunsan.cli import main
+from tests.helpers.environment import without_bunsan_settings
 
 REPO = Path(__file__).resolve().parents[2]
 IS_LINUX = sys.platform.startswith("linux")
@@ -33,7 +34,7 @@ needs_proc = pytest.mark.skipif(not IS_LINUX, reason="the launcher's hygiene rel
 
 def _launcher_env() -> dict[str, str]:
     """The test process's environment, minus what would change the launch."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUNSAN_") and k != "OMP_NUM_THREADS"}
+    env = without_bunsan_settings()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.environment import without_bunsan_settings
 from tests.helpers.hosts import HostsUnavailable, SshHosts, start_hosts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUNSAN_") and k != "OMP_NUM_THREADS"}
+    env = without_bunsan_settings()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # the launcher's job records stay in the test
     return env

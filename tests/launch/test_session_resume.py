@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.environment import without_bunsan_settings
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -76,7 +78,7 @@ SCRIPT = """
 
 
 def _run(script: Path, cwd: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUNSAN_") and k != "OMP_NUM_THREADS"}
+    env = without_bunsan_settings()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "bunsan", "run", "-np", "2", str(script), mode],
