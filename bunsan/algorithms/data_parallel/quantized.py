@@ -7,6 +7,11 @@ active ranks and re-quantizes the mean with an owner's residual of its own; the 
 stripes are all-gathered and decoded on every rank, so every replica applies the same
 gradient. Residuals are kept by parameter name, so they survive bucket rebuilds and go
 into checkpoints.
+
+Each segment of a stripe (inside one parameter) is coded by a call of its own on CPU, where
+the C kernels run it in cache; on a GPU, where a call costs its kernel launches, each phase
+codes a whole bucket in one call (:class:`bunsan.compression.segments.SegmentCodec`,
+:func:`bunsan.algorithms.data_parallel.stripes.coded_per_bucket`), in the same payload layout.
 """
 
 from __future__ import annotations
