@@ -453,13 +453,7 @@ def predict(
                 else (
                     encode_s * profile.params * (1 + 1 / n)
                     + decode_s * profile.params * 2
-                    + call_s
-                    * codec_calls(
-                        profile.tensors,
-                        len(buckets),
-                        n,
-                        profile.codec_per_bucket and not _option(options, "rotate", False),
-                    )
+                    + call_s * codec_calls(profile.tensors, len(buckets), n, profile.codec_per_bucket)
                 )
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own

@@ -21,8 +21,12 @@ way (the residual is ``v - decode(payload)`` of this payload). A sum of several
 payloads (the owner's sum of every rank's stripe) is one decode of all of them and one
 reduction over the ranks.
 
-Plain quantizers only (every bit width, chunk sizes whose codes start on a byte: 512 and
-any multiple of 8); the rotated 1-bit codec keeps its per-segment calls.
+Every bit width, with chunk sizes whose codes start on a byte (512, 1024, any multiple of
+8), plain or rotated (:class:`~bunsan.compression.rotation.RotatedQuantizer`): there the
+full chunks are rotated as one matrix, and each segment's short last chunk, padded to a
+power of two as the per-segment codec pads it, with the rows of the same padded length; a
+sum of payloads is summed in rotated coordinates and rotated back once, as
+:meth:`RotatedQuantizer.decode_sum` does.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from bunsan.compression.bits import code_dtype, pack_bits, unpack_bits
 from bunsan.compression.quantize import CLIP_ALPHA, Quantizer
+from bunsan.compression.rotation import RotatedQuantizer, hadamard
 
 __all__ = ["SegmentCodec", "batches"]
 
@@ -41,9 +46,15 @@ Segment = tuple[int, int, int]  # (offset in the values, length, offset in the p
 
 
 def batches(quantizer: object) -> bool:
-    """Whether :class:`SegmentCodec` can code for ``quantizer``: a plain :class:`Quantizer` whose
-    chunks' codes start on a byte (``chunk_size * bits`` a multiple of 8)."""
-    return type(quantizer) is Quantizer and (quantizer.chunk_size * quantizer.bits) % 8 == 0
+    """Whether :class:`SegmentCodec` can code for ``quantizer``: a :class:`Quantizer` or a
+    :class:`RotatedQuantizer` whose chunks' codes start on a byte (``chunk_size * bits`` a
+    multiple of 8)."""
+    if isinstance(quantizer, RotatedQuantizer):
+        quantizer = quantizer.inner
+    elif type(quantizer) is not Quantizer:
+        return False
+    assert isinstance(quantizer, Quantizer)
+    return (quantizer.chunk_size * quantizer.bits) % 8 == 0
 
 
 class SegmentCodec:
@@ -57,48 +68,79 @@ class SegmentCodec:
         device: where the buffers are.
     """
 
-    def __init__(self, quantizer: Quantizer, segments: Sequence[Segment], device: torch.device | str) -> None:
+    def __init__(
+        self, quantizer: Quantizer | RotatedQuantizer, segments: Sequence[Segment], device: torch.device | str
+    ) -> None:
         if not batches(quantizer):
             raise ValueError(f"{quantizer!r} codes one segment per call (chunk codes must start on a byte)")
         self.quantizer, self.device = quantizer, torch.device(device)
+        self.rotated = isinstance(quantizer, RotatedQuantizer)
+        inner = quantizer.inner if isinstance(quantizer, RotatedQuantizer) else quantizer
         chunk, bits = quantizer.chunk_size, quantizer.bits
         self.numel = sum(length for _, length, _ in segments)
         full: list[tuple[int, int, int, int]] = []  # value offset, offset's byte, step's byte, codes' byte
-        short: list[tuple[int, int, int, int, int]] = []  # the same, then the length
+        short: list[tuple[int, int, int, int, int, int]] = []  # the same, the values' length, the coded one
         for lo, length, at in segments:
-            chunks = -(-length // chunk)
-            codes_at = at + quantizer.params_bytes(length)
+            whole, tail = divmod(length, chunk)
+            # the elements coded: a rotated codec pads the tail to a power of two (RotatedQuantizer.padded_numel)
+            coded_tail = (1 << (tail - 1).bit_length() if self.rotated else tail) if tail else 0
+            coded = whole * chunk + coded_tail
+            chunks = inner.num_chunks(coded)
+            codes_at = at + inner.params_bytes(coded)
             for j in range(chunks):
                 row = (lo + j * chunk, at + 4 * j, at + 4 * (chunks + j), codes_at + j * chunk * bits // 8)
-                rest = length - j * chunk
-                if rest >= chunk:
+                if j < whole:
                     full.append(row)
                 else:
-                    short.append((*row, rest))
+                    short.append((*row, tail, coded_tail))
         self.full_rows, self.rows = len(full), len(full) + len(short)
         table = torch.tensor([r[:4] for r in full] + [r[:4] for r in short], dtype=torch.int64).reshape(-1, 4)
         self._starts, self._offset_at, self._step_at, self._codes_at = table.to(self.device).unbind(1)
-        lengths = [chunk] * len(full) + [r[4] for r in short]
+        lengths = [chunk] * len(full) + [r[5] for r in short]
         self._lengths = torch.tensor(lengths, dtype=torch.float32, device=self.device)
         columns = torch.arange(chunk, device=self.device)
         self._columns = columns
         self._bytes = torch.arange(chunk * bits // 8, device=self.device)
         self._four = torch.arange(4, device=self.device)
-        # the short rows: which of their padded cells are elements, and which packed bytes are sent
+        # the short rows: which cells hold values, which are coded, and which packed bytes are sent
         short_lengths = torch.tensor([r[4] for r in short], dtype=torch.int64, device=self.device)
-        short_mask = columns[None, :] < short_lengths[:, None]  # (short rows, chunk)
+        coded_lengths = torch.tensor([r[5] for r in short], dtype=torch.int64, device=self.device)
+        self._values_mask = columns[None, :] < short_lengths[:, None]  # (short rows, chunk)
         self._mask = torch.ones(self.rows, chunk, dtype=torch.bool, device=self.device)
-        self._mask[self.full_rows :] = short_mask
-        cell = short_mask.reshape(-1).nonzero().squeeze(1)
+        self._mask[self.full_rows :] = columns[None, :] < coded_lengths[:, None]
+        cell = self._values_mask.reshape(-1).nonzero().squeeze(1)
         self._short_cell = cell  # flat index into the short rows' matrix
         self._short_dst = self._starts[self.full_rows :][cell // chunk] + cell % chunk
-        sent = self._bytes[None, :] < ((short_lengths * bits + 7) // 8)[:, None]
+        # rotated: the short rows by their padded length, each group one transform of that length
+        self._by_width: list[tuple[int, Tensor]] = []
+        if self.rotated:
+            for width in sorted({r[5] for r in short}):
+                rows = [self.full_rows + i for i, r in enumerate(short) if r[5] == width]
+                self._by_width.append((width, torch.tensor(rows, dtype=torch.int64, device=self.device)))
+            assert isinstance(quantizer, RotatedQuantizer)
+            self._signs = quantizer._signs_on(self.device)
+        sent = self._bytes[None, :] < ((coded_lengths * bits + 7) // 8)[:, None]
         self._sent = sent  # (short rows, bytes of a full chunk's codes)
         byte = sent.reshape(-1).nonzero().squeeze(1)
         self._short_byte = byte  # flat index into the short rows' packed bytes
         self._short_byte_dst = (
             self._codes_at[self.full_rows :][byte // self._bytes.numel()] + byte % self._bytes.numel()
         )
+
+    def _rotate(self, rows: Tensor, inverse: bool) -> Tensor:
+        """Rows (any leading dimensions) into rotated coordinates, or back (a rotated codec); in place."""
+        if not self.rotated:
+            return rows
+        flat = rows.view(-1, self.rows, rows.shape[-1])
+        side = {"post": self._signs} if inverse else {"pre": self._signs}
+        if self.full_rows:
+            full = flat[:, : self.full_rows].reshape(-1, rows.shape[-1])
+            flat[:, : self.full_rows] = hadamard(full, **side).view(flat.shape[0], self.full_rows, -1)
+        for width, index in self._by_width:
+            part = flat[:, index, :width].reshape(-1, width)
+            signs = {k: v[:width] for k, v in side.items()}
+            flat[:, index, :width] = hadamard(part.contiguous(), **signs).view(flat.shape[0], -1, width)
+        return rows
 
     def __repr__(self) -> str:
         return f"SegmentCodec({self.quantizer!r}, {self.rows} chunks, {self.numel} elements)"
@@ -132,18 +174,22 @@ class SegmentCodec:
 
     def encode_gathered(self, rows: Tensor, payload: Tensor, residual: Tensor | None = None, shift: int = 0) -> None:
         """:meth:`encode` of values already laid out as rows (:meth:`gather`); ``rows`` is overwritten."""
+        if self.rows > self.full_rows:  # a short chunk's padding holds zeros, as the per-segment codec pads it
+            rows[self.full_rows :] *= self._values_mask
         if residual is None:
-            self.encode_rows(rows, payload, shift)
+            self.encode_rows(self._rotate(rows, inverse=False), payload, shift)
             return
         rows.add_(self.gather(residual))  # v = x + residual, as the per-segment call adds it
-        decoded = self.encode_rows(rows, payload, shift, reconstruct=True)
+        coded = self._rotate(rows.clone() if self.rotated else rows, inverse=False)
+        decoded = self.encode_rows(coded, payload, shift, reconstruct=True)
         assert decoded is not None
-        self.scatter(rows.sub_(decoded), residual)  # residual = v - decode(payload)
+        self.scatter(rows.sub_(self._rotate(decoded, inverse=True)), residual)  # residual = v - decode(payload)
 
     def encode_rows(self, rows: Tensor, payload: Tensor, shift: int = 0, reconstruct: bool = False) -> Tensor | None:
-        """Encode float32 ``rows`` (as :meth:`gather` lays them out) into ``payload``; ``rows`` is read only.
+        """Encode float32 ``rows`` (laid out as :meth:`gather` does, in rotated coordinates for a rotated
+        codec) into ``payload``; ``rows`` is read only.
 
-        ``reconstruct``: also return what the payload decodes to, as :meth:`decode_rows` would."""
+        ``reconstruct``: also return what the payload decodes to, in the same coordinates."""
         q = self.quantizer
         if not self.rows:
             return rows if reconstruct else None
@@ -170,7 +216,12 @@ class SegmentCodec:
     def decode_rows(self, payload: Tensor, shifts: Sequence[int]) -> Tensor:
         """Decode the plan's payloads found at each of ``shifts`` in ``payload``: float32
         ``(len(shifts), rows, chunk_size)``, each ``offset + code * step`` as :meth:`Quantizer.decode`
-        rounds it (padding decodes to ``offset``; :meth:`scatter` leaves it out)."""
+        rounds it, rotated back for a rotated codec (padding decodes to junk; :meth:`scatter` leaves
+        it out)."""
+        return self._rotate(self._decode_coded(payload, shifts), inverse=True)
+
+    def _decode_coded(self, payload: Tensor, shifts: Sequence[int]) -> Tensor:
+        """:meth:`decode_rows` before the inverse rotation."""
         q, flat = self.quantizer, payload.view(-1)
         if not self.rows:
             return torch.zeros(len(shifts), 0, q.chunk_size, device=self.device)
@@ -199,13 +250,14 @@ class SegmentCodec:
     def decode_sum_rows(self, payload: Tensor, shifts: Sequence[int]) -> Tensor:
         """The sum of the payloads at ``shifts`` as rows: the first plus the second plus ... in
         that order for two (both ranks of a pair compute it); one reduction over them from three."""
-        decoded = self.decode_rows(payload, shifts)
+        decoded = self._decode_coded(payload, shifts)  # summed where coded, rotated back once (linear)
         if len(shifts) <= 2:
             total = decoded[0]
             for more in decoded[1:]:
                 total = total.add_(more)
-            return total
-        return decoded.sum(0)
+        else:
+            total = decoded.sum(0)
+        return self._rotate(total, inverse=True)
 
 
 def _encode_1bit(rows: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:

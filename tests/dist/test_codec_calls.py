@@ -21,14 +21,26 @@ def _in_mode(mode: str) -> None:
     os.environ["BUNSAN_CODEC_CALLS"] = mode
 
 
-def _body_identity(rank, world_size, mode, bits, steps):
+def _body_identity(rank, world_size, mode, bits, steps, rotate=False):
     _in_mode(mode)
-    return quantized._body_error_feedback_identity(rank, world_size, bits, steps)
+    return quantized._body_error_feedback_identity(rank, world_size, bits, steps, rotate=rotate)
 
 
-def _body_momentum(rank, world_size, mode, bits, local_momentum):
+def _body_momentum(rank, world_size, mode, bits, local_momentum, rotate=False):
     _in_mode(mode)
-    return quantized._body_momentum(rank, world_size, bits, local_momentum, nesterov=False)[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 9), nn.Tanh(), nn.Linear(9, 3))
+    algorithm = DataParallelSGD(bits=bits, local_momentum=local_momentum, rotate=rotate)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm)
+    for k in range(8):
+        g = torch.Generator().manual_seed(k)
+        x = torch.randn(8 * world_size, 12, generator=g)
+        optimizer.zero_grad()
+        model(x[rank::world_size]).pow(2).mean().backward()
+        optimizer.step()
+    assert all(q.batched == (mode == "bucket") for q in algorithm._stripes.values())
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
 def _body_batched_flag(rank, world_size, mode, bits):
@@ -48,11 +60,11 @@ def test_the_variable_picks_the_codec_calls(workers, mode, bits, batched):
     assert results[0] and all(flag == batched for flag in results[0])
 
 
-@pytest.mark.parametrize("bits", [1, 2, 8])
+@pytest.mark.parametrize(("bits", "rotate"), [(1, False), (2, False), (8, False), (1, True)])
 @pytest.mark.parametrize("size", [2, 4])
-def test_one_call_per_bucket_loses_nothing_and_replicas_agree(workers, workers4, size, bits):
+def test_one_call_per_bucket_loses_nothing_and_replicas_agree(workers, workers4, size, bits, rotate):
     pool = workers if size == 2 else workers4
-    results = pool.run(f"{__name__}:_body_identity", mode="bucket", bits=bits, steps=8)
+    results = pool.run(f"{__name__}:_body_identity", mode="bucket", bits=bits, steps=8, rotate=rotate)
     for i in range(2):  # per parameter
         applied = torch.tensor(results[0][0][i])
         true = torch.tensor(results[0][1][i])
@@ -62,16 +74,17 @@ def test_one_call_per_bucket_loses_nothing_and_replicas_agree(workers, workers4,
         assert all(r[4][i] == results[0][4][i] for r in results)  # every replica applies the same gradient
 
 
-@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize(("bits", "rotate"), [(1, False), (4, False), (1, True)])
 @pytest.mark.parametrize("size", [2, 4])
-def test_one_call_per_bucket_trains_as_one_call_per_segment(workers, workers4, size, bits):
+def test_one_call_per_bucket_trains_as_one_call_per_segment(workers, workers4, size, bits, rotate):
     """The same codes; a short chunk's two means may differ in the last bit (a masked reduction), and
     the owner's sum of 4 ranks is one reduction instead of three additions in rank order: the
     parameters after 8 steps of local momentum SGD (the decode takes momentum units out) agree to
-    float32 rounding, not bit for bit."""
+    float32 rounding, not bit for bit; rotated chunks (1024, padded tails) too."""
     pool = workers if size == 2 else workers4
-    per_bucket = pool.run(f"{__name__}:_body_momentum", mode="bucket", bits=bits, local_momentum=True)
-    per_segment = pool.run(f"{__name__}:_body_momentum", mode="segment", bits=bits, local_momentum=True)
+    kwargs = {"bits": bits, "local_momentum": True, "rotate": rotate}
+    per_bucket = pool.run(f"{__name__}:_body_momentum", mode="bucket", **kwargs)
+    per_segment = pool.run(f"{__name__}:_body_momentum", mode="segment", **kwargs)
     assert all(r == per_bucket[0] for r in per_bucket)  # replicas agree
     assert all(r == per_segment[0] for r in per_segment)
     torch.testing.assert_close(torch.tensor(per_bucket[0]), torch.tensor(per_segment[0]), rtol=0, atol=1e-5)

@@ -39,9 +39,16 @@ def _decoded(quantizer, segments, payload, numel):
     return out
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 12, 16])
-def test_one_call_writes_the_per_segment_layout_with_exact_error_feedback(bits):
-    q = Quantizer(bits)
+CODECS = [Quantizer(b) for b in (1, 2, 3, 4, 8, 12, 16)] + [
+    RotatedQuantizer(1, chunk_size=1024),  # DataParallelSGD's rotated default
+    RotatedQuantizer(1),
+    RotatedQuantizer(2),
+]
+
+
+@pytest.mark.parametrize("q", CODECS, ids=repr)
+def test_one_call_writes_the_per_segment_layout_with_exact_error_feedback(q):
+    bits = q.bits
     segments, numel, size = _layout(q)
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g) * 3
@@ -67,7 +74,7 @@ def test_one_call_writes_the_per_segment_layout_with_exact_error_feedback(bits):
     theirs = _decoded(q, segments, reference, numel)
     scale = (x + start)[inside].abs().max()
     assert (mine - theirs)[inside].abs().max() <= 1e-5 * scale
-    for lo, length, at in segments:  # the codes byte for byte; the parameters to float32 rounding
+    for _, length, at in segments:  # the codes byte for byte; the parameters to float32 rounding
         params, end = at + q.params_bytes(length), at + q.payload_bytes(length)
         assert torch.equal(payload[params:end], reference[params:end])
         torch.testing.assert_close(
@@ -94,8 +101,8 @@ def test_padding_does_not_change_a_payload():
         assert torch.equal(clean, dirty), bits
 
 
-def test_sums_of_payloads_at_shifts():
-    q = Quantizer(1)
+@pytest.mark.parametrize("q", [Quantizer(1), RotatedQuantizer(1, chunk_size=1024)], ids=repr)
+def test_sums_of_payloads_at_shifts(q):
     segments, numel, size = _layout(q)
     codec = SegmentCodec(q, segments, "cpu")
     g = torch.Generator().manual_seed(0)
@@ -103,9 +110,17 @@ def test_sums_of_payloads_at_shifts():
     for i in range(3):
         codec.encode(torch.randn(numel, generator=g), many, shift=i * size)
     decoded = codec.decode_rows(many, [0, size, 2 * size])
-    two = codec.decode_sum_rows(many, [0, size])
-    assert torch.equal(two, decoded[0] + decoded[1])  # in rank order: what both ranks of a pair compute
-    torch.testing.assert_close(codec.decode_sum_rows(many, [0, size, 2 * size]), decoded.sum(0))
+    # two in rank order (what both ranks of a pair compute): as the per-segment decode_sum, bit for bit
+    two = codec.scatter(codec.decode_sum_rows(many, [0, size]), torch.zeros(numel))
+    theirs = torch.zeros(numel)
+    for lo, length, at in segments:
+        end = at + q.payload_bytes(length)
+        q.decode_sum([many[at:end], many[size + at : size + end]], length, theirs[lo : lo + length])
+    assert torch.equal(two, theirs)
+    three = codec.decode_sum_rows(many, [0, size, 2 * size])
+    torch.testing.assert_close(
+        codec.scatter(three, torch.zeros(numel)), codec.scatter(decoded.sum(0), torch.zeros(numel))
+    )
     # each shift decodes its own payload, as the per-segment decoder reads it
     assert torch.equal(
         codec.scatter(decoded[2], torch.zeros(numel)),
@@ -141,13 +156,15 @@ def test_half_precision_values_and_buffers():
 def test_which_codecs_batch_and_the_override(monkeypatch):
     assert batches(Quantizer(1)) and batches(Quantizer(8)) and batches(Quantizer(3, chunk_size=8))
     assert not batches(Quantizer(3, chunk_size=5))  # 15 bits a chunk: codes do not start on a byte
-    assert not batches(RotatedQuantizer(1))
+    assert batches(RotatedQuantizer(1)) and batches(RotatedQuantizer(1, chunk_size=1024))
+    assert not batches(RotatedQuantizer(1, chunk_size=4))  # 4 bits a chunk
+    assert not batches(object())
     with pytest.raises(ValueError, match="one segment per call"):
-        SegmentCodec(RotatedQuantizer(1), [(0, 10, 0)], "cpu")
+        SegmentCodec(Quantizer(3, chunk_size=5), [(0, 10, 0)], "cpu")
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.delenv("BUNSAN_CODEC_CALLS", raising=False)
     assert not coded_per_bucket(Quantizer(1), cpu) and coded_per_bucket(Quantizer(1), gpu)
-    assert not coded_per_bucket(RotatedQuantizer(1), gpu)
+    assert coded_per_bucket(RotatedQuantizer(1), gpu) and not coded_per_bucket(Quantizer(3, chunk_size=5), gpu)
     monkeypatch.setenv("BUNSAN_CODEC_CALLS", "bucket")
     assert coded_per_bucket(Quantizer(1), cpu)
     monkeypatch.setenv("BUNSAN_CODEC_CALLS", "segment")

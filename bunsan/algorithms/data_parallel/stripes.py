@@ -81,7 +81,7 @@ class Stripes:
     gathered: Tensor  # uint8 [world_size x payload]
     params_index: Tensor  # int64: the bytes of ``send`` that hold the chunks' parameters (float32)
     work: Any = None
-    quantizer: Quantizer | None = None  # set where the codec runs one call per bucket (coded_per_bucket)
+    quantizer: Quantizer | RotatedQuantizer | None = None  # set where the codec runs one call per bucket
     _codecs: dict[int | None, SegmentCodec] = field(default_factory=dict)
 
     @property
@@ -170,5 +170,5 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
         octets(payload),
         octets(n * payload),
         params_index,
-        quantizer=quantizer if isinstance(quantizer, Quantizer) and coded_per_bucket(quantizer, device) else None,
+        quantizer=quantizer if coded_per_bucket(quantizer, device) else None,
     )
