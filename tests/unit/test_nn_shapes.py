@@ -281,9 +281,12 @@ def test_one_rank_gloo_group(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     mp_group, dp_group = hybrid_groups(1)
     assert dist.get_world_size(mp_group) == 1 and dist.get_world_size(dp_group) == 1
-    # The groups are the named dimensions of a torch DeviceMesh, which gives a dimension
-    # spanning the whole world as the default group itself.
-    assert dp_group is dist.group.WORLD and dist.get_process_group_ranks(mp_group) == [0]
+    # The groups are the named dimensions of a torch DeviceMesh: a dimension spanning the whole
+    # world is the default group itself under the pinned torch 2.13, a new group of the same
+    # ranks under 2.11 (the H200 machine's; docs/plan.md). bunsan relies on the ranks only.
+    assert dist.get_process_group_ranks(dp_group) == [0] and dist.get_process_group_ranks(mp_group) == [0]
+    if torch.__version__.startswith("2.13"):
+        assert dp_group is dist.group.WORLD
     torch.manual_seed(0)
     model, ref = _mlp(), _mlp()
     ref.load_state_dict(model.state_dict())
