@@ -129,7 +129,7 @@ class SegmentCodec:
 
     def _rotate(self, rows: Tensor, inverse: bool) -> Tensor:
         """Rows (any leading dimensions) into rotated coordinates, or back (a rotated codec); in place."""
-        if not self.rotated:
+        if not self.rotated or not self.rows:
             return rows
         flat = rows.view(-1, self.rows, rows.shape[-1])
         side = {"post": self._signs} if inverse else {"pre": self._signs}

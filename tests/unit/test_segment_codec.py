@@ -174,8 +174,10 @@ def test_which_codecs_batch_and_the_override(monkeypatch):
         coded_per_bucket(Quantizer(1), cpu)
 
 
-def test_an_empty_plan():
-    codec = SegmentCodec(Quantizer(1), [], "cpu")
+@pytest.mark.parametrize("q", [Quantizer(1), RotatedQuantizer(1)], ids=repr)
+def test_an_empty_plan(q):
+    codec = SegmentCodec(q, [], "cpu")
     payload = torch.zeros(0, dtype=torch.uint8)
     codec.encode(torch.zeros(4), payload, torch.zeros(4))
     assert codec.decode_rows(payload, [0]).shape == (1, 0, 512)
+    assert codec.decode_sum_rows(payload, [0, 0, 0]).shape == (0, 512)
