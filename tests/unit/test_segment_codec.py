@@ -181,3 +181,28 @@ def test_an_empty_plan(q):
     codec.encode(torch.zeros(4), payload, torch.zeros(4))
     assert codec.decode_rows(payload, [0]).shape == (1, 0, 512)
     assert codec.decode_sum_rows(payload, [0, 0, 0]).shape == (0, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("q", [Quantizer(1), Quantizer(8), RotatedQuantizer(1, chunk_size=1024)], ids=repr)
+def test_on_cuda_the_codes_are_the_cpu_codecs_and_feedback_is_exact(q):
+    """Where the exchange runs it (a GPU): the one-call payload's codes are what the per-segment codec
+    on the CPU writes, the CPU decodes it to the GPU's values, and nothing is lost."""
+    segments, numel, size = _layout(q)
+    g = torch.Generator().manual_seed(q.bits)
+    x = torch.randn(numel, generator=g) * torch.rand(numel, generator=g) * 3
+    reference = _per_segment(q, segments, x, torch.zeros(numel), size)
+    residual = torch.zeros(numel, device="cuda")
+    payload = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    codec = SegmentCodec(q, segments, "cuda")
+    codec.encode(x.cuda(), payload, residual)
+    out = torch.zeros(numel, device="cuda")
+    codec.decode(payload, out)
+    inside = _mask(segments, numel).bool()
+    torch.testing.assert_close((out + residual).cpu()[inside], x[inside], rtol=1e-5, atol=1e-6)  # nothing lost
+    for _, length, at in segments:
+        params, end = at + q.params_bytes(length), at + q.payload_bytes(length)
+        assert torch.equal(payload[params:end].cpu(), reference[params:end])
+    mine = _decoded(q, segments, payload.cpu(), numel)
+    torch.testing.assert_close(mine[inside], out.cpu()[inside], rtol=1e-6, atol=1e-7)
