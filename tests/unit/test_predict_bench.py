@@ -133,6 +133,33 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     assert main(["bench", "tta", str(tmp_path / "missing.json")]) == 2
 
 
+def test_a_worker_count_whose_reference_failed_has_no_target_and_the_others_keep_theirs(tmp_path, capsys):
+    from bunsan.bench import tta
+
+    config = _compare_config
+    configs = [
+        config("data_parallel", [0.30, 0.15, 0.10], [2.0, 4.0, 6.0]),
+        config("auto:risk=high", [0.30, 0.12, 0.105], [1.6, 3.2, 4.8]),
+        {"status": "timeout", "label": "data_parallel", "workers": 4},  # ran past the job timeout
+        config("auto:risk=high", [0.30, 0.12, 0.105], [1.6, 3.2, 4.8], workers=4),
+    ]
+    rows = tta.tta_rows(configs, "data_parallel", 1.0)
+    assert {r["workers"] for r in rows} == {2}
+    assert tta.without_target(configs, "data_parallel") == [
+        "no target at 4 workers: its data_parallel run ended timeout, so its settings are not compared"
+    ]
+        "ended timeout, so its settings are not compared"
+    )
+    assert "at 2 workers: it has no data_parallel run" in tta.without_target(configs[1:2], "data_parallel")[0]
+    with pytest.raises(ValueError, match="at any worker count"):
+        tta.tta_rows(configs[2:], "data_parallel", 1.0)
+    record = tmp_path / "compare.json"
+    record.write_text(json.dumps({"configs": configs}))
+    assert main(["bench", "tta", str(record)]) == 0
+    out = capsys.readouterr().out
+    assert "no target at 4 workers" in out and "1.00" in out
+
+
 def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_path, capsys):
     from bunsan.bench import tta
 
