@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from bunsan.compression.bits import code_dtype, pack_bits, unpack_bits
-from bunsan.compression.quantize import CLIP_ALPHA, Quantizer
+from bunsan.compression.quantize import CLIP_ALPHA, Quantizer, _inverse
 from bunsan.compression.rotation import RotatedQuantizer, hadamard
 
 __all__ = ["SegmentCodec", "batches"]
@@ -279,11 +279,6 @@ def _encode_1bit(rows: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, T
     mean_pos = torch.where(constant, high.clamp(min=0), mean_pos)
     mean_neg = torch.where(constant, low.clamp(max=0), mean_neg)
     return codes.to(torch.uint8), mean_neg, mean_pos - mean_neg
-
-
-def _inverse(step: Tensor) -> Tensor:
-    inverse = step.reciprocal()
-    return torch.where(torch.isfinite(inverse), inverse, torch.zeros_like(inverse))
 
 
 def _encode_levels(rows: Tensor, mask: Tensor, lengths: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
