@@ -73,19 +73,20 @@ class QuantizedExchange(Algorithm):
         assert self._quantizer is not None
         quantizer, q = self._quantizer, self._stripes[bucket.index]
         active = self._round is None or self._round[1] > 0
-        values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
         start = time.perf_counter()
         if q.batched:  # one call for every stripe of the bucket (a GPU: stripes.coded_per_bucket)
             residual = q.residual if active and self.error_feedback else None
-            q.codec(None).encode(values, q.send, residual)
-        for j, stripe in enumerate([] if q.batched else q.segments):
-            base = j * q.payload
-            for lo, length, at in stripe:
-                out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
-                if active and self.error_feedback:
-                    quantizer.encode_with_feedback(values[lo : lo + length], q.residual[lo : lo + length], out=out)
-                else:  # a joined rank sends zeros and keeps its residual for nobody
-                    quantizer.encode(values[lo : lo + length], out=out)
+            q.codec(None).encode(bucket.buffer, q.send, residual)  # it reads half types as float32
+        else:
+            values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
+            for j, stripe in enumerate(q.segments):
+                base = j * q.payload
+                for lo, length, at in stripe:
+                    out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
+                    if active and self.error_feedback:
+                        quantizer.encode_with_feedback(values[lo : lo + length], q.residual[lo : lo + length], out=out)
+                    else:  # a joined rank sends zeros and keeps its residual for nobody
+                        quantizer.encode(values[lo : lo + length], out=out)
         self._encode_s += time.perf_counter() - start
         if active:
             self._sent_finite.append(q.sent_finite())
@@ -119,20 +120,21 @@ class QuantizedExchange(Algorithm):
                 if n_active != n:
                     rows.mul_(n / n_active)
                 owned.encode_gathered(rows, q.own_payload, q.owner_residual if self.error_feedback else None)
-            position = 0
-            for lo, length, at in [] if q.batched else q.segments[me]:
-                summed = q.summed[position : position + length]
-                size = quantizer.payload_bytes(length)
-                # rank order: the same sum on whichever rank owns the stripe
-                quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
-                if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
-                    summed.mul_(n / n_active)
-                out = q.own_payload[at : at + quantizer.payload_bytes(length)]
-                if self.error_feedback:
-                    quantizer.encode_with_feedback(summed, q.owner_residual[lo : lo + length], out=out)
-                else:
-                    quantizer.encode(summed, out=out)
-                position += length
+            else:
+                position = 0
+                for lo, length, at in q.segments[me]:
+                    summed = q.summed[position : position + length]
+                    size = quantizer.payload_bytes(length)
+                    # rank order: the same sum on whichever rank owns the stripe
+                    quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
+                    if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
+                        summed.mul_(n / n_active)
+                    out = q.own_payload[at : at + quantizer.payload_bytes(length)]
+                    if self.error_feedback:
+                        quantizer.encode_with_feedback(summed, q.owner_residual[lo : lo + length], out=out)
+                    else:
+                        quantizer.encode(summed, out=out)
+                    position += length
             self._decode_s += time.perf_counter() - start
             q.work = all_gather_into(q.gathered, q.own_payload, group=self.group, traffic=self.traffic, async_op=True)
         for bucket in self._buckets:
@@ -145,18 +147,19 @@ class QuantizedExchange(Algorithm):
                 q.codec(None).decode(q.gathered, bucket.buffer)
                 if decoded is not None:
                     _take_out(decoded, mine)
-            for j, stripe in enumerate([] if q.batched else q.segments):
-                for lo, length, at in stripe:
-                    base = j * q.payload + at
-                    payload = q.gathered[base : base + quantizer.payload_bytes(length)]
-                    if decoded is not None:
-                        then = _within(mine, lo, length)
-                        if then:
-                            quantizer.decode_sum([payload], length, decoded[lo : lo + length], then=then)
+            else:
+                for j, stripe in enumerate(q.segments):
+                    for lo, length, at in stripe:
+                        base = j * q.payload + at
+                        payload = q.gathered[base : base + quantizer.payload_bytes(length)]
+                        if decoded is not None:
+                            then = _within(mine, lo, length)
+                            if then:
+                                quantizer.decode_sum([payload], length, decoded[lo : lo + length], then=then)
+                            else:
+                                quantizer.decode(payload, length, out=decoded[lo : lo + length])
                         else:
-                            quantizer.decode(payload, length, out=decoded[lo : lo + length])
-                    else:
-                        bucket.buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
+                            bucket.buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
@@ -202,22 +205,23 @@ class QuantizedExchange(Algorithm):
                     codec.scatter(rows, bucket.buffer)
                 if bucket.buffer.dtype == torch.float32:
                     _take_out(bucket.buffer, mine)
-            for j, stripe in enumerate([] if q.batched else q.segments):
-                # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
-                # (j == me, in received) or now (j == other, in gathered, which it owns).
-                theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
-                sources = {me: q.send[j * q.payload :], other: theirs}
-                direct = bucket.buffer.dtype == torch.float32
-                for lo, length, at in stripe:
-                    size = quantizer.payload_bytes(length)
-                    summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
-                    # rank order: the same sum on both ranks
-                    then = _within(mine, lo, length) if direct else []
-                    quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed, then=then)
-                    if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
-                        summed.mul_(2 / n_active)
-                    if not direct:
-                        bucket.buffer[lo : lo + length].copy_(summed)
+            else:
+                for j, stripe in enumerate(q.segments):
+                    # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
+                    # (j == me, in received) or now (j == other, in gathered, which it owns).
+                    theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
+                    sources = {me: q.send[j * q.payload :], other: theirs}
+                    direct = bucket.buffer.dtype == torch.float32
+                    for lo, length, at in stripe:
+                        size = quantizer.payload_bytes(length)
+                        summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
+                        # rank order: the same sum on both ranks
+                        then = _within(mine, lo, length) if direct else []
+                        quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed, then=then)
+                        if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
+                            summed.mul_(2 / n_active)
+                        if not direct:
+                            bucket.buffer[lo : lo + length].copy_(summed)
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
