@@ -65,6 +65,15 @@ itself asks: one outlier then cannot be the mean. Where steps take milliseconds,
 ``measure_steps`` are taken. From the second timed step on, each measuring step
 all-reduces three numbers, so that every rank stops at the same step.
 
+A first step long enough that every further exact step costs ten measuring budgets or more
+(1 s, from distribute() on, on the slowest rank) may decide at once: its compute is an upper
+bound of the compute per step (the first step also pays one-time costs), and where
+predictions from that bound choose a block algorithm at the block cap, a shorter step would
+choose the same (:func:`settled_by_first_step`). The 10.5M MLP at 100 Mbit/s, 2 workers,
+needs that: its exact steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to
+accuracy against the same block setting trained from the start (docs/plan.md, run 15).
+Otherwise the network and codec measured after the first step serve the later decision.
+
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
 
@@ -140,6 +149,9 @@ RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16, 32)  # local steps per block; the last is the cap (module docstring)
 MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s) ...
 MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
+# a first step (from distribute() on) of this many measure_budget_s may settle the decision by itself
+# (settled_by_first_step): each further exact step would cost ten whole measuring budgets
+FIRST_STEP_BUDGETS = 10
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
@@ -340,6 +352,32 @@ def later_probes_needed(
     return ("+".join(keep) if keep else "none"), "; ".join(skipped)
 
 
+def settled_by_first_step(
+    candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float, batch: int
+) -> tuple[str, str] | None:
+    """Whether predictions made from the first step's time already give the decision that the true
+    step time would: ``("none", why)`` (no probe runs) where they do, else ``None``.
+
+    The first step, timed from distribute() on, includes one-time costs (allocation, a lazy
+    initialization, a GPU's kernel tuning, the user's own set-up), so its compute is an upper
+    bound of the compute per step. Only one decision is certain at every compute below a bound:
+    a block algorithm at the block cap that :func:`probes_needed` would run no probe for. As the
+    compute shrinks, the block's amortized exchange stays the same while it covers a larger
+    share of a shorter step, so the block-size rule stays at the cap; every per-step candidate's
+    exposed exchange can only grow, as less compute hides it; and exact's lead over the block
+    (its exposed exchange less the block's amortized one) only grows while the step it is
+    measured against shrinks, so the block stays fastest and its gain over exact stays above
+    ``min_gain``. Any other decision can change with the compute, and measuring goes on.
+    ``tests/unit/test_cost_model.py`` checks the claim on the cost model over a grid of
+    computes, networks and worker counts.
+    """
+    index, _ = choose(predictions, min_gain)
+    families, why = probes_needed(candidates, predictions, min_gain, batch)
+    if candidates[index].algorithm in BLOCK_ALGORITHMS and families == "none":
+        return "none", f"{why}; settled by the first step (at any shorter step the choice is the same)"
+    return None
+
+
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
     """Index of the chosen prediction (the first is exact) and why."""
     exact = predictions[0]
@@ -414,6 +452,9 @@ class Auto(Algorithm):
         self._durations: list[float] = []  # seconds of measured steps (end to end)
         self._measured = 0  # steps completed while measuring (kept across a resume)
         self._last_end: float | None = None  # perf_counter at the end of the last step, this process
+        self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
+        # what a first-step decision measured when it could not decide yet: kept for the decision (network, codecs)
+        self._early: tuple[Any, ...] | None = None
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
     step = _delegated("step")
@@ -441,6 +482,7 @@ class Auto(Algorithm):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.inner.attach_optimizer(optimizer)
+        self._started = time.perf_counter()  # distribute()'s last act: the first step starts after it
 
     def count_samples(self, n: int) -> None:
         self.inner.count_samples(n)
@@ -465,18 +507,32 @@ class Auto(Algorithm):
             if self._last_end is not None:
                 self._durations.append(now - self._last_end)
             self._last_end = now
+            first = self._measured == 0 and self._started is not None  # step 0 of a fresh run
             self._measured += 1
             # Decide after measure_steps + 1 steps, counted from the start of training (a resumed run
             # counts on from where it stopped); the same count on every rank. Or sooner, when the
-            # timed steps are slow enough (_budget_spent, collective; it depends on their times).
+            # timed steps are slow enough (_budget_spent, collective; it depends on their times), or
+            # right after a first step long enough to settle it (_first_step_s, collective).
             if (self._measured > self.measure_steps and self._durations) or self._budget_spent():
                 self._decide()
-            else:
+            elif first and (first_s := self._first_step_s(now)) is not None:
+                self._decide(first_step_s=first_s)
+            if self.decision is None:
                 self._last_end = time.perf_counter()  # the check's all-reduce not counted in the next step
 
     def _device(self) -> torch.device:
         """Where the model's parameters are: where its steps, its exchange and its codec run."""
         return self.named_params[0][1].device if self.named_params else torch.device("cpu")
+
+    def _first_step_s(self, now: float) -> float | None:
+        """The slowest rank's first step, from distribute() on, where it reaches ``FIRST_STEP_BUDGETS``
+        times ``measure_budget_s`` (collective: every rank gets the same answer); else ``None``."""
+        if self.measure_budget_s is None or self._started is None or self.world_size < 2:
+            return None
+        first = torch.tensor([now - self._started], dtype=torch.float64, device=comm.tensor_device(self.group))
+        comm.all_reduce(first, op="max", group=self.group)
+        seconds = float(first[0])
+        return seconds if seconds >= FIRST_STEP_BUDGETS * self.measure_budget_s else None
 
     def _budget_spent(self) -> bool:
         """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
@@ -574,17 +630,27 @@ class Auto(Algorithm):
         )
         return profile, compute, candidates, [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
 
-    def _decide(self) -> None:
+    def _decide(self, first_step_s: float | None = None) -> None:
+        """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
+        (the slowest rank's first step, from distribute() on), decide only where that settles it
+        (:func:`settled_by_first_step`); else keep the network and codec measured for the decision
+        and go on measuring."""
         started = time.perf_counter()
-        slowest = torch.tensor(
-            [statistics.median(self._durations)], dtype=torch.float64, device=comm.tensor_device(self.group)
-        )
-        comm.all_reduce(slowest, op="max", group=self.group)
-        step_s = float(slowest[0])
+        if first_step_s is None:
+            slowest = torch.tensor(
+                [statistics.median(self._durations)], dtype=torch.float64, device=comm.tensor_device(self.group)
+            )
+            comm.all_reduce(slowest, op="max", group=self.group)
+            step_s = float(slowest[0])
+        else:
+            step_s = first_step_s
         n = self.world_size
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
         network: cm.Network | None = self.network if n > 1 else None
-        if network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
+        early = self._early
+        if early is not None:  # measured after the first step, which did not settle the decision
+            network = early[0]
+        elif network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
             # every rank fits the same (max-reduced) timings, so all succeed or all fail, and retry alike
             try:
@@ -602,7 +668,10 @@ class Auto(Algorithm):
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         codec: dict[str, float] = {}
         codecs: tuple[tuple[int, float, float, float], ...] = ()
-        if network is not None:  # the same on every rank (max-reduced timings): all measure, at once
+        if early is not None:
+            _, codec, codecs, network_s, earlier_s = early
+            started -= earlier_s  # the record's time to decide counts the first step's measuring too
+        elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
             codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
@@ -611,8 +680,19 @@ class Auto(Algorithm):
         fixed: dict[str, float] = {}
         plan: tuple[Any, ...] | None = None
         probing: tuple[str, str] | None = None
+        if first_step_s is not None:
+            settled: tuple[str, str] | None = None
+            if deciding and network is not None:
+                plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
+                settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
+            settled = comm.broadcast_object(settled, src=0, group=self.group)
+            if settled is None:  # go on measuring; the network and codec stay measured
+                if network is not None:
+                    self._early = (network, codec, codecs, network_s, time.perf_counter() - started)
+                return
+            probing = settled
         probe_started = time.perf_counter()
-        if network is not None and self.fixed_costs:
+        if network is not None and self.fixed_costs and first_step_s is None:
             # Rank 0 predicts without the probes first and tells every rank which probes can change
             # the decision (probes_needed): they are most of Auto's measuring time.
             if deciding:
@@ -709,6 +789,7 @@ class Auto(Algorithm):
                 "workers": n,
                 "measured": {
                     "exact_step_s": step_s,
+                    **({"first_step": True} if first_step_s is not None else {}),
                     "compute_s": compute,
                     "latency_s": network.latency_s,
                     "bandwidth": network.bandwidth,
@@ -781,7 +862,8 @@ def format_decision(decision: dict[str, Any]) -> str:
     """Rank 0's short table: candidates, predicted ms per step, the choice and why."""
     m = decision["measured"]
     lines = [
-        f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: exact step "
+        f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: "
+        f"{'first step (from distribute() on)' if m.get('first_step') else 'exact step'} "
         f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
         f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
         f"decided in {m['decide_s']:.2f} s"

@@ -397,6 +397,63 @@ def test_an_inconclusive_network_probe_is_retried_larger_before_keeping_exact(wo
     assert results[0]["label"] == results[1]["label"]
 
 
+def _body_first_step(rank: int, world_size: int, network) -> dict:
+    import time
+    from unittest import mock
+
+    from bunsan.algorithms import auto as auto_module
+
+    probes: list[int] = []
+
+    def fast(group, **kwargs):  # the job's own network, as measured: fast (no real probe, no noise)
+        probes.append(auto._measured)  # the step after which it was measured
+        return Network(**FAST)
+
+    model = _model()
+    given = Network(**network) if network is not None else None
+    auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=given, verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    if rank == 1:  # the first step, from distribute() on, lasts over 1 s on rank 1 only: the slowest decides
+        time.sleep(1.2)
+    decided_at = None
+    with mock.patch.object(auto_module, "measure_network", fast):
+        for i in range(8):
+            _train(model, optimizer, rank, 1, start=i)
+            if auto.decision is not None and decided_at is None:
+                decided_at = i + 1
+    optimizer.sync_replicas()
+    return {
+        "decided_at": decided_at,
+        "label": auto.decision["label"],
+        "first_step": auto.decision["measured"].get("first_step", False),
+        "step_s": auto.decision["measured"]["exact_step_s"],
+        "network_probes": probes,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
+    # 1 kB/s: a block of 32 steps still costs its exchange (about 4 s for this model's 4.4 kB) over
+    # 5% of the first step's 1.2 s, so the block sits at the cap, where any shorter step keeps it:
+    # decided after step 1 on both ranks, from the first step's time
+    results = workers.run(f"{__name__}:_body_first_step", network={"latency_s": 1e-3, "bandwidth": 1e3})
+    assert [r["decided_at"] for r in results] == [1, 1]
+    assert results[0]["first_step"] and results[0]["step_s"] >= 1.2
+    assert results[0]["label"] == results[1]["label"] == "block_momentum:256"  # 32 steps of 8 (momentum 0)
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+    # 100 kB/s: against 1.2 s of compute a 2-step block is within the budget, a choice a shorter step
+    # could change: measuring goes on, and the decision comes after measure_steps + 1 steps
+    results = workers.run(f"{__name__}:_body_first_step", network=SLOW)
+    assert [r["decided_at"] for r in results] == [7, 7]
+    assert not results[0]["first_step"] and results[0]["step_s"] < 1.0
+    assert results[0]["label"] == results[1]["label"]
+    # the job's own network, measured once after the first step, serves the later decision
+    results = workers.run(f"{__name__}:_body_first_step", network=None)
+    assert [r["decided_at"] for r in results] == [7, 7]
+    assert [r["network_probes"] for r in results] == [[1], [1]]
+    assert not results[0]["first_step"]
+
+
 # -- the loops users write: the decision changes nothing but the algorithm ---------------------
 def _dropout_model() -> nn.Module:
     torch.manual_seed(0)  # dropout draws from the global RNG: anything Auto drew from it would show

@@ -270,3 +270,66 @@ def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):
     assert auto.decision is not None and auto.decision["step"] == 4
     assert (auto.decision["label"], auto.decision["workers"]) == ("exact", 1)
     assert "one worker" in auto.decision["why"]
+
+
+def test_only_a_block_at_the_cap_without_probes_is_settled_by_the_first_step():
+    batch = 32  # the cap: 32 steps of 32 samples = 1024
+    per_step = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
+    rows = [*per_step, ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)]
+    mode, why = auto.settled_by_first_step(*_predicted(rows), 0.1, batch)
+    assert mode == "none" and "32-step cap" in why and "settled by the first step" in why
+    # below the cap the block may lengthen at a shorter step; a bit width or exact may change with the compute
+    rows = [*per_step, ("model_averaging:512", "model_averaging", {"block_size": 512}, 0.0060)]
+    assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
+    rows = [*per_step, ("1-bit", "data_parallel", {"bits": 1}, 0.0040)]
+    assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
+    rows = [per_step[0], ("fp16", "data_parallel", {"compression": "fp16"}, 0.0130)]
+    assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
+    # fp16 within min_gain of the block at the cap: its probe could still swap them
+    rows = [
+        per_step[0],
+        ("fp16", "data_parallel", {"compression": "fp16"}, 0.0065),
+        ("block_momentum:1024", "block_momentum", {"block_size": 1024}, 0.0060),
+    ]
+    assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
+
+
+def _decided_at(step_s, params, batch, network, workers, momentum):
+    """The pipeline of Auto's decision without probes, from a step time: its chosen label and whether settled."""
+    draft = cm.Profile(
+        compute_s=step_s,
+        params=params,
+        batch=batch,
+        encode_s_per_element=2e-9,
+        decode_s_per_element=1e-9,
+        cast_s_per_element=5e-10,
+        update_s_per_element=1e-9,
+        codec_call_s=2e-5,
+    )
+    compute = auto.infer_compute(step_s, draft, network, workers)
+    profile = cm.Profile(**{**vars(draft), "compute_s": compute})
+    candidates = auto.candidates_for("high", profile, network, workers, momentum=momentum)
+    predictions = [cm.predict(profile, network, c, workers) for c in candidates]
+    index, _ = auto.choose(predictions, 0.1)
+    return candidates[index].label, auto.settled_by_first_step(candidates, predictions, 0.1, batch)
+
+
+def test_a_decision_settled_by_a_long_first_step_holds_at_every_shorter_step():
+    # The claim of settled_by_first_step, on the cost model itself: where the first step's time (an upper
+    # bound of the step's) settles the decision, every step time below it leads to the same choice.
+    settled = unsettled = 0
+    for params in (100_000, 2_600_000, 10_500_000):
+        for bandwidth in (1.25e7, 1.25e8, 1.25e9):  # 100 Mbit/s, 1 Gbit/s, 10 Gbit/s
+            for workers in (2, 4, 16):
+                for momentum in (0.0, 0.9):
+                    network = cm.Network(5e-5, bandwidth)
+                    for first_s in (1.0, 4.0, 30.0):
+                        label, found = _decided_at(first_s, params, 32, network, workers, momentum)
+                        if found is None:
+                            unsettled += 1
+                            continue
+                        settled += 1
+                        for share in (0.5, 0.2, 0.05, 0.01, 0.001):
+                            shorter, _ = _decided_at(first_s * share, params, 32, network, workers, momentum)
+                            assert shorter == label, (params, bandwidth, workers, momentum, first_s, share)
+    assert settled >= 10 and unsettled >= 10, (settled, unsettled)  # the grid holds both cases
