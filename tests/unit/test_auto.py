@@ -115,6 +115,11 @@ def test_a_tie_between_the_block_algorithms_goes_by_the_optimizers_momentum():
         assert found[index].algorithm == expected, momentum
 
 
+# exact and fp16 per step, and a block at the cap (32 steps of 32 samples), predicted 10, 9 and 6 ms
+PER_STEP = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
+AT_CAP = ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)
+
+
 def _predicted(rows):
     """Candidates and predictions from (label, algorithm, options, step seconds)."""
     candidates = [cm.Candidate(algorithm, options, label) for label, algorithm, options, _ in rows]
@@ -123,10 +128,9 @@ def _predicted(rows):
 
 
 def test_probes_needed_by_what_the_decision_without_them_hinges_on():
-    batch = 32  # the cap: 32 steps of 32 samples = 1024
-    per_step = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
+    batch, per_step = 32, PER_STEP  # the cap: 32 steps of 32 samples = 1024
     # model averaging at the cap, 1.5x faster than fp16 and 1.67x than exact: no probe at all
-    rows = [*per_step, ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)]
+    rows = [*per_step, AT_CAP]
     mode, why = auto.probes_needed(*_predicted(rows), 0.1, batch)
     assert mode == "none" and "model_averaging:1024" in why and "32-step cap" in why
     # below the cap (16 steps): exact's and the block probe, which may lengthen the block
@@ -273,9 +277,8 @@ def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):
 
 
 def test_only_a_block_at_the_cap_without_probes_is_settled_by_the_first_step():
-    batch = 32  # the cap: 32 steps of 32 samples = 1024
-    per_step = [("exact", "data_parallel", {}, 0.0100), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0090)]
-    rows = [*per_step, ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)]
+    batch, per_step = 32, PER_STEP
+    rows = [*per_step, AT_CAP]
     mode, why = auto.settled_by_first_step(*_predicted(rows), 0.1, batch)
     assert mode == "none" and "32-step cap" in why and "settled by the first step" in why
     # below the cap the block may lengthen at a shorter step; a bit width or exact may change with the compute
