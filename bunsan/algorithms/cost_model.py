@@ -43,6 +43,7 @@ from bunsan.algorithms.network_model import (
     Network,
     allgather_time,
     alltoall_time,
+    burst_credit,
     check_seconds,
     fit_line,
     network_from_timings,
@@ -67,6 +68,7 @@ __all__ = [
     "async_step",
     "block_steps",
     "bucket_sizes",
+    "burst_credit",
     "codec_calls",
     "compute_with_stragglers",
     "default_candidates",
@@ -427,6 +429,7 @@ def predict(
 
             sent = ring_allreduce_bytes(profile.params * element, n) if n > 1 else 0.0
             codec = profile.cast_s_per_element * profile.params if half and n > 1 else 0.0
+            rate = wire.bandwidth
         else:
             chunk = int(_option(options, "chunk_size", DEFAULT_CHUNK_SIZE))
             total = profile.gradient_bytes
@@ -458,6 +461,7 @@ def predict(
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own
             codec += ring_allreduce_time(16, n, network)
+            rate = network.gather_beta
         communication = sum(exchange(b) for b in buckets) if n > 1 else 0.0
         if n == 1:
             exposed = 0.0
@@ -465,6 +469,8 @@ def predict(
             exposed = exposed_communication(forward, backward, buckets, exchange)
         else:
             exposed = communication
+        # a token-bucket link refilled during the compute passes its burst at once (network_model)
+        exposed = max(0.0, exposed - burst_credit(network, sent, compute, rate)) if n > 1 else 0.0
         wait = (profile.straggler_s + profile.fixed(candidate.label)) if n > 1 else 0.0
         return Prediction(
             candidate.label, n, compute, compute + wait + exposed + codec, communication, wait + exposed, codec, sent
@@ -476,7 +482,9 @@ def predict(
         update = profile.update_s_per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
         fixed = profile.fixed(candidate.label) if n > 1 else 0.0  # per block
-        exposed = (communication + update + wait + fixed) / k
+        # a token-bucket link refills over the block's k steps of compute
+        credit = burst_credit(network, ring_allreduce_bytes(nbytes, n), k * compute) if n > 1 else 0.0
+        exposed = (communication - credit + update + wait + fixed) / k
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
     # async: rank 0's own worker reaches the server in-process and never waits; the others pay the

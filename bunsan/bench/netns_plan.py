@@ -84,6 +84,18 @@ class NetworkSpec:
         return f"{self.rate_bits}bit"
 
 
+def parse_size(text: str) -> int:
+    """``"16kb"`` -> 16384 bytes: a whole number with b, kb (k) or mb (m), powers of 1024 as tc reads them.
+
+    Raises:
+        ValueError: not a whole number of bytes with one of those units.
+    """
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size in bytes, kb or mb, e.g. 16kb")
+    return int(match["number"]) * _SIZE_UNITS[(match["unit"] or "b").lower()]
+
+
 def parse_network(text: str) -> NetworkSpec:
     """Parse ``--network rate=RATE[,burst=SIZE]``, e.g. ``rate=1gbit`` or ``rate=100mbit,burst=64kb``.
 
@@ -113,10 +125,12 @@ def parse_network(text: str) -> NetworkSpec:
     rate_bits = parse_rate(options["rate"])
     burst = max(rate_bits // 8 // 1000, MIN_BURST_BYTES)  # 1 ms of traffic
     if "burst" in options:
-        match = _SIZE.fullmatch(options["burst"])
-        if not match or int(match["number"]) < 1:
-            raise ValueError(f"--network {text!r}: burst {options['burst']!r} is not a size in bytes, kb or mb")
-        burst = int(match["number"]) * _SIZE_UNITS[(match["unit"] or "b").lower()]
+        try:
+            burst = parse_size(options["burst"])
+        except ValueError:
+            raise ValueError(
+                f"--network {text!r}: burst {options['burst']!r} is not a size in bytes, kb or mb"
+            ) from None
         if burst < 2048:
             raise ValueError(f"--network {text!r}: burst must be at least 2kb (one full-size packet)")
     return NetworkSpec(rate_bits, burst)

@@ -25,6 +25,7 @@ from typing import Any
 from bunsan._table import format_table
 from bunsan._validate import check_number
 from bunsan.bench._common import check_at_least, check_positive, command_main, refuse, stop_with_parent
+from bunsan.bench.netns_plan import parse_size
 from bunsan.bench.specs import parse_workers
 
 __all__ = [
@@ -290,6 +291,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link", default="10gbit", help="bandwidth of one worker's link, e.g. 25gbit; default %(default)s"
     )
     net.add_argument("--latency", default="10us", help="per-message latency, e.g. 10us; default %(default)s")
+    net.add_argument(
+        "--burst",
+        default="0",
+        help="a token-bucket link's burst, e.g. 16kb (tc tbf; bunsan bench --network gives 1 ms of traffic, "
+        "at least 16kb): bytes that pass at once after the compute; default %(default)s (none)",
+    )
     net.add_argument("--hostfile", help="with --probe: measure alpha and beta by a probe job over these hosts")
     net.add_argument("-H", "--hosts", help="with --probe: hosts as NAME:SLOTS,... (bunsan run -H)")
     net.add_argument(
@@ -381,6 +388,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     try:
         workers = parse_workers(args.workers)
         check_at_least(("--batch", args.batch, 1), ("--block-size", args.block_size, 1))
+        try:
+            burst = float(parse_size(args.burst))
+        except ValueError as error:
+            raise ValueError(f"--burst {error}") from None
         if args.probe:
             measured_net = _probe(args)
             network = cm.Network(
@@ -388,6 +399,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 measured_net["bandwidth"],
                 measured_net.get("gather_bandwidth"),
                 measured_net.get("half_bandwidth"),
+                burst_bytes=burst,
             )
             say(
                 f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
@@ -397,7 +409,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         else:
             if args.hostfile or args.hosts:
                 raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
-            network = cm.Network(parse_latency(args.latency), parse_link(args.link))
+            network = cm.Network(parse_latency(args.latency), parse_link(args.link), burst_bytes=burst)
         extra: dict[str, Any] = {}
         if args.model is not None:
             measured = _measured_profile(args)

@@ -12,7 +12,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
 :mod:`bunsan.bench.netns`), in this order:
 
 1. the network: all-reduces and all-gathers of 4 B to 16 MB, fitted to alpha
-   and beta (:func:`bunsan.bench.measure.measure_network`);
+   and beta (:func:`bunsan.bench.measure.measure_network`); on a shaped link, with
+   the burst its token bucket was given (``--network rate=RATE[,burst=SIZE]``: 1 ms
+   of traffic, at least 16 KiB), which the probe's back-to-back messages cannot see
+   and a step's first bytes get after its compute (``cost_model``'s burst credit);
 2. per model, the codec's time per element and per call, and the model's sizes;
 3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
    warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
@@ -170,6 +173,12 @@ def _worker(spec: dict[str, Any]) -> int:
     bunsan.init(timeout_s=spec["timeout_s"])
     rank, n = bunsan.rank(), bunsan.size()
     network = measure_network()
+    if spec["network"] is not None:  # the shaped link's token bucket, as netns set it up
+        from dataclasses import replace
+
+        from bunsan.bench.netns_plan import parse_network
+
+        network = replace(network, burst_bytes=float(parse_network(spec["network"]).burst_bytes))
     candidates = cm.default_candidates(spec["block_size"])
     overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
     # async: the server's transfers travel through memory on loopback; they find a spare core
@@ -264,6 +273,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "bandwidth": network.bandwidth,
                     "gather_bandwidth": network.gather_bandwidth,
                     "half_bandwidth": network.half_bandwidth,
+                    "burst_bytes": network.burst_bytes,
                 },
                 "rows": rows,
             },

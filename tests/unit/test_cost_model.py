@@ -285,3 +285,38 @@ def test_measure_codecs_one_entry_per_width():
     for bits, encode, decode, call in found:
         assert profile.codec(bits) == (encode, decode, call)
         assert encode >= 0 and decode >= 0 and call > 0
+
+
+def test_a_token_bucket_passes_its_burst_after_an_idle_compute():
+    # 100 Mbit/s = 12.5e6 B/s, tc tbf's 16 KiB burst: the bucket holds min(16384, 12.5e6 * idle) bytes
+    net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
+    assert cm.burst_credit(net, 32768, 0.01) == pytest.approx(16384 / 12.5e6)  # 1.31072 ms
+    assert cm.burst_credit(net, 32768, 0.0005) == pytest.approx(6250 / 12.5e6)  # refilled 6250 B only
+    assert cm.burst_credit(net, 1000, 0.01) == pytest.approx(1000 / 12.5e6)  # the whole message
+    assert cm.burst_credit(net, 32768, 0.01, bandwidth=6.25e6) == pytest.approx(16384 / 6.25e6)
+    assert cm.burst_credit(Network(0.0, 12.5e6), 32768, 0.01) == 0.0  # no bucket
+    with pytest.raises(ValueError, match="burst_bytes"):
+        Network(0.0, 12.5e6, burst_bytes=-1)
+
+
+def test_the_burst_shortens_the_exchange_of_a_step_and_of_a_block():
+    # 8192 float32 parameters (32 KB) at 2 workers: each rank sends 2 * 1/2 * 32768 = 32768 B a step,
+    # 2.62144 ms at 12.5e6 B/s; after 2 ms of compute the bucket holds its 16 KiB (25,000 B refilled):
+    # 1.31072 ms saved, so 2 + 2.62144 - 1.31072 = 3.31072 ms
+    profile = Profile(compute_s=0.002, params=8192, batch=32)
+    plain, bucket = Network(0.0, 12.5e6), Network(0.0, 12.5e6, burst_bytes=16384)
+    exact = Candidate("data_parallel")
+    assert cm.predict(profile, plain, exact, 2, overlap=False).step_s == pytest.approx(4.62144e-3)
+    assert cm.predict(profile, bucket, exact, 2, overlap=False).step_s == pytest.approx(3.31072e-3)
+    # a block of 256 samples = 8 steps: one exchange of 32768 B after 16 ms of compute, 1.31072 ms of it
+    # saved: (2.62144 - 1.31072) / 8 = 0.16384 ms a step
+    block = Candidate("model_averaging", {"block_size": 256})
+    assert cm.predict(profile, bucket, block, 2).step_s == pytest.approx(2.16384e-3)
+    # a burst larger than the message: its whole exchange passes at once, never below nothing
+    huge = Network(0.0, 12.5e6, burst_bytes=1e9)
+    assert cm.predict(profile, huge, exact, 2, overlap=False).step_s == pytest.approx(
+        2e-3 + 32768 / 12.5e6 - 25000 / 12.5e6
+    )
+    assert cm.predict(Profile(compute_s=0.01, params=8192, batch=32), huge, exact, 2, overlap=False).step_s == (
+        pytest.approx(0.01)
+    )

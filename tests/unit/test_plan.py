@@ -71,6 +71,22 @@ def test_plan_prints_every_algorithm_at_every_count_and_writes_png_and_json(tmp_
     assert exact[256]["communication_s"] == pytest.approx(0.06375 + 5 * 0.0051, rel=1e-3)
 
 
+def test_a_token_bucket_links_burst_shortens_a_small_models_exchange(tmp_path):
+    def exact_step(*burst):
+        record = tmp_path / "b.json"
+        args = ["--compute-ms", "2", "--params", "8192", "--workers", "2", "--link", "100mbit", "--latency", "0us"]
+        assert main(["plan", *args, *burst, "--png", str(tmp_path / "b.png"), "--json", str(record)]) == 0
+        saved = json.loads(record.read_text())
+        return saved["network"]["burst_bytes"], next(r for r in saved["predictions"] if r["label"] == "exact")
+
+    # 32 KB of gradients at 2 workers: 32768 B a rank at 12.5e6 B/s = 2.62144 ms, of which tc tbf's 16 KiB
+    # burst (refilled in 1.31 ms of the 2 ms compute) passes at once: 1.31072 ms less exposed
+    plain_burst, plain = exact_step()
+    burst, shaped = exact_step("--burst", "16kb")
+    assert (plain_burst, burst) == (0.0, 16384.0)
+    assert plain["step_s"] - shaped["step_s"] == pytest.approx(16384 / 12.5e6)
+
+
 def test_plan_measures_a_model(tmp_path, capsys):
     code = main(["plan", "--model", "mnist1d_cnn", "--batch", "8", "--workers", "2", "--png", str(tmp_path / "m.png")])
     assert code == 0
@@ -88,6 +104,7 @@ def test_plan_measures_a_model(tmp_path, capsys):
         (["--compute-ms", "-1", "--params", "100"], "--compute-ms"),
         (["--published", "nope"], "unknown published"),
         (["--compute-ms", "10", "--params", "100", "--hostfile", "h"], "--probe"),
+        (["--compute-ms", "10", "--params", "100", "--burst", "16 kbit"], "--burst"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(argv, message, capsys, tmp_path):
