@@ -365,12 +365,19 @@ def async_step(
     a round cannot be shorter than ``(N - 1) (alpha + M / beta + apply)``.
     (Rank 0's own worker: :func:`predict`; where the server's transfers take its core,
     ``overlap=False``, it pays every remote worker's push and pull.)
+
+    On token-bucket links (``network.burst_bytes``) each bucket refills over a sync's
+    ``sync_steps`` steps of compute: the push's, on the worker's own link, and the pull's,
+    on rank 0's, whose bucket the round's ``N - 1`` pulls share.
     """
     if workers <= 1:
         return compute_s, 0.0
-    round_trip = 2 * (network.latency_s + model_bytes / network.bandwidth) + apply_s
+    idle = sync_steps * compute_s
+    pulls = burst_credit(network, (workers - 1) * model_bytes, idle)  # rank 0's link, shared by a round
+    push = burst_credit(network, model_bytes, idle)
+    round_trip = 2 * (network.latency_s + model_bytes / network.bandwidth) + apply_s - push - pulls / (workers - 1)
     own = compute_s + (round_trip + local_s) / sync_steps
-    server = (workers - 1) * (network.latency_s + model_bytes / network.bandwidth + apply_s) / sync_steps
+    server = ((workers - 1) * (network.latency_s + model_bytes / network.bandwidth + apply_s) - pulls) / sync_steps
     step = max(own, server)
     return step, step - compute_s
 

@@ -320,3 +320,15 @@ def test_the_burst_shortens_the_exchange_of_a_step_and_of_a_block():
     assert cm.predict(Profile(compute_s=0.01, params=8192, batch=32), huge, exact, 2, overlap=False).step_s == (
         pytest.approx(0.01)
     )
+
+
+def test_async_push_and_pull_get_the_burst_of_their_links():
+    # 32768 B messages at 12.5e6 B/s (2.62144 ms each) after 2 ms of compute, 16 KiB bursts
+    net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
+    # 2 workers: push and pull each 1.31072 ms shorter: 2 + 2 * (2.62144 - 1.31072) = 4.62144 ms
+    assert cm.async_step(0.002, 32768, 2, net, 1)[0] == pytest.approx(4.62144e-3)
+    # 5 workers: rank 0's link sends 4 pulls a round (10.48576 ms), its bucket (16 KiB) shared by them:
+    # the round 10.48576 - 1.31072 = 9.17504 ms, above a worker's own 2 + 2.62144 + 2.62144 - 1.31072 - 0.32768
+    assert cm.async_step(0.002, 32768, 5, net, 1)[0] == pytest.approx(9.17504e-3)
+    # without a bucket, as before: 2 + 2 * 2.62144
+    assert cm.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
