@@ -368,8 +368,8 @@ def settled_by_first_step(
     (its exposed exchange less the block's amortized one) only grows while the step it is
     measured against shrinks, so the block stays fastest and its gain over exact stays above
     ``min_gain``. Any other decision can change with the compute, and measuring goes on.
-    ``tests/unit/test_cost_model.py`` checks the claim on the cost model over a grid of
-    computes, networks and worker counts.
+    ``tests/unit/test_auto.py`` checks the claim on the cost model over a grid of model
+    sizes, networks, worker counts, momenta and first steps.
     """
     index, _ = choose(predictions, min_gain)
     families, why = probes_needed(candidates, predictions, min_gain, batch)
