@@ -442,14 +442,15 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     assert results[0]["label"] == results[1]["label"] == "block_momentum:256"  # 32 steps of 8 (momentum 0)
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
     # 100 kB/s: against 1.2 s of compute a 2-step block is within the budget, a choice a shorter step
-    # could change: measuring goes on, and the decision comes after measure_steps + 1 steps
+    # could change: measuring goes on, and the decision comes later (after measure_steps + 1 = 7 steps,
+    # or sooner where a loaded machine makes the timed steps add up to the 0.1 s budget)
     results = workers.run(f"{__name__}:_body_first_step", network=SLOW)
-    assert [r["decided_at"] for r in results] == [7, 7]
+    assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
     assert not results[0]["first_step"] and results[0]["step_s"] < 1.0
     assert results[0]["label"] == results[1]["label"]
     # the job's own network, measured once after the first step, serves the later decision
     results = workers.run(f"{__name__}:_body_first_step", network=None)
-    assert [r["decided_at"] for r in results] == [7, 7]
+    assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
     assert [r["network_probes"] for r in results] == [[1], [1]]
     assert not results[0]["first_step"]
 
