@@ -102,7 +102,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -163,6 +163,16 @@ PROBE_STEPS, PROBE_WARMUP, PROBE_REPEATS = 4, 2, 3
 # What a decision may build, by registry name. Imported directly, not through the registry in
 # bunsan.algorithms, which imports this module (no import cycle).
 _CHOICES: dict[str, type[Algorithm]] = {cls.name: cls for cls in (DataParallelSGD, BlockMomentumSGD, ModelAveragingSGD)}
+
+
+class _EarlyMeasures(NamedTuple):
+    """What Auto measured after a first step that did not settle the decision (Auto._decide)."""
+
+    network: cm.Network
+    codec: dict[str, float]
+    codecs: tuple[tuple[int, float, float, float], ...]
+    network_s: float  # seconds the network probe took
+    spent_s: float  # seconds that whole first-step measuring took
 
 
 def _delegated(name: str) -> Any:
@@ -453,8 +463,8 @@ class Auto(Algorithm):
         self._measured = 0  # steps completed while measuring (kept across a resume)
         self._last_end: float | None = None  # perf_counter at the end of the last step, this process
         self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
-        # what a first-step decision measured when it could not decide yet: kept for the decision (network, codecs)
-        self._early: tuple[Any, ...] | None = None
+        # what a first-step decision measured when it could not decide yet: kept for the decision
+        self._early: _EarlyMeasures | None = None
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
     step = _delegated("step")
@@ -649,7 +659,7 @@ class Auto(Algorithm):
         network: cm.Network | None = self.network if n > 1 else None
         early = self._early
         if early is not None:  # measured after the first step, which did not settle the decision
-            network = early[0]
+            network = early.network
         elif network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
             # every rank fits the same (max-reduced) timings, so all succeed or all fail, and retry alike
@@ -669,8 +679,8 @@ class Auto(Algorithm):
         codec: dict[str, float] = {}
         codecs: tuple[tuple[int, float, float, float], ...] = ()
         if early is not None:
-            _, codec, codecs, network_s, earlier_s = early
-            started -= earlier_s  # the record's time to decide counts the first step's measuring too
+            codec, codecs, network_s = early.codec, early.codecs, early.network_s
+            started -= early.spent_s  # the record's time to decide counts the first step's measuring too
         elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
             codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
@@ -688,7 +698,7 @@ class Auto(Algorithm):
             settled = comm.broadcast_object(settled, src=0, group=self.group)
             if settled is None:  # go on measuring; the network and codec stay measured
                 if network is not None:
-                    self._early = (network, codec, codecs, network_s, time.perf_counter() - started)
+                    self._early = _EarlyMeasures(network, codec, codecs, network_s, time.perf_counter() - started)
                 return
             probing = settled
         probe_started = time.perf_counter()
