@@ -29,8 +29,8 @@ README "Choosing an algorithm"):
 Rules for the settings: the measuring steps are the warm start of compressed and block
 algorithms (``warm_start`` adds to it, in global samples); a block is the smallest of 2,
 4, 8, 16 or 32 steps whose amortized exchange costs at most 5% of the compute, as small
-blocks stay closest to exact SGD, and never longer than 32 steps even where the exchange
-then costs more. The cap is bunsan's block-length sweep
+blocks stay closest to exact SGD, and at decision time never longer than 32 steps even
+where the exchange then costs more (past it, see below). The cap is bunsan's block-length sweep
 (``docs/experiments/block_sweep.sh``, docs/plan.md): each model's block algorithm at 8
 to 128 steps per block against exact SGD, seeds 0-2, on loopback and at 100 Mbit/s. On
 the digits CNN the epochs to exact's final error plus a point stay at 8-10 from 8 to 32
@@ -41,7 +41,24 @@ MNIST-1D, whose epochs do not grow (64-128 steps, 3-15% faster than 32), and tie
 steps on the digits CNN at 100 Mbit/s and 4 workers. The earlier cap of 16 steps
 followed Lin et al. 2020 ("Don't Use Large Mini-Batches, Use Local SGD", ICLR), whose
 local SGD matches minibatch SGD up to about 16 local steps; the sweep is the measurement
-on bunsan's own models. The two block algorithms exchange the same bytes once per block
+on bunsan's own models.
+
+Past the cap, the job's own times decide: after deciding on a block at the cap, Auto times
+the first block's local steps (median, end to end) and the exchange that ends it (the
+round's own all-reduces, waits included) on every rank; the next round's sample counts carry them (no collective
+of their own, so a rank that has joined takes part alike), and every rank lengthens the
+block from their means by the same rule (:func:`lengthened_block`): doubled while a
+doubling cuts the time per step by more than 1.625 times, up to 256 steps. 1.625 is the
+most a doubling past 32 steps cost in epochs to target in bunsan's sweeps (the 10.5M MLP at
+4 workers, 32 to 64 steps: 8 to 13 epochs; the digits CNN at 4 workers, 64 to 128: 9 to 14),
+and 256 the longest block they measured; so the time to target falls where the block
+doubles even if the epochs grow that much, which happens only where the exchange a step
+exceeds 3.33 times the compute. The 10.5M MLP at 100 Mbit/s and 4 workers is such a job: a
+42 MB exchange of 5-8 s a block against about 10 ms of compute a step; on bunsan's other
+measured jobs the block stays at the cap. The first step cannot decide this (its compute is
+only an upper bound), nor the exact steps on a slow link (each costs a whole exchange); the
+first block times the steps the job will take. The check and its figures go into the
+decision (``block_check``), so a resumed run builds the lengthened block. The two block algorithms exchange the same bytes once per block
 and are predicted alike; a tie goes by the optimizer's own momentum. Block momentum
 (BMUF, Chen and Huo 2016) filters the block updates with a momentum of ``1 - 1/N``,
 which stacks on the optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended
@@ -113,6 +130,7 @@ from bunsan._validate import check_choice, check_int, check_number, check_type
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
+from bunsan.algorithms.blockwise import BlockwiseSGD
 from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.measure import (
@@ -133,6 +151,7 @@ __all__ = [
     "choose",
     "infer_compute",
     "later_probes_needed",
+    "lengthened_block",
     "probe_family",
     "probes_needed",
 ]
@@ -153,6 +172,11 @@ MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._b
 # (settled_by_first_step): each further exact step would cost ten whole measuring budgets
 FIRST_STEP_BUDGETS = 10
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
+# Past the cap (module docstring): the most a doubling of the block past 32 steps cost in epochs to
+# target in bunsan's sweeps (the 10.5M MLP at 4 workers, 32 -> 64 steps: 8 -> 13 epochs), and the
+# longest block they measured
+EPOCH_GROWTH = 1.625
+MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
 # then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
@@ -209,6 +233,19 @@ def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: st
         ):
             return k * profile.batch
     return BLOCK_STEPS[-1] * profile.batch
+
+
+def lengthened_block(steps: int, compute_s: float, exchange_s: float) -> int:
+    """Steps per block past the cap, from a block of ``steps`` that ran: doubled while a doubling cuts
+    the time per step (``compute_s`` a local step, plus ``exchange_s`` a block amortized over its
+    steps) by more than :data:`EPOCH_GROWTH`, the most a doubling cost in epochs to target in
+    bunsan's sweeps, up to :data:`MAX_BLOCK_STEPS`. Where it doubles, the time to target falls even
+    if the epochs grow that much. With ``e`` the exchange per step, a doubling pays where
+    ``1.625 * (c + e/2) < c + e``, i.e. ``e > 3.33 c``: only where the exchange dominates the step."""
+    k = steps
+    while k < MAX_BLOCK_STEPS and EPOCH_GROWTH * (compute_s + exchange_s / (2 * k)) < compute_s + exchange_s / k:
+        k *= 2
+    return k
 
 
 def candidates_for(
@@ -465,6 +502,8 @@ class Auto(Algorithm):
         self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
         # what a first-step decision measured when it could not decide yet: kept for the decision
         self._early: _EarlyMeasures | None = None
+        # the local steps' times of the first block after deciding on a block at the cap (None: not timing)
+        self._block_steps_s: list[float] | None = None
 
     # -- the counters live in the inner algorithm ---------------------------------------------------
     step = _delegated("step")
@@ -510,6 +549,9 @@ class Auto(Algorithm):
         self.inner.complete_exchange()
 
     def after_step(self) -> None:
+        if self._block_steps_s is not None:
+            self._time_block_step()
+            return
         self.inner.after_step()
         if self.decision is None:
             synchronize(self._device())  # on a GPU: the step's kernels and exchange, not their launches
@@ -527,8 +569,87 @@ class Auto(Algorithm):
                 self._decide()
             elif first and (first_s := self._first_step_s(now)) is not None:
                 self._decide(first_step_s=first_s)
-            if self.decision is None:
+            if self.decision is None or self._block_steps_s is not None:
                 self._last_end = time.perf_counter()  # the check's all-reduce not counted in the next step
+
+    def _time_block_step(self) -> None:
+        """After deciding on a block algorithm at the cap: time the first block's local steps (end to
+        end: the median leaves out a step that an evaluation between steps lengthened) and take the
+        round's own time of the exchange that ends it; hand both to the next round's report
+        (:meth:`_lengthen`). Local: the report rides on the round that the block algorithm makes anyway."""
+        inner = self.inner
+        assert isinstance(inner, BlockwiseSGD) and self._block_steps_s is not None
+        blocks = inner.blocks
+        inner.after_step()
+        synchronize(self._device())
+        now = time.perf_counter()
+        if self._last_end is not None and inner.report_values is None:
+            seconds = now - self._last_end
+            if inner.blocks > blocks:  # this step ended the block: its exchange, as the round timed it
+                if self._block_steps_s:
+                    inner.report_values = [1.0, statistics.median(self._block_steps_s), inner.last_exchange_s]
+            elif inner.block_steps > 0:  # a local step (not the warm start's exact steps)
+                self._block_steps_s.append(seconds)
+        self._last_end = time.perf_counter()
+
+    def _arm_lengthening(self) -> None:
+        """Where the decision is a block algorithm at the cap, not yet checked: time its first block."""
+        decision = self.decision
+        inner = self.inner
+        if (
+            decision is None
+            or "block_check" in decision
+            or decision["algorithm"] not in BLOCK_ALGORITHMS
+            or not isinstance(inner, BlockwiseSGD)
+            or self.world_size < 2
+        ):
+            return
+        batch = int(decision.get("measured", {}).get("batch", 0))  # a decision made by hand may lack it
+        if batch <= 0 or int(decision["options"]["block_size"]) < BLOCK_STEPS[-1] * batch:
+            return
+        self._block_steps_s = []
+        self._last_end = None
+        inner.report_width, inner.report_values, inner.on_report = 3, None, self._lengthen
+
+    def _lengthen(self, report: list[float]) -> None:
+        """Every rank, at a round: from the ranks' mean local step and block exchange, lengthen the
+        block past the cap where the exchange dominates (:func:`lengthened_block`); the same on every
+        rank, as the sums are. A round that carries no report (none timed yet) leaves it for the next."""
+        reporters, local_s, exchange_s = report
+        if reporters <= 0:
+            return
+        inner = self.inner
+        decision = self.decision
+        assert isinstance(inner, BlockwiseSGD) and decision is not None
+        compute_s, exchange_s = local_s / reporters, exchange_s / reporters
+        batch = int(decision["measured"]["batch"])
+        steps = int(decision["options"]["block_size"]) // batch
+        longer = lengthened_block(steps, compute_s, exchange_s)
+        inner.report_width, inner.report_values, inner.on_report = 0, None, None
+        self._block_steps_s = None
+        decision["block_check"] = {
+            "local_step_s": compute_s,
+            "exchange_s": exchange_s,
+            "steps": steps,
+            "lengthened_to": longer,
+            "at_block": inner.blocks,
+        }
+        if longer > steps:
+            size = longer * batch
+            inner.block_size = size
+            decision["options"] = {**decision["options"], "block_size": size}
+            decision["label"] = f"{decision['algorithm']}:{size}"
+        if self.verbose and comm.get_rank(self.group) == 0:
+            print(
+                f"[bunsan] Auto after block {inner.blocks}: a local step {compute_s * 1e3:.2f} ms, the exchange "
+                f"{exchange_s * 1e3:.1f} ms a block: "
+                + (
+                    f"blocks of {longer} steps from now on (were {steps}; the exchange dominates)"
+                    if longer > steps
+                    else f"blocks stay at {steps} steps"
+                ),
+                flush=True,
+            )
 
     def _device(self) -> torch.device:
         """Where the model's parameters are: where its steps, its exchange and its codec run."""
@@ -841,6 +962,7 @@ class Auto(Algorithm):
         if self.optimizer is not None:
             new.attach_optimizer(self.optimizer)
         self.inner = new
+        self._arm_lengthening()
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -24,8 +24,9 @@ Distributed invariants kept here:
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,15 @@ class BlockwiseSGD(Algorithm):
         self._ended_warm_start = False  # this step's round was the last of the warm start
         self._fresh = True  # this rank's model is the others' (False: joined and missed warm steps)
         self._checked_first_step = False
+        # A report that rides on the rounds' count all-reduce (used by Auto to time its first blocks):
+        # ``report_width`` floats appended to every round's counts on every rank (zeros from a rank with
+        # nothing to report, or that does not contribute), their sums handed to ``on_report`` on every
+        # rank, the joined ones included, so that all act alike. The width must be the same on every rank.
+        # sync_replicas()'s rounds (between steps) carry zeros and act on nothing.
+        self.report_width = 0
+        self.last_exchange_s = 0.0  # seconds the last round's all-reduces took on this rank (waits included)
+        self.report_values: list[float] | None = None
+        self.on_report: Callable[[list[float]], None] | None = None
 
     # -- the filter, chosen by subclasses -----------------------------------------
     def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
@@ -280,16 +290,23 @@ class BlockwiseSGD(Algorithm):
             return
         if not self._blocks_started:
             self._begin_blocks()
-        self._block_round(contribute=self.block_steps > 0, still_active=True)
+        # a round between steps (an evaluation's copy, bunsan.bench's curves) carries no report and acts
+        # on none: what it changes is put back, and a report must not be spent there
+        self._block_round(contribute=self.block_steps > 0, still_active=True, report=False)
 
     # -- rounds -----------------------------------------------------------------
-    def _meta(self, samples: int, contributes: bool, still_active: bool) -> Tensor:
+    def _meta(self, samples: int, contributes: bool, still_active: bool, report: bool = True) -> Tensor:
         device = self._flats[0].buffer.device if self._flats else "cpu"
         changed = []
         if self.buffer_sync is not None:
             changed = self.buffer_sync.changed() if contributes else [0.0] * len(self.buffer_sync)
         # float64: sample counts stay exact up to 2**53.
-        values = [float(samples), float(contributes), float(still_active), *changed]
+        reported = [0.0] * self.report_width
+        if report and contributes and self.report_values is not None:
+            reported = [float(v) for v in self.report_values]
+            if len(reported) != self.report_width:
+                raise ValueError(f"report_values has {len(reported)} values; report_width is {self.report_width}")
+        values = [float(samples), float(contributes), float(still_active), *changed, *reported]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
     def _exchange(self, meta: Tensor, what: str) -> tuple[int, int, int, list[float]]:
@@ -305,8 +322,9 @@ class BlockwiseSGD(Algorithm):
         return total, contributors, active, sums[3:]
 
     @torch.no_grad()
-    def _block_round(self, *, contribute: bool, still_active: bool) -> int:
-        """One block synchronization; returns the number of ranks still training after it."""
+    def _block_round(self, *, contribute: bool, still_active: bool, report: bool = True) -> int:
+        """One block synchronization; returns the number of ranks still training after it. ``report=False``:
+        this rank sends zeros in the report's place and does not act on it."""
         n = self.world_size
         # 1. Every rank sends its block's model change (or zeros) and its counts.
         for f in self._flats:
@@ -316,9 +334,14 @@ class BlockwiseSGD(Algorithm):
             else:
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
+        width = self.report_width
+        started = time.perf_counter()
         total, contributors, active, changed = self._exchange(
-            self._meta(samples, contribute, still_active), "block all-reduce"
+            self._meta(samples, contribute, still_active, report), "block all-reduce"
         )
+        self.last_exchange_s = time.perf_counter() - started  # meta's tolist() waited for every all-reduce
+        sums = changed[len(changed) - width :] if width else []
+        changed = changed[: len(changed) - width]
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
         if contributors > 0:
             per_worker = total / contributors if total > 0 else float(self.block_size)
@@ -337,6 +360,8 @@ class BlockwiseSGD(Algorithm):
         self.block_samples = self.block_steps = 0
         if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
             reset_momentum_buffers(self.optimizer)
+        if width and report and self.on_report is not None:
+            self.on_report(sums)  # may change block_size and the report itself, alike on every rank
         return active
 
     def _end_warm_start(self) -> None:

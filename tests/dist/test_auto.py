@@ -455,6 +455,79 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     assert not results[0]["first_step"]
 
 
+# -- past the cap: the first block's own times lengthen the block where the exchange dominates ---------
+def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
+    import time
+    from unittest import mock
+
+    from bunsan.algorithms.blockwise import BlockwiseSGD
+
+    exchange = BlockwiseSGD._exchange
+
+    def slow(self, meta, what):  # a block's exchange on a slow link: seconds
+        time.sleep(exchange_sleep_s)
+        return exchange(self, meta, what)
+
+    def step(model, optimizer, i: int) -> None:
+        _train(model, optimizer, rank, 1, start=i)
+        time.sleep(0.005)  # a local step of milliseconds: far above the machine's timing noise
+
+    # 10 ms latency, 100 kB/s: per-step exchanges cost tens of ms, a 32-step block a few ms a step
+    network = Network(latency_s=1e-2, bandwidth=1e5)
+    model = _model()
+    auto = bunsan.Auto(
+        measure_steps=3, measure_budget_s=None, risk="high", network=network, fixed_costs=False, verbose=False
+    )
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    with mock.patch.object(BlockwiseSGD, "_exchange", slow):
+        for i in range(4):
+            step(model, optimizer, i)
+        decided = dict(auto.decision)
+        steps = auto.inner.block_size // 8
+        # the first block, then the second, whose round carries the first one's times
+        for i in range(4, 4 + 2 * steps):
+            step(model, optimizer, i)
+    state = optimizer.state_dict()
+    optimizer.sync_replicas()
+    resumed_model = _model()
+    resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**FAST), verbose=False)
+    resumed_model, resumed_optimizer = bunsan.distribute(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+    )
+    resumed_optimizer.load_state_dict(state)
+    return {
+        "decided": (decided["algorithm"], decided["options"]["block_size"]),
+        "check": auto.decision.get("block_check"),
+        "block_size": auto.inner.block_size,
+        "label": auto.decision["label"],
+        "resumed": (resumed.inner.block_size, resumed.decision == auto.decision, resumed.inner.report_width),
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+@pytest.mark.parametrize("exchange_sleep_s", [1.0, 0.0])
+def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(workers, exchange_sleep_s):
+    from bunsan.algorithms.auto import lengthened_block
+
+    results = workers.run(f"{__name__}:_body_lengthen", exchange_sleep_s=exchange_sleep_s)
+    assert results[0]["decided"] == results[1]["decided"] == ("block_momentum", 256)  # 32 steps of 8: the cap
+    check = results[0]["check"]
+    assert check is not None and check == results[1]["check"], results  # the same sums on every rank
+    assert check["steps"] == 32 and check["at_block"] == 2  # the second block's round carried the first's times
+    # the recorded times give the recorded length, by the rule
+    assert check["lengthened_to"] == lengthened_block(32, check["local_step_s"], check["exchange_s"])
+    if exchange_sleep_s:  # 1 s a block against ~6 ms a step: 31 ms of exchange a step, over 3.33 times
+        assert check["exchange_s"] >= 0.9 and check["lengthened_to"] > 32, check
+    else:  # loopback's exchange of 5 kB: far under 3.33 times a 6 ms step
+        assert check["lengthened_to"] == 32, check
+    size = check["lengthened_to"] * 8
+    assert [r["block_size"] for r in results] == [size, size]
+    assert results[0]["label"] == results[1]["label"] == f"block_momentum:{size}"
+    # a resumed run builds the lengthened block and does not time its blocks again
+    assert [r["resumed"] for r in results] == [(size, True, 0)] * 2
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+
+
 # -- the loops users write: the decision changes nothing but the algorithm ---------------------
 def _dropout_model() -> nn.Module:
     torch.manual_seed(0)  # dropout draws from the global RNG: anything Auto drew from it would show

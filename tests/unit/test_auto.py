@@ -336,3 +336,23 @@ def test_a_decision_settled_by_a_long_first_step_holds_at_every_shorter_step():
                             shorter, _ = _decided_at(first_s * share, params, 32, network, workers, momentum)
                             assert shorter == label, (params, bandwidth, workers, momentum, first_s, share)
     assert settled >= 10 and unsettled >= 10, (settled, unsettled)  # the grid holds both cases
+
+
+@pytest.mark.parametrize(
+    ("steps", "compute_s", "exchange_s", "expected"),
+    [
+        # a doubling pays where the exchange a step exceeds 0.625 / 0.1875 = 3.33 times the compute
+        (32, 1.0, 32 * 4.0, 64),  # 4 a step at 32: doubled; 2 a step at 64: kept
+        (32, 1.0, 32 * 3.0, 32),  # 3 a step: a doubling saves 1.5 of 4, less than 1.625 times
+        (32, 1.0, 32 * 3.4, 64),  # just over 3.33: 1.625 * (1 + 1.7) = 4.39 < 4.4
+        (32, 1.0, 1000.0, 256),  # 31, 15.6, 7.8 a step: doubled up to the longest block swept
+        (32, 0.0, 1.0, 256),  # no compute to hide behind: as long as measured
+        (32, 1.0, 0.0, 32),  # nothing to save
+        (256, 1.0, 1000.0, 256),  # at the longest already
+        (64, 0.01, 64 * 0.05, 128),  # 0.05 a step at 64 (> 0.033): doubled; 0.025 at 128 (< 0.033): kept
+    ],
+)
+def test_lengthened_block_doubles_only_while_a_doubling_beats_the_epochs_it_may_cost(
+    steps, compute_s, exchange_s, expected
+):
+    assert auto.lengthened_block(steps, compute_s, exchange_s) == expected
