@@ -528,6 +528,52 @@ def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
 
 
+def _body_lengthen_with_a_joined_rank(rank: int, world_size: int) -> dict:
+    import time
+    from unittest import mock
+
+    from bunsan.algorithms.blockwise import BlockwiseSGD
+
+    exchange = BlockwiseSGD._exchange
+
+    def slow(self, meta, what):
+        time.sleep(1.0)
+        return exchange(self, meta, what)
+
+    model = _model()
+    auto = bunsan.Auto(
+        measure_steps=3,
+        measure_budget_s=None,
+        risk="high",
+        network=Network(latency_s=1e-2, bandwidth=1e5),
+        fixed_costs=False,
+        verbose=False,
+    )
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    # rank 1 runs out of data 5 steps into the second block and joins; rank 0 trains on, and the
+    # round that ends its second block (carrying both ranks' first-block times) is rank 1's join round
+    steps = 4 + 32 + 5 if rank == 1 else 4 + 2 * 32 + 4
+    with mock.patch.object(BlockwiseSGD, "_exchange", slow):
+        for i in range(steps):
+            _train(model, optimizer, rank, 1, start=i)
+            time.sleep(0.005)
+        optimizer.join()
+    return {
+        "check": auto.decision.get("block_check"),
+        "block_size": auto.inner.block_size,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+def test_a_rank_that_has_joined_lengthens_the_block_alike(workers):
+    results = workers.run(f"{__name__}:_body_lengthen_with_a_joined_rank")
+    check = results[0]["check"]
+    assert check is not None and check == results[1]["check"], results
+    assert check["lengthened_to"] > 32 and check["at_block"] == 2, check
+    assert results[0]["block_size"] == results[1]["block_size"] == 8 * check["lengthened_to"]
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+
+
 # -- the loops users write: the decision changes nothing but the algorithm ---------------------
 def _dropout_model() -> nn.Module:
     torch.manual_seed(0)  # dropout draws from the global RNG: anything Auto drew from it would show
