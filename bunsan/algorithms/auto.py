@@ -43,22 +43,24 @@ followed Lin et al. 2020 ("Don't Use Large Mini-Batches, Use Local SGD", ICLR), 
 local SGD matches minibatch SGD up to about 16 local steps; the sweep is the measurement
 on bunsan's own models.
 
-Past the cap, the job's own times decide: after deciding on a block at the cap, Auto times
-the first block's local steps (median, end to end) and the exchange that ends it (the
-round's own all-reduces, waits included) on every rank; the next round's sample counts carry them (no collective
-of their own, so a rank that has joined takes part alike), and every rank lengthens the
-block from their means by the same rule (:func:`lengthened_block`): doubled while a
-doubling cuts the time per step by more than 1.625 times, up to 256 steps. 1.625 is the
-most a doubling past 32 steps cost in epochs to target in bunsan's sweeps (the 10.5M MLP at
-4 workers, 32 to 64 steps: 8 to 13 epochs; the digits CNN at 4 workers, 64 to 128: 9 to 14),
-and 256 the longest block they measured; so the time to target falls where the block
-doubles even if the epochs grow that much, which happens only where the exchange a step
-exceeds 3.33 times the compute. The 10.5M MLP at 100 Mbit/s and 4 workers is such a job: a
-42 MB exchange of 5-8 s a block against about 10 ms of compute a step; on bunsan's other
-measured jobs the block stays at the cap. The first step cannot decide this (its compute is
-only an upper bound), nor the exact steps on a slow link (each costs a whole exchange); the
-first block times the steps the job will take. The check and its figures go into the
-decision (``block_check``), so a resumed run builds the lengthened block. The two block algorithms exchange the same bytes once per block
+Past the cap, the job's own times decide: after deciding on a block at the cap, Auto
+times the first block's local steps (median, end to end) and the exchange that ends it
+(the round's own all-reduces, waits included) on every rank; the next round's sample
+counts carry them (no collective of their own, so a rank that has joined takes part
+alike), and every rank lengthens the block from their means by the same rule
+(:func:`lengthened_block`): doubled while a doubling cuts the time per step by more than
+1.625 times, up to 256 steps. 1.625 is the most a doubling past 32 steps cost in epochs
+to target in bunsan's sweeps (the 10.5M MLP at 4 workers, 32 to 64 steps: 8 to 13
+epochs; the digits CNN at 4 workers, 64 to 128: 9 to 14), and 256 the longest block they
+measured; so the time to target falls where the block doubles even if the epochs grow
+that much, which happens only where the exchange a step exceeds 3.33 times the compute.
+None of bunsan's measured jobs is that far: the most exchange-bound, the 10.5M MLP at
+100 Mbit/s and 4 workers, timed 5.7 s a block against a 65 ms local step (4 processes on
+2 cores), 2.7 times at 32 steps, and kept its blocks (docs/plan.md, run 17). The first
+step cannot decide this (its compute is only an upper bound), nor the exact steps on a
+slow link (each costs a whole exchange); the first block times the steps the job will
+take. The check and its figures go into the decision (``block_check``), so a resumed run
+builds the lengthened block. The two block algorithms exchange the same bytes once per block
 and are predicted alike; a tie goes by the optimizer's own momentum. Block momentum
 (BMUF, Chen and Huo 2016) filters the block updates with a momentum of ``1 - 1/N``,
 which stacks on the optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended
