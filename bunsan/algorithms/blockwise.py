@@ -144,7 +144,8 @@ class BlockwiseSGD(Algorithm):
         # ``report_width`` floats appended to every round's counts on every rank (zeros from a rank with
         # nothing to report, or that does not contribute), their sums handed to ``on_report`` on every
         # rank, the joined ones included, so that all act alike. The width must be the same on every rank.
-        # sync_replicas()'s rounds (between steps) carry zeros and act on nothing.
+        # sync_replicas()'s rounds (between steps) carry zeros, and a round acts only where no rank made
+        # it from sync_replicas() (one more summed flag: a joined rank's round may meet the others' sync).
         self.report_width = 0
         self.last_exchange_s = 0.0  # seconds the last round's all-reduces took on this rank (waits included)
         self.report_values: list[float] | None = None
@@ -301,11 +302,13 @@ class BlockwiseSGD(Algorithm):
         if self.buffer_sync is not None:
             changed = self.buffer_sync.changed() if contributes else [0.0] * len(self.buffer_sync)
         # float64: sample counts stay exact up to 2**53.
-        reported = [0.0] * self.report_width
-        if report and contributes and self.report_values is not None:
-            reported = [float(v) for v in self.report_values]
+        reported: list[float] = []
+        if self.report_width:
+            mine = self.report_values if report and contributes else None
+            reported = [float(v) for v in mine] if mine is not None else [0.0] * self.report_width
             if len(reported) != self.report_width:
                 raise ValueError(f"report_values has {len(reported)} values; report_width is {self.report_width}")
+            reported.insert(0, 1.0 if report else 0.0)  # summed: the round acts where it is n
         values = [float(samples), float(contributes), float(still_active), *changed, *reported]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
@@ -324,7 +327,7 @@ class BlockwiseSGD(Algorithm):
     @torch.no_grad()
     def _block_round(self, *, contribute: bool, still_active: bool, report: bool = True) -> int:
         """One block synchronization; returns the number of ranks still training after it. ``report=False``:
-        this rank sends zeros in the report's place and does not act on it."""
+        this rank sends zeros in the report's place, and no rank acts on this round's report."""
         n = self.world_size
         # 1. Every rank sends its block's model change (or zeros) and its counts.
         for f in self._flats:
@@ -334,13 +337,13 @@ class BlockwiseSGD(Algorithm):
             else:
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
-        width = self.report_width
+        width = self.report_width + 1 if self.report_width else 0  # the acting flag, then the report
         started = time.perf_counter()
         total, contributors, active, changed = self._exchange(
             self._meta(samples, contribute, still_active, report), "block all-reduce"
         )
         self.last_exchange_s = time.perf_counter() - started  # meta's tolist() waited for every all-reduce
-        sums = changed[len(changed) - width :] if width else []
+        extras = changed[len(changed) - width :] if width else []
         changed = changed[: len(changed) - width]
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
         if contributors > 0:
@@ -360,8 +363,8 @@ class BlockwiseSGD(Algorithm):
         self.block_samples = self.block_steps = 0
         if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
             reset_momentum_buffers(self.optimizer)
-        if width and report and self.on_report is not None:
-            self.on_report(sums)  # may change block_size and the report itself, alike on every rank
+        if extras and extras[0] == n and self.on_report is not None:  # no rank's round was a sync_replicas()
+            self.on_report(extras[1:])  # may change block_size and the report itself, alike on every rank
         return active
 
     def _end_warm_start(self) -> None:

@@ -528,7 +528,7 @@ def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
 
 
-def _body_lengthen_with_a_joined_rank(rank: int, world_size: int) -> dict:
+def _body_lengthen_with_a_joined_rank(rank: int, world_size: int, evaluate: bool) -> dict:
     import time
     from unittest import mock
 
@@ -557,6 +557,10 @@ def _body_lengthen_with_a_joined_rank(rank: int, world_size: int) -> dict:
         for i in range(steps):
             _train(model, optimizer, rank, 1, start=i)
             time.sleep(0.005)
+            if evaluate and rank == 0 and i == 4 + 32 + 8:
+                # an evaluation's sync on rank 0 meets rank 1's first join round (which carries rank
+                # 1's report): no rank may act on it, or the ranks' report widths part ways
+                optimizer.sync_replicas()
         optimizer.join()
     return {
         "check": auto.decision.get("block_check"),
@@ -565,11 +569,13 @@ def _body_lengthen_with_a_joined_rank(rank: int, world_size: int) -> dict:
     }
 
 
-def test_a_rank_that_has_joined_lengthens_the_block_alike(workers):
-    results = workers.run(f"{__name__}:_body_lengthen_with_a_joined_rank")
+@pytest.mark.parametrize("evaluate", [False, True], ids=["plain", "evaluating-while-one-has-joined"])
+def test_a_rank_that_has_joined_lengthens_the_block_alike(workers, evaluate):
+    results = workers.run(f"{__name__}:_body_lengthen_with_a_joined_rank", evaluate=evaluate)
     check = results[0]["check"]
     assert check is not None and check == results[1]["check"], results
-    assert check["lengthened_to"] > 32 and check["at_block"] == 2, check
+    # the evaluation's round counts as a block, and carries no report: the next round does
+    assert check["lengthened_to"] > 32 and check["at_block"] == (3 if evaluate else 2), check
     assert results[0]["block_size"] == results[1]["block_size"] == 8 * check["lengthened_to"]
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
 
