@@ -470,7 +470,7 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
 
     def step(model, optimizer, i: int) -> None:
         _train(model, optimizer, rank, 1, start=i)
-        time.sleep(0.005)  # a local step of milliseconds: far above the machine's timing noise
+        time.sleep(0.002)  # a local step of milliseconds (3 ms idle): 1 s a block is 10x that a step
 
     # 10 ms latency, 100 kB/s: per-step exchanges cost tens of ms, a 32-step block a few ms a step
     network = Network(latency_s=1e-2, bandwidth=1e5)
@@ -516,9 +516,9 @@ def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
     assert check["steps"] == 32 and check["at_block"] == 2  # the second block's round carried the first's times
     # the recorded times give the recorded length, by the rule
     assert check["lengthened_to"] == lengthened_block(32, check["local_step_s"], check["exchange_s"])
-    if exchange_sleep_s:  # 1 s a block against ~6 ms a step: 31 ms of exchange a step, over 3.33 times
+    if exchange_sleep_s:  # 1 s a block against ~3 ms a step: 31 ms of exchange a step, 10 times (3.33 needed)
         assert check["exchange_s"] >= 0.9 and check["lengthened_to"] > 32, check
-    else:  # loopback's exchange of 5 kB: far under 3.33 times a 6 ms step
+    else:  # loopback's exchange of 5 kB (under 1 ms a block): far under 3.33 times a 3 ms step
         assert check["lengthened_to"] == 32, check
     size = check["lengthened_to"] * 8
     assert [r["block_size"] for r in results] == [size, size]
@@ -556,7 +556,7 @@ def _body_lengthen_with_a_joined_rank(rank: int, world_size: int, evaluate: bool
     with mock.patch.object(BlockwiseSGD, "_exchange", slow):
         for i in range(steps):
             _train(model, optimizer, rank, 1, start=i)
-            time.sleep(0.005)
+            time.sleep(0.002)
             if evaluate and rank == 0 and i == 4 + 32 + 8:
                 # an evaluation's sync on rank 0 meets rank 1's first join round (which carries rank
                 # 1's report): no rank may act on it, or the ranks' report widths part ways
