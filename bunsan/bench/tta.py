@@ -160,21 +160,21 @@ def _median(values: Sequence[float | None]) -> float | None:
 def campaign_rows(
     records: Sequence[tuple[Path, dict[str, Any]]], reference: str, points: float
 ) -> list[dict[str, Any]]:
-    """One row per model, network and worker count that has an auto setting: ``model, network, workers,
-    seeds, chose, auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never
+    """One row per model, data set, network and worker count that has an auto setting: ``model, dataset,
+    network, workers, seeds, chose, auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never
     reached), ``auto_epoch``/``best_epoch`` (the epochs they reach the target in) and ``run_ratio``
     (auto's whole run's training time over the best's: below ``ratio`` where the best reached the target
     in an earlier epoch, not by faster steps).
 
-    Records of the same model and network at several seeds are one row: each setting's time to
+    Records of the same model, data set and network at several seeds are one row: each setting's time to
     its seed's target, epoch and whole run are medians over the seeds (a setting that missed the
     target at half of them or more counts as never reaching it), and the best fixed setting is
     the one with the smallest median time. An auto run's directory is looked up as recorded,
     else beside the record."""
-    # (model, network, workers) -> label -> one (tta_s, epoch, run_s) per seed; and auto's choices
-    runs: dict[tuple[str, str, int], dict[str, list[tuple[float | None, int | None, float]]]] = {}
-    seeds: dict[tuple[str, str, int], list[Any]] = {}
-    choices: dict[tuple[str, str, int], list[str]] = {}
+    # (model, data set, network, workers) -> label -> one (tta_s, epoch, run_s) per seed; and auto's choices
+    runs: dict[tuple[str, str, str, int], dict[str, list[tuple[float | None, int | None, float]]]] = {}
+    seeds: dict[tuple[str, str, str, int], list[Any]] = {}
+    choices: dict[tuple[str, str, str, int], list[str]] = {}
     for path, document in records:
         arguments = document.get("arguments", {})
         network = arguments.get("network") or "loopback"
@@ -182,7 +182,7 @@ def campaign_rows(
         for config in document["configs"]:
             if not config["label"].startswith("auto") or config.get("status") != "ok":
                 continue
-            key = (arguments.get("model", "?"), network, config["workers"])
+            key = (arguments.get("model", "?"), arguments.get("dataset") or "?", network, config["workers"])
             seeds.setdefault(key, []).append(arguments.get("seed", 0))
             for r in rows:
                 if r["workers"] == config["workers"]:
@@ -206,10 +206,11 @@ def campaign_rows(
         fixed = [(m[0], label) for label, m in medians.items() if not label.startswith("auto") and m[0] is not None]
         best_label = min(fixed)[1] if fixed else None
         best = medians[best_label] if best_label else None
-        model, network, workers = key
+        model, dataset, network, workers = key
         found.append(
             {
                 "model": model,
+                "dataset": dataset,
                 "network": network,
                 "workers": workers,
                 "seeds": len(seeds[key]),
@@ -255,9 +256,13 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         "epochs auto / best",
         "whole run auto / best",
     )
+    # a model trained on more than one data set in these records is named with its data set
+    sets: dict[str, set[str]] = {}
+    for r in rows:
+        sets.setdefault(r["model"], set()).add(r["dataset"])
     cells = [
         [
-            r["model"],
+            r["model"] if len(sets[r["model"]]) == 1 else f"{r['model']} on {r['dataset']}",
             r["network"],
             str(r["workers"]),
             str(r["seeds"]),

@@ -86,6 +86,19 @@ def test_mnist1d_disk_cache_round_trip(tmp_path, monkeypatch):
     assert bundled._read_npz(tmp_path / "missing.npz") is None
 
 
+def test_mnist1d_20k_is_mnist1d_at_twenty_thousand_sequences(tmp_path, monkeypatch):
+    monkeypatch.setenv("BUNSAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bundled, "_mnist1d_memory", {})
+    info = datasets.info("mnist1d_20k")
+    train, test = datasets.load("mnist1d_20k", "train"), datasets.load("mnist1d_20k", "test")
+    assert (len(train), len(test)) == (info.train_size, info.test_size) == (16000, 4000)
+    assert tuple(train.tensors[0].shape[1:]) == info.input_shape == datasets.info("mnist1d").input_shape
+    assert set(test.tensors[1].tolist()) == set(range(10))
+    assert list(tmp_path.glob("mnist1d-*.npz"))  # generated once, then read from the cache
+    # the same generator at another size: not the default set's sequences
+    assert not torch.equal(train.tensors[0][:10], datasets.mnist1d("train", disk_cache=False).tensors[0][:10])
+
+
 def test_mnist1d_rejects_unknown_arguments():
     with pytest.raises(ValueError, match="bogus"):
         datasets.mnist1d(disk_cache=False, bogus=1)
@@ -104,7 +117,7 @@ def test_synthetic_shapes_and_determinism():
 
 
 def test_info_and_load_by_name():
-    assert datasets.names() == ["digits", "digits32", "digits32_gray", "mnist1d"]
+    assert datasets.names() == ["digits", "digits32", "digits32_gray", "mnist1d", "mnist1d_20k"]
     info = datasets.info("digits")
     x, y = datasets.load("digits", "test").tensors
     assert (tuple(x.shape[1:]), len(x)) == (info.input_shape, info.test_size)

@@ -236,3 +236,32 @@ def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
     (alone,) = tta.campaign_rows(records[:1], "data_parallel", 1.0)
     assert alone["seeds"] == 1 and alone["best_label"] == "data_parallel:bits=2" and alone["best_s"] == 1.5
     assert alone["ratio"] == pytest.approx(2.0) and alone["chose"] == "exact"
+
+
+def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
+    from bunsan.bench import tta
+
+    exact = ([0.30, 0.15, 0.10], [2.0, 4.0, 6.0])  # target 0.11, reached in epoch 3 at 6.0 s
+    records = []
+    for dataset, auto_ends in (("mnist1d", [1.0, 2.0, 3.0]), ("mnist1d_20k", [4.0, 8.0, 12.0])):
+        out = tmp_path / dataset
+        configs = [
+            _compare_config("data_parallel", *exact),
+            {**_compare_config("auto:risk=high", [0.30, 0.11, 0.10], auto_ends), "dir": str(out / "np2-auto")},
+        ]
+        arguments = {"model": "mnist1d_cnn", "dataset": dataset, "network": None, "seed": 0}
+        records.append((out / "compare.json", {"arguments": arguments, "configs": configs}))
+    rows = tta.campaign_rows(records, "data_parallel", 1.0)
+    # one row per data set, each against its own best (exact: 6.0 s); not one row with a median over both
+    assert [(r["dataset"], r["seeds"], r["ratio"]) for r in rows] == [
+        ("mnist1d", 1, pytest.approx(2.0 / 6.0)),
+        ("mnist1d_20k", 1, pytest.approx(8.0 / 6.0)),
+    ]
+    for path, document in records:
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(document))
+    assert main(["bench", "tta", *(str(p) for p, _ in records)]) == 0
+    out = capsys.readouterr().out
+    assert "mnist1d_cnn on mnist1d_20k" in out and "mnist1d_cnn on mnist1d " in out
+    assert main(["bench", "tta", str(records[1][0])]) == 0  # one data set: the model's name alone
+    assert " on mnist1d" not in capsys.readouterr().out
