@@ -164,7 +164,10 @@ def campaign_rows(
     network, workers, seeds, chose, auto_s, best_label, best_s, ratio`` (``auto_s``/``best_s``/``ratio`` None where never
     reached), ``auto_epoch``/``best_epoch`` (the epochs they reach the target in) and ``run_ratio``
     (auto's whole run's training time over the best's: below ``ratio`` where the best reached the target
-    in an earlier epoch, not by faster steps).
+    in an earlier epoch, not by faster steps); ``seed_ratios``, auto's time over the best setting's at
+    each seed where both reached the target (sorted), and ``best_spread``, the best setting's slowest
+    seed's time over its fastest (``None`` below two seeds that reached it): how far one trajectory
+    moves the time to target, the resolution of ``ratio``.
 
     Records of the same model, data set and network at several seeds are one row: each setting's time to
     its seed's target, epoch and whole run are medians over the seeds (a setting that missed the
@@ -175,6 +178,7 @@ def campaign_rows(
     runs: dict[tuple[str, str, str, int], dict[str, list[tuple[float | None, int | None, float]]]] = {}
     seeds: dict[tuple[str, str, str, int], list[Any]] = {}
     choices: dict[tuple[str, str, str, int], list[str]] = {}
+    per_seed: dict[tuple[str, str, str, int], list[dict[str, float | None]]] = {}  # label -> tta_s, by seed
     for path, document in records:
         arguments = document.get("arguments", {})
         network = arguments.get("network") or "loopback"
@@ -184,9 +188,10 @@ def campaign_rows(
                 continue
             key = (arguments.get("model", "?"), arguments.get("dataset") or "?", network, config["workers"])
             seeds.setdefault(key, []).append(arguments.get("seed", 0))
-            for r in rows:
-                if r["workers"] == config["workers"]:
-                    runs.setdefault(key, {}).setdefault(r["label"], []).append((r["tta_s"], r["epoch"], r["run_s"]))
+            here = [r for r in rows if r["workers"] == config["workers"]]
+            for r in here:
+                runs.setdefault(key, {}).setdefault(r["label"], []).append((r["tta_s"], r["epoch"], r["run_s"]))
+            per_seed.setdefault(key, []).append({r["label"]: r["tta_s"] for r in here})
             run_dir = Path(config.get("dir", ""))
             if not run_dir.is_dir():
                 run_dir = path.parent / run_dir.name
@@ -207,6 +212,10 @@ def campaign_rows(
         best_label = min(fixed)[1] if fixed else None
         best = medians[best_label] if best_label else None
         model, dataset, network, workers = key
+        pairs = [(seed.get(auto_label), seed.get(best_label)) for seed in per_seed[key]] if best_label else []
+        seed_ratios = sorted(a / b for a, b in pairs if a is not None and b)
+        best_times = [b for _, b in pairs if b is not None]
+        best_spread = max(best_times) / min(best_times) if len(best_times) > 1 and min(best_times) > 0 else None
         found.append(
             {
                 "model": model,
@@ -222,6 +231,8 @@ def campaign_rows(
                 "auto_epoch": auto_epoch,
                 "best_epoch": best[1] if best else None,
                 "run_ratio": auto_run / best[2] if best else None,
+                "seed_ratios": seed_ratios,
+                "best_spread": best_spread,
             }
         )
     return found
@@ -255,6 +266,8 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         "auto / best",
         "epochs auto / best",
         "whole run auto / best",
+        "auto / best by seed",
+        "best's seeds max / min",
     )
     # a model trained on more than one data set in these records is named with its data set
     sets: dict[str, set[str]] = {}
@@ -273,10 +286,22 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             "never" if r["ratio"] is None else f"{r['ratio']:.2f}",
             f"{epoch(r['auto_epoch'])} / {epoch(r['best_epoch'])}",
             "-" if r["run_ratio"] is None else f"{r['run_ratio']:.2f}",
+            "-" if len(r["seed_ratios"]) < 2 else f"{r['seed_ratios'][0]:.2f}-{r['seed_ratios'][-1]:.2f}",
+            "-" if r["best_spread"] is None else f"{r['best_spread']:.2f}",
         ]
         for r in rows
     ]
-    right = {"workers", "seeds", "auto (s)", "best (s)", "auto / best", "epochs auto / best", "whole run auto / best"}
+    right = {
+        "workers",
+        "seeds",
+        "auto (s)",
+        "best (s)",
+        "auto / best",
+        "epochs auto / best",
+        "whole run auto / best",
+        "auto / best by seed",
+        "best's seeds max / min",
+    }
     say(format_table(header, cells, right=right))
     for path, document in records:
         for note in without_target(document["configs"], args.reference):

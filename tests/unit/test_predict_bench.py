@@ -232,10 +232,18 @@ def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
     assert row["auto_s"] == pytest.approx(2.0) and row["auto_epoch"] == 2
     assert row["ratio"] == pytest.approx(2.0 / 3.0) and row["run_ratio"] == pytest.approx(3.0 / 4.5)
     assert row["chose"] == "exact / block_momentum:256"
+    # by seed, against bits=2: 3.0/1.5, 1.0/4.5, 2.0/3.0; bits=2's own times spread 4.5/1.5
+    assert row["seed_ratios"] == [pytest.approx(1.0 / 4.5), pytest.approx(2.0 / 3.0), pytest.approx(2.0)]
+    assert row["best_spread"] == pytest.approx(3.0)
     # one seed alone is its own row, as before: seed 0's auto took 3.0 s, bits=2 1.5
     (alone,) = tta.campaign_rows(records[:1], "data_parallel", 1.0)
     assert alone["seeds"] == 1 and alone["best_label"] == "data_parallel:bits=2" and alone["best_s"] == 1.5
     assert alone["ratio"] == pytest.approx(2.0) and alone["chose"] == "exact"
+    assert alone["seed_ratios"] == [pytest.approx(2.0)] and alone["best_spread"] is None
+    # a seed where auto missed the target has no ratio; the best's spread is over its seeds that reached it
+    records[2][1]["configs"][3]["test_error_curve"] = [0.5, 0.5, 0.5]
+    (missed,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    assert len(missed["seed_ratios"]) == 2 and missed["best_spread"] == pytest.approx(3.0)
 
 
 def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
