@@ -934,6 +934,10 @@ class Auto(Algorithm):
                     "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
                     "params": profile.params,
                     "batch": profile.batch,
+                    # the rest of the profile, so that `bunsan plan --job` predicts other worker counts alike
+                    "tensors": profile.tensors,
+                    "chunks": profile.chunks,
+                    "codec_per_bucket": profile.codec_per_bucket,
                 },
                 "predictions": [
                     {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions

@@ -1,8 +1,10 @@
 """``bunsan plan``: predict the step time, scaling efficiency and bytes of every algorithm at every worker count.
 
-Input is a profile (``--model NAME`` measured here on one batch, or
-``--compute-ms`` and ``--params`` given) and a cluster (``--link``/``--latency``
-given, or measured by a probe job over ``--hostfile``/``-H``); the arithmetic is
+Input is a profile (``--model NAME`` measured here on one batch, ``--compute-ms`` and
+``--params`` given, or ``--job FILE``: what ``algorithm="auto"`` measured in a job of the
+user's own, read from its checkpoint) and a cluster (``--link``/``--latency`` given,
+measured by a probe job over ``--hostfile``/``-H``, or with ``--job`` that job's own
+network); the arithmetic is
 :mod:`bunsan.algorithms.cost_model`. ``--published NAME`` runs one of the
 published set-ups this model was checked against (:data:`PUBLISHED`).
 
@@ -34,7 +36,9 @@ __all__ = [
     "PUBLISHED",
     "Published",
     "add_arguments",
+    "find_auto_decision",
     "format_plan",
+    "job_profile",
     "parse_latency",
     "parse_link",
     "plan_published",
@@ -43,13 +47,16 @@ __all__ = [
 ]
 
 PROG = "bunsan plan"
+DEFAULT_LINK, DEFAULT_LATENCY = "10gbit", "10us"  # the cluster where none is given, probed or read from a job
+DEFAULT_BATCH = 32
 
 DESCRIPTION = """\
 Predict, before running anything, the step time, the scaling efficiency
 (compute / step, same work per worker) and the bytes each worker sends per step
 of every bunsan algorithm at every worker count, from a profile of the model
-(measured here with --model, or given with --compute-ms and --params) and a
-cluster (--link and --latency, or measured with --probe over a hostfile).
+(measured here with --model, given with --compute-ms and --params, or measured
+by algorithm="auto" in your own job: --job CHECKPOINT) and a cluster (--link
+and --latency, measured with --probe over a hostfile, or that job's network).
 Hockney's alpha-beta model: ring all-reduce, striped quantized exchange,
 overlap with backward, block amortization, rank 0's link for async SGD
 (docs/plan.md). Prints a table, writes a PNG of efficiency against workers."""
@@ -59,7 +66,8 @@ examples:
   bunsan plan --model resnet20 --batch 128 --workers 2,4,8,32,256 --link 10gbit --latency 50us
   bunsan plan --compute-ms 618 --params 44549160 --workers 8,64,512 --link 25gbit --latency 10us
   bunsan plan --published horovod-resnet101
-  bunsan plan --model mlp --hostfile hosts --probe --workers 8,16"""
+  bunsan plan --model mlp --hostfile hosts --probe --workers 8,16
+  bunsan plan --job checkpoint.pt --workers 4,16,64   (a job of yours that ran with "auto")"""
 
 _LATENCY = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>ns|us|µs|ms|s)", re.IGNORECASE)
 _LATENCY_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -252,6 +260,121 @@ def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
     return save_figure(figure, path)
 
 
+# -- a job's own measurement ------------------------------------------------------------------------
+def _is_decision(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("measured"), dict) and "workers" in value
+
+
+def find_auto_decision(document: Any, depth: int = 8) -> dict[str, Any] | None:
+    """The decision of ``algorithm="auto"`` (:attr:`bunsan.Auto.decision`) inside ``document``: the
+    decision itself, Auto's ``state_dict()``, a distributed optimizer's ``state_dict()`` (under
+    ``"algorithm"``) or any checkpoint that holds one of them in its dicts and lists; ``None`` if
+    there is none (or Auto had not decided yet when it was saved)."""
+    if _is_decision(document):
+        return dict(document)
+    if depth <= 0:
+        return None
+    if isinstance(document, dict):
+        if _is_decision(document.get("decision")):
+            return dict(document["decision"])
+        children: list[Any] = list(document.values())
+    elif isinstance(document, (list, tuple)):
+        children = list(document)
+    else:
+        return None
+    for child in children:
+        found = find_auto_decision(child, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _load_job(path: str) -> Any:
+    """A JSON file as it is; a :class:`bunsan.train.Checkpoint` file (a TrainingSession's) as the session
+    reads it; anything else as ``torch.load`` reads it, tensors and plain types only."""
+    text_path = Path(path)
+    if not text_path.is_file():
+        raise ValueError(f"--job {path}: no such file")
+    if text_path.suffix == ".json":
+        try:
+            return json.loads(text_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--job {path}: not JSON ({err})") from None
+    import pickle
+
+    import torch
+
+    from bunsan.errors import CheckpointError
+    from bunsan.train.checkpoint import files
+
+    with text_path.open("rb") as file:
+        bunsan_checkpoint = file.read(len(files._MAGIC)) == files._MAGIC
+    if bunsan_checkpoint:  # a TrainingSession's file: header and checksum, then the payload
+        try:
+            return files.read_file(text_path)
+        except CheckpointError as err:
+            raise ValueError(f"--job {path}: {err}") from None
+    try:
+        return torch.load(text_path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"--job {path}: torch.load(weights_only=True) cannot read it ({first}); save the optimizer's "
+            "state_dict() or its 'algorithm' entry on its own, or json.dump(auto.decision)"
+        ) from None
+
+
+def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """``(profile keywords, network keywords, summary)`` of what Auto measured in a job.
+
+    The profile is one worker's at the job's worker count: the compute Auto inferred (the exact
+    step less the exposed exchange predicted for it), the parameters, each worker's batch and, where
+    the job measured them, the codec's speeds. The job's fixed costs per candidate are left out:
+    they were measured at its own worker count and on its own machine, and the plan predicts others.
+
+    Raises:
+        ValueError: the decision holds no compute or no network (Auto kept exact SGD where its
+            network probe was inconclusive, so it predicted nothing).
+    """
+    measured = decision["measured"]
+    missing = [k for k in ("compute_s", "params", "batch", "latency_s", "bandwidth") if k not in measured]
+    if missing:
+        raise ValueError(
+            f"the job's Auto decision ({decision.get('label', '?')!r} at step {decision.get('step', '?')}) "
+            f"has no {', '.join(missing)}: it decided without predicting (its network probe was inconclusive); "
+            "give --compute-ms and --params instead"
+        )
+    profile: dict[str, Any] = {
+        "compute_s": float(measured["compute_s"]),
+        "params": int(measured["params"]),
+        "batch": int(measured["batch"]),
+    }
+    for key in ("encode_s_per_element", "decode_s_per_element", "codec_call_s", "cast_s_per_element"):
+        if key in measured:
+            profile[key] = float(measured[key])
+    if measured.get("codecs"):
+        profile["codecs"] = tuple(tuple(c) for c in measured["codecs"])
+    for key in ("tensors", "chunks"):
+        if measured.get(key) is not None:
+            profile[key] = int(measured[key])
+    if "codec_per_bucket" in measured:
+        profile["codec_per_bucket"] = bool(measured["codec_per_bucket"])
+    network = {
+        "latency_s": float(measured["latency_s"]),
+        "bandwidth": float(measured["bandwidth"]),
+        "gather_bandwidth": measured.get("gather_bandwidth"),
+        "half_bandwidth": measured.get("half_bandwidth"),
+    }
+    summary = (
+        f"job: Auto at step {decision.get('step', '?')} on {decision['workers']} workers chose "
+        f"{decision.get('label', '?')}; exact step {measured.get('exact_step_s', float('nan')) * 1e3:.2f} ms, "
+        f"compute {profile['compute_s'] * 1e3:.2f} ms per step per worker (batch {profile['batch']}), "
+        f"{profile['params']:,} parameters; network {network['bandwidth'] * 8 / 1e9:.3f} Gbit/s, "
+        f"latency {network['latency_s'] * 1e6:.1f} us"
+    )
+    return profile, network, summary
+
+
 # -- the command -----------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``bunsan plan`` to ``parser``."""
@@ -260,7 +383,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--compute-ms", type=float, help="forward + backward + update of one step, one worker (ms)")
     what.add_argument("--params", type=int, help="trainable parameters (gradient elements), with --compute-ms")
     what.add_argument("--published", help=f"a published set-up: {', '.join(sorted(PUBLISHED))}")
-    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step; default %(default)s")
+    what.add_argument(
+        "--job",
+        metavar="FILE",
+        help='what algorithm="auto" measured in a job of yours: a checkpoint or torch.save\'d optimizer '
+        "state_dict() (or a JSON of auto.decision); its compute per worker, parameters, batch and codec, and "
+        "its network unless --link, --latency or --probe is given",
+    )
+    parser.add_argument(
+        "--batch", type=int, help=f"samples per worker per step; default {DEFAULT_BATCH} (with --job: the job's)"
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -288,9 +420,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("cluster")
     net.add_argument("--workers", default="2,4,8,16,32,64,128,256", help="worker counts; default %(default)s")
     net.add_argument(
-        "--link", default="10gbit", help="bandwidth of one worker's link, e.g. 25gbit; default %(default)s"
+        "--link", help=f"bandwidth of one worker's link, e.g. 25gbit; default {DEFAULT_LINK} (with --job: the job's)"
     )
-    net.add_argument("--latency", default="10us", help="per-message latency, e.g. 10us; default %(default)s")
+    net.add_argument(
+        "--latency", help=f"per-message latency, e.g. 10us; default {DEFAULT_LATENCY} (with --job: the job's)"
+    )
     net.add_argument(
         "--burst",
         default="0",
@@ -331,7 +465,7 @@ def _probe(args: argparse.Namespace) -> dict[str, Any]:
     raise RuntimeError("the probe job printed no measurement")
 
 
-def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
+def _measured_profile(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     import torch
 
     from bunsan import models
@@ -353,7 +487,7 @@ def _measured_profile(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     model = models.create(args.model, **kwargs).to(device)
     # the batch of one worker at 1 worker (with --global-batch, the whole global batch)
-    x, y = torch.randn(args.batch, *shape).to(device), torch.randint(0, 10, (args.batch,)).to(device)
+    x, y = torch.randn(batch, *shape).to(device), torch.randint(0, 10, (batch,)).to(device)
     measured = measure_compute(model, x, y)
     measured.update(measure_codec(measured["params"], device=device))
     measured["codecs"] = measure_codecs(measured["params"], (8,), device=device)  # the candidates' other width
@@ -383,15 +517,41 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         say(f"PNG: {plot_plan(predictions, Path(args.png), case.what)}")
         return 0
     given = args.compute_ms is not None or args.params is not None
-    if (args.model is None) == (not given) or (given and (args.compute_ms is None or args.params is None)):
-        return refuse(PROG, "give a profile: --model NAME, or both --compute-ms and --params, or --published NAME")
+    sources = (args.model is not None) + given + (args.job is not None)
+    if sources != 1 or (given and (args.compute_ms is None or args.params is None)):
+        return refuse(
+            PROG,
+            "give one profile: --model NAME, both --compute-ms and --params, --job FILE (a job that ran with "
+            "auto), or --published NAME",
+        )
+    if args.job is not None and args.batch is not None:
+        return refuse(PROG, "--batch comes from the job with --job (each worker's batch there)")
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
     try:
         workers = parse_workers(args.workers)
-        check_at_least(("--batch", args.batch, 1), ("--block-size", args.block_size, 1))
+        check_at_least(("--batch", batch, 1), ("--block-size", args.block_size, 1))
         try:
             burst = float(parse_size(args.burst))
         except ValueError as error:
             raise ValueError(f"--burst {error}") from None
+        job: dict[str, Any] | None = None
+        if args.job is not None:
+            decision = find_auto_decision(_load_job(args.job))
+            if decision is None:
+                raise ValueError(
+                    f"--job {args.job}: no decision of algorithm='auto' in it (saved before Auto decided, or "
+                    "not from a job that ran with auto)"
+                )
+            job_kwargs, job_network, job_summary = job_profile(decision)
+            job = {
+                "profile": job_kwargs,
+                "network": job_network,
+                "workers": int(decision["workers"]),
+                # whether the job's exchange could overlap backward (not on CPU, where it takes the compute's core)
+                "overlap": bool(decision["measured"].get("overlap", True)),
+                "exact_step_s": float(decision["measured"].get("exact_step_s", 0.0)),
+            }
+            say(job_summary)
         if args.probe:
             measured_net = _probe(args)
             network = cm.Network(
@@ -409,10 +569,17 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         else:
             if args.hostfile or args.hosts:
                 raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
-            network = cm.Network(parse_latency(args.latency), parse_link(args.link), burst_bytes=burst)
+            if job is not None and args.link is None and args.latency is None:
+                network = cm.Network(**job["network"], burst_bytes=burst)  # the job's own, as Auto measured it
+            else:
+                network = cm.Network(
+                    parse_latency(args.latency or DEFAULT_LATENCY),
+                    parse_link(args.link or DEFAULT_LINK),
+                    burst_bytes=burst,
+                )
         extra: dict[str, Any] = {}
         if args.model is not None:
-            measured = _measured_profile(args)
+            measured = _measured_profile(args, batch)
             compute_s, params = measured["compute_s"], measured["params"]
             extra = {
                 k: measured[k]
@@ -431,9 +598,17 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             backward = measured["backward_fraction"]
             where = "1 thread" if args.device == "cpu" else args.device
             say(
-                f"measured {args.model}, batch {args.batch}, {where}: {compute_s * 1e3:.2f} ms per step "
+                f"measured {args.model}, batch {batch}, {where}: {compute_s * 1e3:.2f} ms per step "
                 f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
             )
+        elif job is not None:
+            extra = dict(job["profile"])
+            compute_s, params, batch = extra.pop("compute_s"), extra.pop("params"), extra.pop("batch")
+            # the plan's compute is one worker's at 1 worker: with the batch per worker fixed (weak scaling) the
+            # job's per-worker compute; with --global-batch the job's whole global batch on one worker
+            backward = 2 / 3
+            if args.global_batch:
+                compute_s, batch = compute_s * job["workers"], batch * job["workers"]
         else:
             check_positive("--compute-ms", args.compute_ms)
             compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
@@ -441,25 +616,41 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
         if args.backward_fraction is not None:
             backward = args.backward_fraction
-        profile = cm.Profile(compute_s=compute_s, params=params, batch=args.batch, backward_fraction=backward, **extra)
+        profile = cm.Profile(compute_s=compute_s, params=params, batch=batch, backward_fraction=backward, **extra)
     except (ValueError, TypeError) as err:
         return refuse(PROG, str(err))
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     candidates = cm.default_candidates(args.block_size)
-    predictions = cm.predict_all(
-        profile, network, candidates, workers, global_batch=args.global_batch, overlap=not args.no_overlap
-    )
+    overlap = not args.no_overlap and (job is None or job["overlap"])
+    predictions = cm.predict_all(profile, network, candidates, workers, global_batch=args.global_batch, overlap=overlap)
     scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
     say(
-        f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {args.batch} "
+        f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {batch} "
         f"({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {network.latency_s * 1e6:.1f} us; "
         f"codec {profile.encode_s_per_element * 1e9:.2f} / {profile.decode_s_per_element * 1e9:.2f} ns per element "
         f"(encode / decode); efficiency = compute / step; * = fastest"
     )
     say(format_plan(predictions))
-    png = plot_plan(predictions, Path(args.png), f"{args.model or 'profile'}: {params:,} parameters")
+    if job is not None and "exact_step_s" in job:
+        # the check against the job itself: exact at its own worker count, predicted and measured
+        at = cm.predict(
+            profile.at_workers(job["workers"], global_batch=args.global_batch),
+            network,
+            candidates[0],
+            job["workers"],
+            overlap=overlap,
+        )
+        say(
+            f"at the job's {job['workers']} workers: exact predicted {at.step_s * 1e3:.2f} ms a step, measured "
+            f"{job['exact_step_s'] * 1e3:.2f} ms there (the difference: the framework's fixed cost per step, "
+            "which the job measured at its own worker count and the plan does not carry"
+            + (", and the network given instead of the job's)" if args.link or args.latency or args.probe else ")")
+        )
+    png = plot_plan(
+        predictions, Path(args.png), f"{args.model or ('job' if args.job else 'profile')}: {params:,} parameters"
+    )
     say(f"PNG: {png}")
     if args.json:
         from bunsan.bench import write_json

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,13 +58,14 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     resumed_optimizer.sync_replicas()
     return {
         "chosen": chosen,
+        "state": state,  # the optimizer's checkpoint, as a script saves it (bunsan plan --job reads it)
         "params": params.tolist(),
         "fixed": sorted(auto.decision["measured"].get("fixed_s", {})),
         "resumed": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist(),
     }
 
 
-def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers):
+def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers, tmp_path, capsys):
     results = workers.run(f"{__name__}:_body_decide_and_resume", network=SLOW, risk="high")
     assert results[0]["chosen"] == results[1]["chosen"]
     assert results[0]["chosen"][0] != "exact", results[0]["chosen"]  # on 100 kB/s exact cannot be fastest
@@ -71,6 +74,19 @@ def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers):
     assert any(label.startswith("block_momentum:") for label in results[0]["fixed"])
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
     torch.testing.assert_close(torch.tensor(results[0]["resumed"]), torch.tensor(results[1]["resumed"]))
+    # the job's checkpoint is a profile for `bunsan plan --job`: its compute, parameters and network
+    from bunsan.cli import main
+
+    torch.save({"optimizer": results[1]["state"]}, tmp_path / "ckpt.pt")
+    record = tmp_path / "plan.json"
+    argv = ["plan", "--job", str(tmp_path / "ckpt.pt"), "--workers", "2,8", "--png", str(tmp_path / "p.png")]
+    assert main([*argv, "--json", str(record)]) == 0
+    assert f"on 2 workers chose {results[0]['chosen'][0]}" in capsys.readouterr().out
+    plan = json.loads(record.read_text())
+    measured = results[1]["state"]["algorithm"]["decision"]["measured"]
+    assert plan["profile"]["params"] == sum(p.numel() for p in _model().parameters()) == measured["params"]
+    assert plan["profile"]["compute_s"] == measured["compute_s"] > 0 and plan["profile"]["batch"] == 8
+    assert plan["profile"]["tensors"] == 4 and plan["network"]["bandwidth"] == SLOW["bandwidth"]
 
 
 def test_exact_stays_when_communication_is_cheap(workers):

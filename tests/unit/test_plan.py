@@ -97,8 +97,8 @@ def test_plan_measures_a_model(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "give a profile"),
-        (["--compute-ms", "10"], "give a profile"),
+        ([], "give one profile"),
+        (["--compute-ms", "10"], "give one profile"),
         (["--compute-ms", "10", "--params", "100", "--link", "25gbps"], "--link"),
         (["--compute-ms", "10", "--params", "100", "--workers", "0"], "-np"),
         (["--compute-ms", "-1", "--params", "100"], "--compute-ms"),
@@ -141,3 +141,146 @@ def test_device_cuda_measures_the_profile_on_the_gpu(tmp_path, capsys):
     assert code == 0
     assert "batch 32, cuda: " in capsys.readouterr().out
     assert json.loads(out.read_text())["profile"]["compute_s"] > 0
+
+
+def _auto_decision(**measured):
+    """A decision as bunsan.Auto records it (4 workers, 100 Mbit/s-like link, the job's codecs)."""
+    return {
+        "algorithm": "block_momentum",
+        "options": {"block_size": 512},
+        "label": "block_momentum:512",
+        "why": "predicted 5.0x faster than exact",
+        "step": 4,
+        "workers": 4,
+        "measured": {
+            "exact_step_s": 0.250,
+            "compute_s": 0.040,
+            "latency_s": 80e-6,
+            "bandwidth": 11.3e6,
+            "gather_bandwidth": 11.4e6,
+            "half_bandwidth": 11.1e6,
+            "encode_s_per_element": 2e-9,
+            "decode_s_per_element": 1e-9,
+            "codec_call_s": 5e-6,
+            "cast_s_per_element": 0.5e-9,
+            "codecs": [[8, 3e-9, 2e-9, 6e-6], [2, 2.5e-9, 1.5e-9, 5e-6]],
+            "overlap": False,
+            "fixed_s": {"exact": 0.004, "block_momentum:512": 0.009},
+            "params": 1_000_000,
+            "batch": 16,
+            "tensors": 6,
+            "chunks": 1956,
+            "codec_per_bucket": False,
+            **measured,
+        },
+        "predictions": [],
+    }
+
+
+def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_json(tmp_path, capsys):
+    from bunsan.algorithms import cost_model as cm
+
+    decision = _auto_decision()
+    # a training script's checkpoint: the model, and the distributed optimizer's state with Auto's under "algorithm"
+    checkpoint = {
+        "epoch": 3,
+        "model": {"0.weight": torch.zeros(2, 2)},
+        "optimizer": {
+            "state": {},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+            "algorithm": {"algorithm": "auto", "world_size": 4, "decision": decision, "measured_steps": 4},
+        },
+    }
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    from bunsan.train.checkpoint import files
+
+    files.write_file(tmp_path / "session.pt", {"format": files.FORMAT, **checkpoint})  # a TrainingSession's file
+    m = decision["measured"]
+    job_network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
+    profile = cm.Profile(
+        compute_s=0.040,
+        params=1_000_000,
+        batch=16,
+        encode_s_per_element=2e-9,
+        decode_s_per_element=1e-9,
+        codec_call_s=5e-6,
+        cast_s_per_element=0.5e-9,
+        codecs=((8, 3e-9, 2e-9, 6e-6), (2, 2.5e-9, 1.5e-9, 5e-6)),
+        tensors=6,
+        chunks=1956,
+    )
+    expected = cm.predict_all(profile, job_network, cm.default_candidates(1024), [4, 16, 64], overlap=False)
+    for source in ("ckpt.pt", "decision.json", "session.pt"):
+        record = tmp_path / f"{source}.plan.json"
+        argv = ["plan", "--job", str(tmp_path / source), "--workers", "4,16,64", "--png", str(tmp_path / "p.png")]
+        assert main([*argv, "--json", str(record)]) == 0
+        out = capsys.readouterr().out
+        assert "job: Auto at step 4 on 4 workers chose block_momentum:512" in out
+        assert "compute 40.00 ms per step per worker (batch 16), 1,000,000 parameters" in out
+        exact_at_4 = next(p for p in expected if p.label == "exact" and p.workers == 4)
+        assert (
+            f"at the job's 4 workers: exact predicted {exact_at_4.step_s * 1e3:.2f} ms a step, measured 250.00" in out
+        )
+        got = json.loads(record.read_text())
+        assert got["network"]["bandwidth"] == pytest.approx(11.3e6) and got["network"]["latency_s"] == pytest.approx(
+            80e-6
+        )
+        assert [p["label"] for p in got["predictions"]] == [p.label for p in expected]
+        for p, q in zip(got["predictions"], expected):
+            assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
+    # a link given replaces the job's network; a fixed global batch starts from the job's whole batch on one worker
+    record = tmp_path / "linked.json"
+    argv = ["plan", "--job", str(tmp_path / "ckpt.pt"), "--workers", "4", "--link", "25gbit", "--global-batch"]
+    assert main([*argv, "--png", str(tmp_path / "p.png"), "--json", str(record)]) == 0
+    got = json.loads(record.read_text())
+    assert got["network"]["bandwidth"] == pytest.approx(3.125e9) and got["network"]["latency_s"] == pytest.approx(10e-6)
+    assert got["profile"]["compute_s"] == pytest.approx(0.160) and got["profile"]["batch"] == 64
+    assert got["predictions"][0]["compute_s"] == pytest.approx(0.040)  # back at 4 workers: the job's own compute
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("nothing", "no decision of algorithm='auto' in it"),
+        ("undecided", "no decision of algorithm='auto' in it"),
+        ("inconclusive", "has no compute_s, params, batch, latency_s, bandwidth"),
+        ("missing", "no such file"),
+        ("garbage", "torch.load(weights_only=True) cannot read it"),
+        ("damaged", "fails its SHA-256 checksum"),
+        ("batch", "--batch comes from the job"),
+    ],
+)
+def test_job_refuses_what_holds_no_decision_in_one_sentence(what, message, tmp_path, capsys):
+    path = tmp_path / "ckpt.pt"
+    extra = []
+    if what == "nothing":
+        torch.save({"model": {"w": torch.zeros(1)}}, path)
+    elif what == "undecided":  # saved while Auto was still measuring
+        torch.save({"optimizer": {"algorithm": {"algorithm": "auto", "decision": None, "measured_steps": 2}}}, path)
+    elif what == "inconclusive":  # Auto kept exact: only the step was measured
+        decision = {"label": "exact", "step": 4, "workers": 2, "measured": {"exact_step_s": 0.01}}
+        torch.save({"algorithm": {"decision": decision}}, path)
+    elif what == "garbage":
+        path.write_bytes(b"not a checkpoint")
+    elif what == "damaged":  # a TrainingSession's file with one byte changed
+        from bunsan.train.checkpoint import files
+
+        files.write_file(path, {"format": files.FORMAT, "decision": _auto_decision()})
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif what == "batch":
+        (path := tmp_path / "d.json").write_text(json.dumps(_auto_decision()))
+        extra = ["--batch", "8"]
+    assert main(["plan", "--job", str(path), *extra, "--png", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_job_and_another_profile_together_are_refused(tmp_path, capsys):
+    (path := tmp_path / "d.json").write_text(json.dumps(_auto_decision()))
+    assert (
+        main(["plan", "--job", str(path), "--compute-ms", "5", "--params", "10", "--png", str(tmp_path / "x.png")]) == 2
+    )
+    assert "give one profile" in capsys.readouterr().err
