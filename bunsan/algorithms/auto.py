@@ -97,8 +97,12 @@ Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
 
 The decision and the measurements go into ``state_dict()``; loading it builds
-the decided algorithm directly, so a resumed run does not change algorithm (to
-decide again, load only the torch optimizer's state). A run checkpointed before
+the decided algorithm directly, so a resumed run does not change algorithm, unless
+it is asked to (``on_resume="decide"``: a job moved to another cluster) or the state
+was saved by a job of another number of ranks, for whose worker count and network the
+decision was predicted: then it measures and decides again, with a warning, and the
+counters go on. (A ``TrainingSession`` restoring into another number of workers starts
+the algorithm's state afresh anyway.) A run checkpointed before
 the decision keeps its timed steps and goes on measuring; where it decides, and
 what, depends on step times (``measure_budget_s``, the network, the codec), so it
 need not decide as an uninterrupted run of the same job would. A resume that must
@@ -120,6 +124,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -145,6 +150,7 @@ from bunsan.algorithms.measure import (
 )
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 from bunsan.compression import Quantizer
+from bunsan.errors import CheckpointError
 
 __all__ = [
     "PROBE_FAMILIES",
@@ -159,6 +165,7 @@ __all__ = [
 ]
 
 RISKS = ("low", "medium", "high")
+ON_RESUME = ("keep", "decide")  # Auto(on_resume=...): keep a saved decision, or measure and decide again
 # an optimizer momentum under this: a tie between the block algorithms goes to block momentum, else
 # to model averaging (module docstring); measured at 0 and 0.9 only
 BLOCK_MOMENTUM_BELOW = 0.5
@@ -461,6 +468,12 @@ class Auto(Algorithm):
             (:func:`probes_needed`); ``False`` counts exact's
             fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.
+        on_resume: what loading a saved state does with its decision. ``"keep"`` (default): the
+            resumed run builds the saved choice without measuring again, unless the state was saved
+            by a job of another number of ranks, whose network and worker count the decision was
+            predicted for: then it measures and decides again (with a warning naming the old
+            choice). ``"decide"``: measure and decide again in any case (a job moved to another
+            cluster, or a resume that should re-check); the counters (steps, samples) go on.
         group: process group; ``None`` means every rank of the job.
     """
 
@@ -477,6 +490,7 @@ class Auto(Algorithm):
         network: cm.Network | None = None,
         fixed_costs: bool = True,
         verbose: bool = True,
+        on_resume: str = "keep",
         group: ProcessGroup | None = None,
     ) -> None:
         self.inner: Algorithm = DataParallelSGD(group=group)
@@ -497,6 +511,7 @@ class Auto(Algorithm):
         self.network = network
         self.fixed_costs = check_type("fixed_costs", fixed_costs, bool)
         self.verbose = verbose
+        self.on_resume: str = check_choice("on_resume", on_resume, ON_RESUME)
         self.decision: dict[str, Any] | None = None
         self._durations: list[float] = []  # seconds of measured steps (end to end)
         self._measured = 0  # steps completed while measuring (kept across a resume)
@@ -983,13 +998,37 @@ class Auto(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._check_state_is_mine(state)
-        if state["decision"] is not None:
-            self._apply(state["decision"])  # the same choice as before, without measuring again
-        self.inner.load_state_dict(state["inner"])
-        # An undecided run goes on measuring and decides at the same step as it would have.
-        self._measured = int(state.get("measured_steps", 0))
-        self._durations = [float(d) for d in state.get("durations", [])]
-        self._last_end = None
+        saved_size = int(state.get("world_size", self.world_size))
+        again = self.on_resume == "decide" or saved_size != self.world_size
+        if not again:
+            if state["decision"] is not None:
+                self._apply(state["decision"])  # the same choice as before, without measuring again
+            self.inner.load_state_dict(state["inner"])
+            # An undecided run goes on measuring and decides at the same step as it would have.
+            self._measured = int(state.get("measured_steps", 0))
+            self._durations = [float(d) for d in state.get("durations", [])]
+            self._last_end = None
+            return
+        if saved_size != self.world_size and self.on_resume == "keep":
+            what = f"its decision ({state['decision']['label']})" if state["decision"] else "its measuring"
+            warnings.warn(
+                f"Auto's state was saved by a job of {saved_size} ranks and this job has {self.world_size}: "
+                f"{what} was for that job's worker count and network; it measures and decides again",
+                stacklevel=2,
+            )
+        # Measure and decide again from here, with exact SGD, as a fresh Auto does; the counters go on. A
+        # saved exact algorithm's own state (its local momentum, residuals) fits the exact one measuring now.
+        if self.decision is not None or not isinstance(self.inner, DataParallelSGD) or self.inner.bits != 32:
+            raise CheckpointError(
+                "load Auto's state before its first step (into a fresh Auto, as distribute() builds it)"
+            )
+        inner = state["inner"]
+        if inner.get("algorithm") == DataParallelSGD.name and not (state["decision"] or {}).get("options"):
+            self.inner.load_state_dict(inner)
+        else:  # another algorithm's state (a block's momentum, a quantized exchange's residuals): only the counters
+            self.inner.step, self.inner.samples = int(inner["step"]), int(inner["samples"])
+            self.inner.local_samples = int(inner["local_samples"])
+        self._measured, self._durations, self._last_end = 0, [], None
 
     def __repr__(self) -> str:
         chosen = f", chosen={self.decision['label']!r}" if self.decision else ""

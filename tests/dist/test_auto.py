@@ -122,6 +122,71 @@ def test_a_resume_before_the_decision_decides_at_the_same_step(workers):
     assert results[0] == results[1]
 
 
+def _body_decide_again_on_resume(rank: int, world_size: int, how: str) -> dict:
+    import copy
+    import warnings
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), fixed_costs=False, verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    _train(model, optimizer, rank, 6)
+    saved = auto.decision["label"]
+    optimizer.sync_replicas()
+    state = copy.deepcopy(optimizer.state_dict())
+    on_resume = "keep"
+    if how == "another world size":  # as a checkpoint of a 4-rank job would read
+        state["algorithm"]["world_size"] = 4
+        state["algorithm"]["decision"]["workers"] = 4
+    else:
+        on_resume = "decide"
+    resumed_model = _model()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = bunsan.Auto(
+        measure_steps=3, risk="high", network=Network(**FAST), fixed_costs=False, verbose=False, on_resume=on_resume
+    )
+    resumed_model, resumed_optimizer = bunsan.distribute(
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed_optimizer.load_state_dict(state)
+    loaded = (resumed.decision, type(resumed.inner).__name__, resumed.step, resumed.samples)
+    _train(resumed_model, resumed_optimizer, rank, 3, start=6)
+    undecided_after_3 = resumed.decision is None
+    _train(resumed_model, resumed_optimizer, rank, 2, start=9)
+    resumed_optimizer.sync_replicas()
+    return {
+        "saved": saved,
+        "saved_step": auto.step,
+        "loaded": loaded,
+        "undecided_after_3": undecided_after_3,
+        "decided": resumed.decision["label"] if resumed.decision else None,
+        "steps": resumed.step,
+        "warnings": [str(w.message) for w in caught],
+        "params": torch.cat([p.detach().reshape(-1) for p in resumed_model.parameters()]).tolist(),
+    }
+
+
+@pytest.mark.parametrize("how", ["another world size", "on_resume=decide"])
+def test_a_resume_decides_again_for_another_world_size_or_when_asked(workers, how):
+    results = workers.run(f"{__name__}:_body_decide_again_on_resume", how=how)
+    r = results[0]
+    assert r["saved"] != "exact", r  # the slow network's choice
+    # loaded: no decision, exact SGD measuring, the counters going on from the saved ones
+    assert r["loaded"] == (None, "DataParallelSGD", r["saved_step"], r["loaded"][3]) and r["loaded"][3] > 0
+    # a fresh measuring: 3 timed steps need 4 ends, then the fast network's choice
+    assert r["undecided_after_3"] and r["decided"] == "exact" and r["steps"] == r["saved_step"] + 5
+    if how == "another world size":
+        assert any(
+            "saved by a job of 4 ranks and this job has 2" in w and r["saved"] in w and "decides again" in w
+            for w in r["warnings"]
+        ), r["warnings"]
+    else:
+        assert not any("decides again" in w for w in r["warnings"]), r["warnings"]
+    assert results[1]["decided"] == "exact" and results[1]["loaded"][:3] == r["loaded"][:3]
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+
+
 def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
     import time
 

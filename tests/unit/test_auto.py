@@ -60,6 +60,9 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="measure_budget_s"):
         auto.Auto(measure_budget_s="0.1")
     assert auto.Auto(measure_budget_s=None).measure_budget_s is None  # always measure_steps
+    with pytest.raises(ValueError, match="on_resume"):
+        auto.Auto(on_resume="redecide")
+    assert auto.Auto().on_resume == "keep"
     # One rule (bunsan._validate): a wrong type is a TypeError, a bad value of the right type a ValueError.
     with pytest.raises(TypeError, match="measure_steps must be an int >= 2"):
         auto.Auto(measure_steps=2.5)
