@@ -721,10 +721,13 @@ class Auto(Algorithm):
     def _profile(self, compute_s: float) -> cm.Profile:
         params = [p for _, p in self.named_params]
         batch = max(1, round(self.inner.local_samples / max(self.inner.step + 1, 1)))
+        numel = sum(p.numel() for p in params)
         return cm.Profile(
             compute_s=compute_s,
-            params=sum(p.numel() for p in params),
+            params=numel,
             batch=batch,
+            # the gradients' bytes per dtype: every exchange travels in the parameters' own dtypes
+            bytes_per_element=sum(p.numel() * p.element_size() for p in params) / numel if numel else 4,
             tensors=len(params),
             chunks=sum(-(-p.numel() // cm.DEFAULT_CHUNK_SIZE) for p in params),
             codec_per_bucket=coded_per_bucket(Quantizer(1), self._device()),
@@ -949,6 +952,7 @@ class Auto(Algorithm):
                     "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
                     "params": profile.params,
                     "batch": profile.batch,
+                    "bytes_per_element": profile.bytes_per_element,
                     # the rest of the profile, so that `bunsan plan --job` predicts other worker counts alike
                     "tensors": profile.tensors,
                     "chunks": profile.chunks,

@@ -105,7 +105,10 @@ class Profile:
         compute_s: forward + backward + optimizer update of one step, one worker.
         params: gradient elements (trainable parameters).
         batch: samples per worker per step (turns block sizes in samples into steps).
-        bytes_per_element: of the gradient as it is (4 for float32).
+        bytes_per_element: of the gradient as it is (4 for float32, 2 for bfloat16 or float16
+            parameters; the mean over the parameters where their dtypes differ). Every exchange
+            travels in the parameters' own dtypes: the gradients', the block algorithms' parameters
+            and async SGD's messages alike.
         backward_fraction: share of ``compute_s`` spent in backward, the window in
             which bucketed exchanges overlap (about 2/3: backward costs about twice
             the forward).
@@ -147,7 +150,7 @@ class Profile:
     compute_s: float
     params: int
     batch: int = 32
-    bytes_per_element: int = 4
+    bytes_per_element: float = 4
     backward_fraction: float = 2 / 3
     encode_s_per_element: float = 0.0
     decode_s_per_element: float = 0.0
@@ -164,8 +167,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
-        for name in ("params", "batch", "bytes_per_element", "tensors"):
+        for name in ("params", "batch", "tensors"):
             check_int(name, getattr(self, name), minimum=1)
+        check_number("bytes_per_element", self.bytes_per_element, minimum=1.0, maximum=16.0)
         check_number("backward_fraction", self.backward_fraction, minimum=0.0, maximum=1.0)
         for name in (
             "encode_s_per_element",
@@ -200,7 +204,7 @@ class Profile:
 
     @property
     def gradient_bytes(self) -> int:
-        return self.params * self.bytes_per_element
+        return round(self.params * self.bytes_per_element)
 
     def at_workers(self, workers: int, *, global_batch: bool = False) -> Profile:
         """This profile at ``workers`` workers: unchanged (per-worker batch fixed, weak scaling), or with a
@@ -484,7 +488,7 @@ def predict(
         )
     if candidate.algorithm in ("block_momentum", "model_averaging"):
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
-        nbytes = profile.params * 4  # parameters are averaged in float32
+        nbytes = profile.gradient_bytes  # parameters are averaged in their own dtypes
         communication = ring_allreduce_time(nbytes, n, network)
         update = profile.update_s_per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
@@ -497,7 +501,7 @@ def predict(
     # async: rank 0's own worker reaches the server in-process and never waits; the others pay the
     # round trip. The step is the job's: workers / sum of each worker's steps per second.
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
-    nbytes = profile.params * 4
+    nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
     apply_s = profile.update_s_per_element * profile.params
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
     remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)

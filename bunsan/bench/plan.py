@@ -349,7 +349,13 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "params": int(measured["params"]),
         "batch": int(measured["batch"]),
     }
-    for key in ("encode_s_per_element", "decode_s_per_element", "codec_call_s", "cast_s_per_element"):
+    for key in (
+        "bytes_per_element",
+        "encode_s_per_element",
+        "decode_s_per_element",
+        "codec_call_s",
+        "cast_s_per_element",
+    ):
         if key in measured:
             profile[key] = float(measured[key])
     if measured.get("codecs"):

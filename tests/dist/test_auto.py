@@ -187,6 +187,34 @@ def test_a_resume_decides_again_for_another_world_size_or_when_asked(workers, ho
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
 
 
+def _body_bfloat16_model(rank: int, world_size: int) -> dict:
+    model = _model().to(torch.bfloat16)
+    auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), fixed_costs=False, verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    for i in range(5):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        optimizer.step()
+    optimizer.sync_replicas()
+    predicted = {p["label"]: p["bytes_per_step"] for p in auto.decision["predictions"]}
+    return {
+        "bytes_per_element": auto.decision["measured"]["bytes_per_element"],
+        "exact_bytes": predicted["exact"],
+        "params": torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+def test_a_bfloat16_models_exchange_is_predicted_in_its_own_bytes(workers):
+    results = workers.run(f"{__name__}:_body_bfloat16_model")
+    params = sum(p.numel() for p in _model().parameters())
+    assert results[0]["bytes_per_element"] == 2 == results[1]["bytes_per_element"]
+    # ring all-reduce at 2 workers: each sends 2 (N - 1) / N of the 2-byte gradients, once a step
+    assert results[0]["exact_bytes"] == pytest.approx(2 * params)
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+
+
 def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
     import time
 

@@ -109,6 +109,28 @@ def test_block_algorithms_amortize_one_allreduce():
     assert cm.block_steps(100, 32) == 4 and cm.block_steps(1, 32) == 1
 
 
+def test_every_exchange_travels_in_the_parameters_own_dtype():
+    net = Network(latency_s=0.0, bandwidth=1e9)
+    # bfloat16 parameters: 2 bytes an element. Exact at 2 workers after backward: an all-reduce of 2e6
+    # bytes, 2 * 1/2 * 2e6 / 1e9 = 2e-3 s (4e-3 s in float32), 2e6 bytes sent a step
+    bf16 = Profile(compute_s=0.1, params=1_000_000, batch=32, bytes_per_element=2)
+    exact = cm.predict(bf16, net, Candidate("data_parallel"), 2, overlap=False)
+    assert exact.step_s == pytest.approx(0.102) and exact.bytes_per_step == pytest.approx(2e6)
+    # a block of 10 steps averages the bf16 parameters: 2e-3 s / 10 a step, 2e5 bytes
+    block = cm.predict(bf16, net, Candidate("model_averaging", {"block_size": 320}), 2)
+    assert block.step_s == pytest.approx(0.1002) and block.bytes_per_step == pytest.approx(2e5)
+    # async: a remote worker's push of 2e6 bytes a step
+    assert cm.predict(bf16, net, Candidate("async"), 2).bytes_per_step == pytest.approx(2e6)
+    # fp16 traffic of bf16 gradients halves nothing: the same 2e6 bytes
+    fp16 = cm.predict(bf16, net, Candidate("data_parallel", {"compression": "fp16"}), 2, overlap=False)
+    assert fp16.bytes_per_step == pytest.approx(2e6)
+    # mixed: 3/4 of the elements in bfloat16, 1/4 in float32 -> 2.5 bytes an element, 2.5e6 bytes
+    mixed = Profile(compute_s=0.1, params=1_000_000, bytes_per_element=2.5)
+    assert mixed.gradient_bytes == 2_500_000
+    with pytest.raises(ValueError, match="bytes_per_element"):
+        Profile(compute_s=0.1, params=1, bytes_per_element=0.5)
+
+
 def test_async_bottleneck_is_rank_zero():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
     # 2 workers: the worker's own push + pull, 0.1 + 0.08
