@@ -28,7 +28,9 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    0 never waits); the bytes are the last rank's own count (``stats()``).
 
 Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
-measured - 1, and the bytes per step predicted and counted. Timings on a
+measured - 1, ``rounds max/min`` (the slowest of the ``--rounds`` rounds' job step over
+the fastest's: how far the measurement itself moved within the job), and the bytes per
+step predicted and counted. Timings on a
 shared machine are noisy: re-measure on an idle one.
 
 This module imports no torch at the top; the same module is
@@ -238,9 +240,14 @@ def _worker(spec: dict[str, Any]) -> int:
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
             # the job's step: N / sum of the ranks' steps per second (all equal but for async);
             # the bytes of the last rank (a remote worker for async, the same as all others otherwise)
-            mine = torch.tensor([1 / statistics.median(times), sent if rank == n - 1 else 0.0], dtype=torch.float64)
+            # and each round's own job step: how far the measurement moved within this one job
+            mine = torch.tensor(
+                [1 / statistics.median(times), sent if rank == n - 1 else 0.0, *(1 / t for t in times)],
+                dtype=torch.float64,
+            )
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
+            rounds_s = [n / float(v) for v in mine[2:]]
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
             rows.append(
                 {
@@ -251,6 +258,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "predicted_s": predicted.step_s,
                     "measured_s": measured_s,
                     "error": predicted.step_s / measured_s - 1,
+                    "rounds_s": rounds_s,
                     "predicted_bytes": predicted.bytes_per_step,
                     "measured_bytes": sent,
                     "compute_s": profile.compute_s,
@@ -292,9 +300,17 @@ COLUMNS = (
     "of it fixed",
     "measured (ms)",
     "error",
+    "rounds max/min",
     "MB/step pred.",
     "MB/step counted",
 )
+
+
+def rounds_spread(row: dict[str, Any]) -> float | None:
+    """The slowest round's job step over the fastest's in the row's job (``None`` in records before it):
+    the resolution of the row's measurement, as the rounds ran side by side with the others'."""
+    rounds = row.get("rounds_s") or []
+    return max(rounds) / min(rounds) if len(rounds) > 1 and min(rounds) > 0 else None
 
 
 def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -309,6 +325,7 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             f"{r.get('fixed_s', 0.0) * 1e3:.2f}",
             f"{r['measured_s'] * 1e3:.2f}",
             f"{100 * r['error']:+.0f}%",
+            f"{rounds_spread(r):.2f}" if rounds_spread(r) is not None else "-",
             f"{r['predicted_bytes'] / 1e6:.3f}",
             f"{r['measured_bytes'] / 1e6:.3f}",
         ]
@@ -402,6 +419,14 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             f"{within} of {len(rows)} rows within 20%; worst: {worst['network']} -np {worst['workers']} "
             f"{worst['model']} {worst['label']} ({100 * worst['error']:+.0f}%)"
         )
+        spreads = [(r, rounds_spread(r)) for r in rows]
+        loose = [(r, v) for r, v in spreads if v is not None and v > 1.2]
+        if loose:
+            missed = sum(abs(r["error"]) > 0.20 for r, _ in loose)
+            say(
+                f"{len(loose)} rows' own rounds differ by more than 20% (slowest over fastest), {missed} of them "
+                "outside 20%: their measurement does not resolve the bar"
+            )
         write_json(
             str(out / "predict.json"),
             {

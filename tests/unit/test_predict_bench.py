@@ -32,8 +32,11 @@ def _row(**changes):
 
 def test_table_and_plot(tmp_path):
     cells = predict.table_rows([_row(), _row(label="1-bit", predicted_s=0.02, error=-0.2)])
-    assert cells[0] == ["loopback", "2", "digits_cnn", "exact", "11.00", "0.00", "10.00", "+10%", "0.605", "0.605"]
+    assert cells[0] == ["loopback", "2", "digits_cnn", "exact", "11.00", "0.00", "10.00", "+10%", "-", "0.605", "0.605"]
     assert cells[1][7] == "-20%"
+    # the rounds' own spread: the slowest round's job step over the fastest's (a record without them: -)
+    assert predict.table_rows([_row(rounds_s=[0.010, 0.013, 0.011])])[0][8] == "1.30"
+    assert predict.rounds_spread(_row(rounds_s=[0.010])) is None and predict.rounds_spread(_row()) is None
     assert predict.table_rows([_row(fixed_s=0.0015)])[0][5] == "1.50"
     png = predict.plot_predict([_row(), _row(network="rate=1gbit", measured_s=0.03)], tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -67,7 +70,7 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
             "--steps",
             "2",
             "--rounds",
-            "1",
+            "2",
             "--compute-steps",
             "3",
             "--block-size",
@@ -89,10 +92,14 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     }
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
-        # bytes: counted by the algorithm, predicted by the arithmetic; exact but for the quantized
-        # stripes' padding (approximated) and async (a remote worker's push vs its own count)
-        if r["label"] in ("exact", "fp16", "block_momentum:64", "model_averaging:64"):
-            assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=1e-3), r
+        assert len(r["rounds_s"]) == 2 and predict.rounds_spread(r) >= 1.0
+        # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
+        # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
+        # step's counts and each tensor's flag: 10 float32 = 40 bytes a step for this 8-tensor model, in
+        # float64 beside fp16 traffic; 3 float64 a block; async's message header), and for the quantized
+        # stripes their padding (approximated)
+        if r["label"] in ("exact", "fp16", "block_momentum:64", "model_averaging:64", "async"):
+            assert 0 <= r["measured_bytes"] - r["predicted_bytes"] <= 80, r
         elif r["label"] in ("8-bit", "1-bit"):
             assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=0.15), r
     assert (tmp_path / "predict.png").stat().st_size > 1000
