@@ -291,6 +291,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_job_arguments(parser, "compare", timeout_s=1800.0)
     parser.add_argument("--no-curves", action="store_true", help="skip per-epoch test errors (no model copies)")
     parser.add_argument(
+        "--recompute-bn",
+        action="store_true",
+        help="evaluate every setting's models with batch-norm statistics recomputed over the training set "
+        "(the running statistics of small local batches lag the weights); default: the running statistics",
+    )
+    parser.add_argument(
         "--layout",
         choices=("rows", "columns", "both"),
         default="rows",
@@ -342,6 +348,7 @@ def _job_spec(args: argparse.Namespace, setting: AlgorithmSetting, out: Path, wo
         "seed": args.seed,
         "out": str(out),
         "curves": not args.no_curves,
+        "recompute_bn": bool(getattr(args, "recompute_bn", False)),
     }
 
 

@@ -40,7 +40,9 @@ def _make(kind: str, options: dict) -> bunsan.Algorithm:
     return {"bm": BlockMomentumSGD, "ma": ModelAveragingSGD, "dp": DataParallelSGD}[kind](**options)
 
 
-def _coefficients(kind: str, options: dict, world_size: int) -> tuple[Callable[[float], tuple[float, float]], float, bool]:
+def _coefficients(
+    kind: str, options: dict, world_size: int
+) -> tuple[Callable[[float], tuple[float, float]], float, bool]:
     """The filter of DESIGN.md for the reference: (bm_s, zeta_s) per block, the look-ahead bm, Nesterov."""
     if kind == "ma":
         return (lambda s: (0.0, 1.0)), 0.0, False
@@ -55,7 +57,9 @@ def _coefficients(kind: str, options: dict, world_size: int) -> tuple[Callable[[
     return coefficients, bm, options.get("nesterov", True)
 
 
-def _simulate(init: nn.Module, batches: list[list[Batch]], *, kind: str, options: dict, lr: float, momentum: float) -> torch.Tensor:
+def _simulate(
+    init: nn.Module, batches: list[list[Batch]], *, kind: str, options: dict, lr: float, momentum: float
+) -> torch.Tensor:
     """One process plays every worker: exact SGD during the warm start, then DESIGN.md's blocks."""
     n = len(batches)
     coefficients, lookahead, nesterov = _coefficients(kind, options, n)
@@ -123,7 +127,9 @@ def _body_train(rank, world_size, kind, options, n_batches, batch=4, lr=0.1, mom
     algorithm = _make(kind, options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), algorithm)
+        model, optimizer = bunsan.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), algorithm
+        )
         data = [_data(r, n_batches[r], batch, features) for r in range(world_size)]
         t0 = time.perf_counter()
         for x, y in data[rank]:
@@ -383,8 +389,17 @@ def _body_curve_leaves_training_alone(rank: int, world_size: int, algorithm: str
         options = {**options, "network": Network(latency_s=0.05, bandwidth=1e9)}
     results = {}
     for curves in (False, True):
-        spec = JobSpec(model="digits_cnn", dataset="digits", algorithm=algorithm, options=options, epochs=2,
-                       batch=64, lr=0.1, momentum=0.9, curves=curves)
+        spec = JobSpec(
+            model="digits_cnn",
+            dataset="digits",
+            algorithm=algorithm,
+            options=options,
+            epochs=2,
+            batch=64,
+            lr=0.1,
+            momentum=0.9,
+            curves=curves,
+        )
         results[curves] = train(spec)
     if rank != 0:
         return None
@@ -416,3 +431,40 @@ def test_test_error_curve_is_the_synchronized_model_and_leaves_training_alone(wo
     assert len(result["curve"]) == 2 and result["curve"][-1] == result["plain"]["test_error"]
     if algorithm == "auto":
         assert "chosen='block_momentum" in result["chosen"] or "chosen='model_averaging" in result["chosen"]
+
+
+def _body_recompute_bn(rank: int, world_size: int) -> dict | None:
+    from bunsan.bench.job import JobSpec, train
+
+    results = {}
+    for recompute in (False, True):
+        spec = JobSpec(
+            model="resnet20",
+            dataset="digits32",
+            algorithm="data_parallel",
+            epochs=1,
+            batch=64,
+            lr=0.1,
+            momentum=0.0,
+            recompute_bn=recompute,
+        )
+        results[recompute] = train(spec)
+    if rank != 0:
+        return None
+    return {
+        k: {
+            key: results[k][key]
+            for key in ("train_loss", "test_loss", "test_error_curve", "test_error", "replicas_equal")
+        }
+        for k in (False, True)
+    }
+
+
+def test_recomputed_batch_norm_changes_only_the_evaluation(workers):
+    result = workers.run(f"{__name__}:_body_recompute_bn")[0]
+    plain, recomputed = result[False], result[True]
+    assert plain["train_loss"] == recomputed["train_loss"] and plain["replicas_equal"] and recomputed["replicas_equal"]
+    # the same weights evaluated with other statistics: another test loss (after one epoch the running
+    # statistics lag far behind), and the curve's last point is again the final model's error
+    assert plain["test_loss"] != recomputed["test_loss"]
+    assert recomputed["test_error_curve"][-1] == recomputed["test_error"]

@@ -163,3 +163,54 @@ def test_time_steps_runs_one_optimizer_step_per_batch():
 def test_job_spec_checks_by_the_one_rule(field, value, error):
     with pytest.raises(error, match=field):
         JobSpec(**{field: value})
+
+
+def test_recomputed_batch_norm_statistics_are_the_training_sets_on_a_copy():
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from bunsan.bench.job import spec_from_args, with_recomputed_bn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    with torch.no_grad():  # running statistics far from the data's, as after a lagging average
+        model[1].running_mean.fill_(5.0)
+        model[1].running_var.fill_(9.0)
+    model.eval()
+    data = TensorDataset(torch.randn(64, 3), torch.zeros(64, dtype=torch.long))
+    state = torch.random.get_rng_state()
+    copied = with_recomputed_bn(model, data, batch=32)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the dropout's draws were undone
+    assert copied is not model and not model.training and model[1].running_mean.eq(5.0).all()
+    # two equal batches: the cumulative average of their means and unbiased variances
+    with torch.no_grad():
+        h = model[0](data.tensors[0])
+    halves = h[:32], h[32:]
+    torch.testing.assert_close(copied[1].running_mean, sum(x.mean(0) for x in halves) / 2)
+    torch.testing.assert_close(copied[1].running_var, sum(x.var(0) for x in halves) / 2)
+    torch.testing.assert_close(copied[0].weight, model[0].weight)  # only the statistics change
+    # no batch norm: the model itself, nothing copied
+    plain = nn.Linear(3, 2)
+    assert with_recomputed_bn(plain, data, batch=32) is plain
+    assert spec_from_args(["--recompute-bn"]).recompute_bn and not spec_from_args([]).recompute_bn
+
+
+def test_compare_passes_recompute_bn_to_every_job(tmp_path):
+    from bunsan.bench.compare import _job_spec
+    from bunsan.bench.specs import parse_algorithm_spec
+
+    args = argparse.Namespace(
+        model="resnet20",
+        dataset="digits32",
+        epochs=1,
+        batch=64,
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        seed=0,
+        no_curves=False,
+        recompute_bn=True,
+    )
+    spec = _job_spec(args, parse_algorithm_spec("data_parallel"), tmp_path / "r.json", 2)
+    assert spec["recompute_bn"] is True and JobSpec(**{k: v for k, v in spec.items()}).recompute_bn
