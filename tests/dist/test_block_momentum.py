@@ -380,27 +380,29 @@ def test_missing_optimizer_for_momentum_reset_fails_on_every_rank(workers):
     assert "reset_local_momentum=True" in messages[0] and "attach_optimizer" in messages[0]
 
 
-def _body_curve_leaves_training_alone(rank: int, world_size: int, algorithm: str, options: dict) -> dict | None:
+def _train_with_and_without(flag: str, **spec: object) -> dict:
+    """``bunsan.bench.job.train`` of the same spec with ``flag`` False, then True (both collective)."""
     from bunsan.bench.job import JobSpec, train
 
+    return {value: train(JobSpec(**spec, **{flag: value})) for value in (False, True)}
+
+
+def _body_curve_leaves_training_alone(rank: int, world_size: int, algorithm: str, options: dict) -> dict | None:
     if algorithm == "auto":  # a given network of 50 ms latency: only blocks amortize it, whatever the timings
         from bunsan.algorithms.cost_model import Network
 
         options = {**options, "network": Network(latency_s=0.05, bandwidth=1e9)}
-    results = {}
-    for curves in (False, True):
-        spec = JobSpec(
-            model="digits_cnn",
-            dataset="digits",
-            algorithm=algorithm,
-            options=options,
-            epochs=2,
-            batch=64,
-            lr=0.1,
-            momentum=0.9,
-            curves=curves,
-        )
-        results[curves] = train(spec)
+    results = _train_with_and_without(
+        "curves",
+        model="digits_cnn",
+        dataset="digits",
+        algorithm=algorithm,
+        options=options,
+        epochs=2,
+        batch=64,
+        lr=0.1,
+        momentum=0.9,
+    )
     if rank != 0:
         return None
     keys = ("train_loss", "test_error", "test_loss", "steps", "samples", "bytes_sent_per_sample", "replicas_equal")
@@ -434,21 +436,16 @@ def test_test_error_curve_is_the_synchronized_model_and_leaves_training_alone(wo
 
 
 def _body_recompute_bn(rank: int, world_size: int) -> dict | None:
-    from bunsan.bench.job import JobSpec, train
-
-    results = {}
-    for recompute in (False, True):
-        spec = JobSpec(
-            model="resnet20",
-            dataset="digits32",
-            algorithm="data_parallel",
-            epochs=1,
-            batch=64,
-            lr=0.1,
-            momentum=0.0,
-            recompute_bn=recompute,
-        )
-        results[recompute] = train(spec)
+    results = _train_with_and_without(
+        "recompute_bn",
+        model="resnet20",
+        dataset="digits32",
+        algorithm="data_parallel",
+        epochs=1,
+        batch=64,
+        lr=0.1,
+        momentum=0.0,
+    )
     if rank != 0:
         return None
     return {
