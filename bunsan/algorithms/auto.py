@@ -80,9 +80,19 @@ time is far above the machine's timing noise and 2-3 steps pin it down, while 10
 steps cost most where exact is slowest (58-92 ms each for the digits CNN at 100 Mbit/s
 in bunsan's time-to-accuracy campaign, 3.9 s each for the 10.5M MLP at 100 Mbit/s and 2
 workers). A third step is timed where the two differ by more than the margin the decision
-itself asks: one outlier then cannot be the mean. Where steps take milliseconds, all
-``measure_steps`` are taken. From the second timed step on, each measuring step
-all-reduces three numbers, so that every rank stops at the same step.
+itself asks: one outlier then cannot be the mean. From the second timed step on, each
+measuring step all-reduces three numbers, so that every rank stops at the same step.
+
+Where steps take milliseconds, the budget is not reached before ``measure_steps``; after 3
+timed steps Auto measures (network, codec, the fixed-cost probes wanted at any of the step
+times below) and predicts at their median, at the fastest and at the slowest (each the
+slowest rank's time of that step). Where all three choose the same candidate, it decides
+then (recorded as ``step_span_s``): the step times that more measuring steps would add are
+unlikely to fall far outside what 3 have shown, and within that span they cannot change the
+choice. Otherwise measuring goes on to the budget or ``measure_steps``, and the decision
+there reuses the network, codec and probes measured (no probe twice). On MNIST-1D's CNN at
+2 workers, 10 exact measuring steps act as a warm start that delayed model averaging by a
+median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (docs/plan.md).
 
 A first step long enough that every further exact step costs ten measuring budgets or more
 (1 s, from distribute() on, on the slowest rank) may decide at once: its compute is an upper
@@ -205,7 +215,11 @@ class _EarlyMeasures(NamedTuple):
     codec: dict[str, float]
     codecs: tuple[tuple[int, float, float, float], ...]
     network_s: float  # seconds the network probe took
-    spent_s: float  # seconds that whole first-step measuring took
+    spent_s: float  # seconds that whole measuring took
+    # the fixed-cost probes run so far (the check at MIN_TIMED steps runs them; the first step does not)
+    fixed: tuple[tuple[str, float], ...] = ()
+    probed: frozenset[str] = frozenset()
+    probe_s: float = 0.0  # seconds those probes took
 
 
 def _delegated(name: str) -> Any:
@@ -455,7 +469,8 @@ class Auto(Algorithm):
     Args:
         measure_steps: exact steps timed before deciding (the first is not timed).
         measure_budget_s: decide sooner, once the slowest rank's timed steps add up to this
-            many seconds (after at least 3 timed steps, or 2 that agree within ``min_gain``);
+            many seconds (after at least 3 timed steps, or 2 that agree within ``min_gain``), or
+            after 3 where the choice is the same at their fastest and slowest (module docstring);
             ``None`` always takes ``measure_steps``.
         risk: ``"low"``, ``"medium"`` or ``"high"``: which candidates are allowed (module docstring).
         min_gain: a candidate replaces exact SGD only when predicted at least this much faster.
@@ -584,6 +599,8 @@ class Auto(Algorithm):
             # right after a first step long enough to settle it (_first_step_s, collective).
             if (self._measured > self.measure_steps and self._durations) or self._budget_spent():
                 self._decide()
+            elif self.measure_budget_s is not None and len(self._durations) == MIN_TIMED and self.world_size > 1:
+                self._decide(span=True)  # decides only where the fastest and slowest timed step agree
             elif first and (first_s := self._first_step_s(now)) is not None:
                 self._decide(first_step_s=first_s)
             if self.decision is None or self._block_steps_s is not None:
@@ -781,25 +798,35 @@ class Auto(Algorithm):
         )
         return profile, compute, candidates, [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
 
-    def _decide(self, first_step_s: float | None = None) -> None:
+    def _decide(self, first_step_s: float | None = None, span: bool = False) -> None:
         """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
         (the slowest rank's first step, from distribute() on), decide only where that settles it
-        (:func:`settled_by_first_step`); else keep the network and codec measured for the decision
-        and go on measuring."""
+        (:func:`settled_by_first_step`); with ``span`` (after ``MIN_TIMED`` timed steps), only where
+        the choice is the same at the fastest and the slowest of them as at their median. Where
+        either does not decide, what was measured (network, codec, fixed costs) is kept for the
+        decision and measuring goes on."""
         started = time.perf_counter()
+        spread: tuple[float, ...] = ()
         if first_step_s is None:
+            # the job's step time: the slowest rank's median; and for the span check the slowest rank's
+            # time of each timed step (a synchronous step ends when its slowest rank ends)
             slowest = torch.tensor(
-                [statistics.median(self._durations)], dtype=torch.float64, device=comm.tensor_device(self.group)
+                [statistics.median(self._durations), *(self._durations if span else ())],
+                dtype=torch.float64,
+                device=comm.tensor_device(self.group),
             )
             comm.all_reduce(slowest, op="max", group=self.group)
             step_s = float(slowest[0])
+            if span:
+                spread = (min(slowest[1:].tolist()), max(slowest[1:].tolist()))
         else:
             step_s = first_step_s
+        steps_s = (step_s, *spread)  # rank 0 predicts at each; the first is the one the record keeps
         n = self.world_size
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
         network: cm.Network | None = self.network if n > 1 else None
         early = self._early
-        if early is not None:  # measured after the first step, which did not settle the decision
+        if early is not None:  # measured by an earlier attempt that did not decide
             network = early.network
         elif network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
@@ -811,6 +838,8 @@ class Auto(Algorithm):
                     network = measure_network(self.group, sizes=RETRY_SIZES, repeats=7, enough_s=ENOUGH_S)
                 except ValueError:
                     network = None
+        if span and network is None:  # inconclusive: left to the decision at the end of measuring
+            return
         # the exchange overlaps backward only where it does not need the compute's core
         local = runtime.local_size()
         device = self._device()
@@ -819,16 +848,35 @@ class Auto(Algorithm):
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         codec: dict[str, float] = {}
         codecs: tuple[tuple[int, float, float, float], ...] = ()
+        fixed: dict[str, float] = {}
+        probed: set[str] = set()  # the probe families run, by this attempt or an earlier one
+        earlier_probe_s = 0.0  # seconds an earlier attempt's probes took
         if early is not None:
             codec, codecs, network_s = early.codec, early.codecs, early.network_s
-            started -= early.spent_s  # the record's time to decide counts the first step's measuring too
+            fixed, probed, earlier_probe_s = dict(early.fixed), set(early.probed), early.probe_s
+            started -= early.spent_s  # the record's time to decide counts the earlier measuring too
         elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
             codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             if self.risk != "low":
                 codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)
-        fixed: dict[str, float] = {}
+        probe_s = earlier_probe_s
+
+        def keep_measuring() -> None:
+            """Every rank: keep what was measured for the decision at the end of measuring."""
+            if network is not None:
+                self._early = _EarlyMeasures(
+                    network,
+                    codec,
+                    codecs,
+                    network_s,
+                    time.perf_counter() - started,
+                    tuple(fixed.items()),
+                    frozenset(probed),
+                    probe_s,
+                )
+
         plan: tuple[Any, ...] | None = None
         probing: tuple[str, str] | None = None
         if first_step_s is not None:
@@ -838,17 +886,21 @@ class Auto(Algorithm):
                 settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
             settled = comm.broadcast_object(settled, src=0, group=self.group)
             if settled is None:  # go on measuring; the network and codec stay measured
-                if network is not None:
-                    self._early = _EarlyMeasures(network, codec, codecs, network_s, time.perf_counter() - started)
+                keep_measuring()
                 return
             probing = settled
-        probe_started = time.perf_counter()
+        probe_started = time.perf_counter() - earlier_probe_s
         if network is not None and self.fixed_costs and first_step_s is None:
             # Rank 0 predicts without the probes first and tells every rank which probes can change
-            # the decision (probes_needed): they are most of Auto's measuring time.
+            # the decision (probes_needed) at any of the step times it weighs: they are most of Auto's
+            # measuring time. A family an earlier attempt probed is not probed again.
             if deciding:
-                plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                probing = probes_needed(plan[2], plan[3], self.min_gain, plan[0].batch)
+                plans = [self._predict(s, network, n, overlap, {}, codec, codecs) for s in steps_s]
+                plan = plans[0]
+                needed = [probes_needed(p[2], p[3], self.min_gain, p[0].batch) for p in plans]
+                wanted = {f for families, _ in needed for f in families.split("+")} - {"none"}
+                todo = [f for f in PROBE_FAMILIES if f in wanted - probed]
+                probing = ("+".join(todo) or "none", needed[0][1])
             probing = comm.broadcast_object(probing, src=0, group=self.group)
             assert probing is not None
             if probing[0] != "none":  # every rank: the probe is collective
@@ -871,8 +923,11 @@ class Auto(Algorithm):
 
                 # exact's and the block probe first; fp16's and the quantized one only where, given
                 # those, they can still change the decision (later_probes_needed)
-                fixed = probe(families & {"exact", "block"})
+                first_families = families & {"exact", "block"}
+                if first_families:
+                    fixed.update(probe(first_families))
                 later = families - {"exact", "block"}
+                ran = probed | first_families
                 if later:
                     skipped: tuple[str, str] | None = None
                     if deciding:
@@ -885,16 +940,23 @@ class Auto(Algorithm):
                                 if c.algorithm not in BLOCK_ALGORITHMS and c.label not in so_far
                             }
                         )
-                        first = self._predict(step_s, network, n, overlap, so_far, codec, codecs)
-                        skipped = later_probes_needed(first[2], first[3], later, fixed["exact"], self.min_gain)
+                        found = [
+                            later_probes_needed(first[2], first[3], later, fixed["exact"], self.min_gain)
+                            for first in (self._predict(s, network, n, overlap, so_far, codec, codecs) for s in steps_s)
+                        ]
+                        keep = {f for families_, _ in found for f in families_.split("+")} - {"none"}
+                        # the reasons given at the median step for the families that no step time keeps
+                        reasons = [r for r in found[0][1].split("; ") if r and r.split("'s probe")[0] not in keep]
+                        skipped = ("+".join(sorted(keep)) or "none", "; ".join(reasons))
                     skipped = comm.broadcast_object(skipped, src=0, group=self.group)
                     assert skipped is not None
                     wanted = set(skipped[0].split("+")) - {"none"}
                     if wanted:
                         fixed.update(probe(wanted))
-                    if skipped[1]:  # the record names the probes that ran
-                        ran = (families - later) | wanted
-                        probing = ("+".join(f for f in PROBE_FAMILIES if f in ran), f"{probing[1]}; {skipped[1]}")
+                    ran |= wanted
+                    if skipped[1]:
+                        probing = (probing[0], f"{probing[1]}; {skipped[1]}")
+                probed |= ran
                 kept = set(fixed)
                 shared = {label: source for label, source in shared.items() if source in kept}
                 fixed.update({label: fixed[source] for label, source in shared.items()})
@@ -906,7 +968,9 @@ class Auto(Algorithm):
                             if c.algorithm not in BLOCK_ALGORITHMS and c.label not in fixed
                         }
                     )
-                plan = None  # predicted again below, with the fixed costs
+            plan = None  # predicted again below, with the fixed costs
+            if probed:  # the record names the probes that ran, in this attempt or an earlier one
+                probing = ("+".join(f for f in PROBE_FAMILIES if f in probed), probing[1])
         probe_s = time.perf_counter() - probe_started
         decision: dict[str, Any] | None = None
         if deciding and network is None:
@@ -931,45 +995,63 @@ class Auto(Algorithm):
                 plan = self._predict(step_s, network, n, overlap, fixed, codec, codecs)
             profile, compute, candidates, predictions = plan
             index, why = choose(predictions, self.min_gain)
-            decision = {
-                "algorithm": candidates[index].algorithm,
-                "options": dict(candidates[index].options),
-                "label": candidates[index].label,
-                "why": why,
-                "step": self._measured,
-                "workers": n,
-                "measured": {
-                    "exact_step_s": step_s,
-                    **({"first_step": True} if first_step_s is not None else {}),
-                    "compute_s": compute,
-                    "latency_s": network.latency_s,
-                    "bandwidth": network.bandwidth,
-                    "gather_bandwidth": network.gather_bandwidth,
-                    "half_bandwidth": network.half_bandwidth,
-                    **codec,
-                    "codecs": [list(c) for c in codecs],
-                    "overlap": overlap,
-                    "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
-                    "params": profile.params,
-                    "batch": profile.batch,
-                    "bytes_per_element": profile.bytes_per_element,
-                    # the rest of the profile, so that `bunsan plan --job` predicts other worker counts alike
-                    "tensors": profile.tensors,
-                    "chunks": profile.chunks,
-                    "codec_per_bucket": profile.codec_per_bucket,
-                },
-                "predictions": [
-                    {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions
-                ],
-            }
-            decision["measured"].update(
-                decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
+            agree = True
+            for other in spread:  # the span check: the same choice at the fastest and slowest timed step
+                o = self._predict(other, network, n, overlap, fixed, codec, codecs)
+                agree = agree and o[2][choose(o[3], self.min_gain)[0]].label == candidates[index].label
+            if spread and agree:
+                why = (
+                    f"{why}; the same at the fastest and the slowest of {len(self._durations)} timed steps "
+                    f"({spread[0] * 1e3:.2f}-{spread[1] * 1e3:.2f} ms)"
+                )
+            decision = (
+                None
+                if not agree
+                else {
+                    "algorithm": candidates[index].algorithm,
+                    "options": dict(candidates[index].options),
+                    "label": candidates[index].label,
+                    "why": why,
+                    "step": self._measured,
+                    "workers": n,
+                    "measured": {
+                        "exact_step_s": step_s,
+                        **({"first_step": True} if first_step_s is not None else {}),
+                        **({"step_span_s": list(spread)} if spread else {}),
+                        "compute_s": compute,
+                        "latency_s": network.latency_s,
+                        "bandwidth": network.bandwidth,
+                        "gather_bandwidth": network.gather_bandwidth,
+                        "half_bandwidth": network.half_bandwidth,
+                        **codec,
+                        "codecs": [list(c) for c in codecs],
+                        "overlap": overlap,
+                        "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
+                        "params": profile.params,
+                        "batch": profile.batch,
+                        "bytes_per_element": profile.bytes_per_element,
+                        # the rest of the profile, so that `bunsan plan --job` predicts other worker counts alike
+                        "tensors": profile.tensors,
+                        "chunks": profile.chunks,
+                        "codec_per_bucket": profile.codec_per_bucket,
+                    },
+                    "predictions": [
+                        {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions
+                    ],
+                }
             )
-            if probing is not None:
-                decision["measured"]["probes"] = list(probing)
-            if self.verbose:
-                print(format_decision(decision), flush=True)
+            if decision is not None:
+                decision["measured"].update(
+                    decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
+                )
+                if probing is not None:
+                    decision["measured"]["probes"] = list(probing)
+                if self.verbose:
+                    print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
+        if decision is None:  # the span check found a choice that the step time can still change
+            keep_measuring()
+            return
         self._apply(decision)
 
     def _apply(self, decision: dict[str, Any]) -> None:

@@ -215,38 +215,80 @@ def test_a_bfloat16_models_exchange_is_predicted_in_its_own_bytes(workers):
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
 
 
-def _body_budget(rank: int, world_size: int, budget, sleep_s: float) -> dict:
+def _body_budget(rank: int, world_size: int, budget, sleep_s: float, network: dict = SLOW) -> dict:
     import time
+    from unittest import mock
 
+    from bunsan.algorithms import auto as auto_module
+
+    probed: list[str] = []  # the candidates whose fixed cost was probed, in order
+
+    def counting(candidates, *args, **kwargs):
+        probed.extend(c.label for c in candidates)
+        return real(candidates, *args, **kwargs)
+
+    real = auto_module.measure_fixed_costs
     model = _model()
-    auto = bunsan.Auto(measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**SLOW), verbose=False)
+    auto = bunsan.Auto(measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**network), verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     decided_at = None
-    for i in range(12):
-        _train(model, optimizer, rank, 1, start=i)
-        if rank == 1:  # only rank 1 is slow: the slowest rank's time decides for all
-            time.sleep(sleep_s[min(i, len(sleep_s) - 1)] if isinstance(sleep_s, tuple) else sleep_s)
-        if auto.decision is not None and decided_at is None:
-            decided_at = i + 1
-    return {"decided_at": decided_at, "step": auto.decision["step"], "label": auto.decision["label"]}
+    with mock.patch.object(auto_module, "measure_fixed_costs", counting):
+        for i in range(12):
+            _train(model, optimizer, rank, 1, start=i)
+            if rank == 1:  # only rank 1 is slow: the slowest rank's time decides for all
+                time.sleep(sleep_s[min(i, len(sleep_s) - 1)] if isinstance(sleep_s, tuple) else sleep_s)
+            if auto.decision is not None and decided_at is None:
+                decided_at = i + 1
+    return {
+        "probed": probed,
+        "decided_at": decided_at,
+        "step": auto.decision["step"],
+        "label": auto.decision["label"],
+        "span": auto.decision["measured"].get("step_span_s"),
+    }
+
+
+# 1 ms of latency: exact's exchange of this model costs about 2 ms a step (two latencies at 2 workers)
+MS_LATENCY = {"latency_s": 1e-3, "bandwidth": 1e9}
 
 
 @pytest.mark.parametrize(
-    ("budget", "sleep_s", "step"),
-    [(0.1, 0.25, 3), (0.1, (0.05, 0.08, 0.05), 4), (1.0, 0.0, 11), (None, 0.05, 11)],
-    ids=["slow-steps-stop-early", "two-that-differ-take-a-third", "fast-steps-take-all", "no-budget"],
+    ("budget", "sleep_s", "network", "step"),
+    [
+        (0.1, 0.25, SLOW, 3),
+        (0.1, (0.05, 0.08, 0.05), SLOW, 4),
+        (1.0, 0.0, SLOW, 4),
+        (2.0, (0.001, 0.08), MS_LATENCY, 11),
+        (None, 0.05, SLOW, 11),
+    ],
+    ids=[
+        "slow-steps-stop-early",
+        "two-that-differ-take-a-third",
+        "fast-steps-that-agree-stop-after-3",
+        "a-span-that-changes-the-choice-takes-all",
+        "no-budget",
+    ],
 )
-def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep_s, step):
+def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep_s, network, step):
     # 1 untimed step, then 2 timed ones of 250 ms on rank 1 (0.5 s >= 0.1, within 10% of each other even
     # where a loaded machine wakes a sleeper 20 ms late; with 50 ms steps a CI run once took a third):
     # the decision after step 3 on both ranks, though rank 0's own steps take about a millisecond; two
     # timed steps of 50 and 80 ms differ by more than min_gain (10%): a third is timed, decision after
-    # step 4; fast steps (9 timed of about a millisecond, far under 1 s even on a loaded machine) and
-    # no budget take all 10
-    results = workers.run(f"{__name__}:_body_budget", budget=budget, sleep_s=sleep_s)
+    # step 4. Fast steps (far under the 1 s budget even on a loaded machine) on a 100 kB/s network: a
+    # block algorithm at the fastest and at the slowest of 3 timed steps alike, decided after step 4.
+    # Timed steps of about 2, 80 and 80 ms with 2 ms of exchange a step: a block algorithm is far faster
+    # at 2 ms and less than 10% faster at 80 ms, so 3 steps cannot settle it and all 10 are timed (their
+    # sum, about 0.7 s, under the 2 s budget). No budget: all 10.
+    results = workers.run(f"{__name__}:_body_budget", budget=budget, sleep_s=sleep_s, network=network)
     assert [r["decided_at"] for r in results] == [step, step]
     assert [r["step"] for r in results] == [step, step]
     assert results[0]["label"] == results[1]["label"]
+    assert (results[0]["span"] is not None) == (step == 4 and budget == 1.0)  # decided by the span check
+    # the same probes on every rank, none twice
+    assert results[0]["probed"] == results[1]["probed"]
+    assert len(set(results[0]["probed"])) == len(results[0]["probed"])
+    if network is MS_LATENCY:  # exact's and the block probe, run by the span check, serve the decision
+        assert sorted(results[0]["probed"]) == ["block_momentum", "exact"] and results[0]["label"] == "exact"
 
 
 def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> list:
