@@ -86,10 +86,11 @@ measuring step all-reduces three numbers, so that every rank stops at the same s
 Where steps take milliseconds, the budget is not reached before ``measure_steps``; after 3
 timed steps Auto measures (network, codec, the fixed-cost probes wanted at any of the step
 times below) and predicts at their median, at the fastest and at the slowest (each the
-slowest rank's time of that step). Where all three choose the same candidate, it decides
-then (recorded as ``step_span_s``): the step times that more measuring steps would add are
-unlikely to fall far outside what 3 have shown, and within that span they cannot change the
-choice. Otherwise measuring goes on to the budget or ``measure_steps``, and the decision
+slowest rank's time of that step). Where all three choose the same algorithm with the same
+settings (the block's length aside: :func:`same_choice`), it decides then, with the
+median's block (recorded as ``step_span_s``): the step times that more measuring steps
+would add are unlikely to fall far outside what 3 have shown, and within that span they
+cannot change the choice. Otherwise measuring goes on to the budget or ``measure_steps``, and the decision
 there reuses the network, codec and probes measured (no probe twice). On MNIST-1D's CNN at
 2 workers, 10 exact measuring steps act as a warm start that delayed model averaging by a
 median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (docs/plan.md).
@@ -172,6 +173,7 @@ __all__ = [
     "lengthened_block",
     "probe_family",
     "probes_needed",
+    "same_choice",
 ]
 
 RISKS = ("low", "medium", "high")
@@ -446,6 +448,21 @@ def settled_by_first_step(
     if candidates[index].algorithm in BLOCK_ALGORITHMS and families == "none":
         return "none", f"{why}; settled by the first step (at any shorter step the choice is the same)"
     return None
+
+
+def same_choice(a: cm.Candidate, b: cm.Candidate) -> bool:
+    """The same algorithm with the same settings, whatever the length of its block: what Auto's check after
+    3 timed steps asks of the choice at their fastest and slowest step (the block comes from their median).
+
+    The block-size rule halves or doubles the block as the compute estimate crosses its 5% budget,
+    while the epochs to target barely move with it below the cap: in bunsan's block-length sweep
+    (docs/plan.md, seeds 0-2) MNIST-1D's were 26-29 at every block from 8 to 128 steps and the digits
+    CNN's 8-10 from 8 to 32 steps."""
+
+    def settings(c: cm.Candidate) -> tuple[str, dict[str, Any]]:
+        return c.algorithm, {k: v for k, v in c.options.items() if k != "block_size"}
+
+    return settings(a) == settings(b)
 
 
 def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, str]:
@@ -998,7 +1015,7 @@ class Auto(Algorithm):
             agree = True
             for other in spread:  # the span check: the same choice at the fastest and slowest timed step
                 o = self._predict(other, network, n, overlap, fixed, codec, codecs)
-                agree = agree and o[2][choose(o[3], self.min_gain)[0]].label == candidates[index].label
+                agree = agree and same_choice(o[2][choose(o[3], self.min_gain)[0]], candidates[index])
             if spread and agree:
                 why = (
                     f"{why}; the same at the fastest and the slowest of {len(self._durations)} timed steps "

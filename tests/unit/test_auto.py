@@ -359,3 +359,14 @@ def test_lengthened_block_doubles_only_while_a_doubling_beats_the_epochs_it_may_
     steps, compute_s, exchange_s, expected
 ):
     assert auto.lengthened_block(steps, compute_s, exchange_s) == expected
+
+
+def test_the_span_check_takes_a_choice_as_the_same_whatever_its_block_length():
+    ma = cm.Candidate("model_averaging", {"block_size": 1024, "warm_start": 0}, "model_averaging:1024")
+    longer = cm.Candidate("model_averaging", {"block_size": 2048, "warm_start": 0}, "model_averaging:2048")
+    bm = cm.Candidate("block_momentum", {"block_size": 1024, "warm_start": 0}, "block_momentum:1024")
+    one = cm.Candidate("data_parallel", {"bits": 1, "warm_start": 0, "rotate": False}, "1-bit")
+    rotated = cm.Candidate("data_parallel", {"bits": 1, "warm_start": 0, "rotate": True}, "1-bit rotated")
+    assert auto.same_choice(ma, longer) and auto.same_choice(one, one)
+    assert not auto.same_choice(ma, bm) and not auto.same_choice(one, rotated)
+    assert not auto.same_choice(cm.Candidate("data_parallel", {}, "exact"), one)
