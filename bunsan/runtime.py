@@ -185,13 +185,14 @@ def _on_sigterm(signum: int, frame: object) -> None:
         where = f"rank {info.rank} of {info.world_size}"
         earlier = _group.abort_reason()
         if earlier is not None and earlier[0] != info.rank:
-            why = f"rank {earlier[0]} failed ({earlier[1]})"
+            # a peer's watch may have written the note of a silent death a moment before the launcher's signal
+            why = f"rank {earlier[0]} {_group.peer_failure(earlier[1], traceback=False)}"
         else:
             # Only a rank dead already: the launcher sends SIGTERM to every rank at
             # once, and a peer that got it first is not a silent death (it says so).
             dead = _group.dead_ranks(wait_s=0, local_wait_s=0.5)
             why = (
-                f"rank {dead[0]} died without a word (its process is gone: killed by a signal or out of memory?)"
+                f"rank {dead[0]} {_group.SILENT_DEATH} (its process is gone: killed by a signal or out of memory?)"
                 if dead
                 else ""
             )
@@ -225,12 +226,12 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: types.Tra
     earlier = _group.abort_reason()
     if earlier is not None and info is not None and earlier[0] != info.rank:
         # Our collective broke because another rank failed first: that one's traceback is the story.
-        _stop_for_peer(where, earlier[0], f"failed ({earlier[1]}); see its traceback", exc)
+        _stop_for_peer(where, earlier[0], _group.peer_failure(earlier[1]), exc)
     if info is not None and (isinstance(exc, CommunicationError) or _group.is_backend_error(exc)):
         # A peer that died without a word (SIGKILL, OOM) broke the collective: name it (issue 15).
         dead = _group.dead_ranks()
         if dead:
-            why = "died without a word (its process is gone: killed by a signal or out of memory?)"
+            why = f"{_group.SILENT_DEATH} (its process is gone: killed by a signal or out of memory?)"
             _group.signal_abort(why, failed=dead[0])
             _stop_for_peer(where, dead[0], why, exc)
     # bunsan's own errors already say what the backend said: skip the chained traceback.

@@ -233,6 +233,18 @@ def destroy_world(*, barrier: bool) -> None:
     _world.world_size, _world.rank = 1, 0
 
 
+# how a note names a rank whose process vanished (written by a peer's watch or excepthook, not by the rank)
+SILENT_DEATH = "died without a word"
+
+
+def peer_failure(reason: str, traceback: bool = True) -> str:
+    """What a line says of a rank after its name, from the reason in its failure note: a silent death as such
+    (the note was written by a peer that found its process gone), else that it failed, and where to look."""
+    if reason.startswith(SILENT_DEATH):
+        return reason
+    return f"failed ({reason})" + ("; see its traceback above" if traceback else "")
+
+
 def signal_abort(reason: str, failed: int | None = None) -> None:
     """Tell every other rank that rank ``failed`` (default: this one) failed. Best effort, never raises."""
     if _world.store is None or _world.world_size == 1:
@@ -469,11 +481,9 @@ class Watchdog(threading.Thread):
                 except Exception:
                     note = None
                 if note is not None and note[0] == r:
-                    self._end(f"rank {r} failed ({note[1]}); see its traceback above", peer=r)
+                    self._end(f"rank {r} {peer_failure(note[1])}", peer=r)
                     return
-                why = (
-                    f"died without a word (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
-                )
+                why = f"{SILENT_DEATH} (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
                 signal_abort(why, failed=r)
                 self._end(f"rank {r} {why}", peer=r)
 
@@ -486,7 +496,7 @@ class Watchdog(threading.Thread):
                 _inspector.poll(self.store)  # out-of-step collectives and stall reports
                 note = self._abort_note()
                 if note is not None and note[0] != self.rank:
-                    self._end(f"rank {note[0]} failed ({note[1]}); see its traceback above", peer=note[0])
+                    self._end(f"rank {note[0]} {peer_failure(note[1])}", peer=note[0])
                 self._find_local_peers()
             except Exception as e:
                 if not self._stop_event.is_set():

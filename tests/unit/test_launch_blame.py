@@ -162,3 +162,43 @@ def _repo():
     from pathlib import Path
 
     return Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- a peer's note of a silent death
+
+
+@pytest.mark.parametrize(
+    ("reason", "said"),
+    [
+        (
+            f"{group.SILENT_DEATH} (process 123 on h is gone: killed by a signal or out of memory?)",
+            "rank 1 died without",
+        ),
+        ("RuntimeError: boom", "rank 1 failed (RuntimeError: boom)"),
+    ],
+    ids=["silent-death", "raised"],
+)
+def test_the_launchers_sigterm_names_the_peer_as_its_note_says(monkeypatch, capsys, reason, said):
+    # torchrun SIGTERMs the survivors of a SIGKILLed rank; the survivor's watch may have written the
+    # silent death's note a moment before: the line still says the rank died, not that it failed
+    from types import SimpleNamespace
+
+    from bunsan import runtime
+
+    monkeypatch.setattr(runtime._state, "info", SimpleNamespace(rank=0, world_size=2))
+    monkeypatch.setattr(group, "abort_reason", lambda: (1, reason))
+    monkeypatch.setattr(group, "mark_finished", lambda: None)
+    monkeypatch.setattr(group, "end_children", lambda: None)
+    kills: list[int] = []
+    monkeypatch.setattr(runtime.os, "kill", lambda pid, sig: kills.append(sig))
+    monkeypatch.setattr(runtime.signal, "signal", lambda *args: None)
+    runtime._on_sigterm(signal.SIGTERM, None)
+    err = capsys.readouterr().err
+    assert f"[bunsan] rank 0 of 2: stopped by the launcher (SIGTERM) because {said}" in err, err
+    assert kills == [signal.SIGTERM]  # then dies of SIGTERM, as without the hook
+
+
+def test_a_peer_failure_reads_as_a_silent_death_or_a_failure_with_its_traceback():
+    assert group.peer_failure(f"{group.SILENT_DEATH} (process 9 is gone)") == "died without a word (process 9 is gone)"
+    assert group.peer_failure("ValueError: x") == "failed (ValueError: x); see its traceback above"
+    assert group.peer_failure("ValueError: x", traceback=False) == "failed (ValueError: x)"
