@@ -397,8 +397,13 @@ _RESULT_KEYS = (
 )
 
 
+# kept where the job wrote them: Auto's decision record (measurements, predictions, why)
+_OPTIONAL_RESULT_KEYS = ("auto_decision",)
+
+
 def _take_result(record: dict[str, Any], result: dict[str, Any]) -> None:
     record.update({key: result.get(key) for key in _RESULT_KEYS})
+    record.update({key: result[key] for key in _OPTIONAL_RESULT_KEYS if key in result})
 
 
 def _progress(record: dict[str, Any]) -> str:

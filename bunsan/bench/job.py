@@ -430,6 +430,8 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
         "bytes_sent_per_step": sum(s["bytes_sent_per_step"] for s in stats) / len(stats),
         "replicas_equal": len({r["digest"] for r in everyone}) == 1,
         "stats": stats,
+        # Auto's record: what it measured (step span, network, fixed costs, codec) and predicted, and why
+        **({"auto_decision": getattr(algorithm, "decision", None)} if algorithm.name == "auto" else {}),
     }
 
 

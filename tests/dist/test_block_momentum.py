@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import time
 import warnings
 from collections.abc import Callable
@@ -411,6 +412,7 @@ def _body_curve_leaves_training_alone(rank: int, world_size: int, algorithm: str
         "with_curve": {k: results[True][k] for k in keys},
         "curve": results[True]["test_error_curve"],
         "chosen": results[True]["algorithm_repr"],
+        "decision": json.loads(json.dumps(results[True].get("auto_decision"))),  # as the result file keeps it
     }
 
 
@@ -433,6 +435,12 @@ def test_test_error_curve_is_the_synchronized_model_and_leaves_training_alone(wo
     assert len(result["curve"]) == 2 and result["curve"][-1] == result["plain"]["test_error"]
     if algorithm == "auto":
         assert "chosen='block_momentum" in result["chosen"] or "chosen='model_averaging" in result["chosen"]
+        # the record keeps Auto's decision: what it chose, at which step, from what it measured
+        decision = result["decision"]
+        assert f"chosen={decision['label']!r}" in result["chosen"]
+        assert decision["measured"]["latency_s"] == 0.05 and decision["predictions"]
+    else:
+        assert result["decision"] is None  # no decision record for a fixed setting
 
 
 def _body_recompute_bn(rank: int, world_size: int) -> dict | None:
