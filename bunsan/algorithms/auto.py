@@ -962,7 +962,7 @@ class Auto(Algorithm):
                             for first in (self._predict(s, network, n, overlap, so_far, codec, codecs) for s in steps_s)
                         ]
                         keep = {f for families_, _ in found for f in families_.split("+")} - {"none"}
-                        # the reasons given at the median step for the families that no step time keeps
+                        # a family runs where any step time wants it; the median's reasons for the others
                         reasons = [r for r in found[0][1].split("; ") if r and r.split("'s probe")[0] not in keep]
                         skipped = ("+".join(sorted(keep)) or "none", "; ".join(reasons))
                     skipped = comm.broadcast_object(skipped, src=0, group=self.group)
@@ -1021,10 +1021,8 @@ class Auto(Algorithm):
                     f"{why}; the same at the fastest and the slowest of {len(self._durations)} timed steps "
                     f"({spread[0] * 1e3:.2f}-{spread[1] * 1e3:.2f} ms)"
                 )
-            decision = (
-                None
-                if not agree
-                else {
+            if agree:
+                decision = {
                     "algorithm": candidates[index].algorithm,
                     "options": dict(candidates[index].options),
                     "label": candidates[index].label,
@@ -1056,8 +1054,6 @@ class Auto(Algorithm):
                         {"label": p.label, "step_s": p.step_s, "bytes_per_step": p.bytes_per_step} for p in predictions
                     ],
                 }
-            )
-            if decision is not None:
                 decision["measured"].update(
                     decide_s=time.perf_counter() - started, network_s=network_s, fixed_probe_s=probe_s
                 )
