@@ -288,7 +288,9 @@ def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep
     assert results[0]["probed"] == results[1]["probed"]
     assert len(set(results[0]["probed"])) == len(results[0]["probed"])
     if network is MS_LATENCY:  # exact's and the block probe, run by the span check, serve the decision
-        assert sorted(results[0]["probed"]) == ["block_momentum", "exact"] and results[0]["label"] == "exact"
+        # (fp16's may run too: on a loaded machine exact's measured fixed cost can leave it a chance; CI saw it)
+        assert {"block_momentum", "exact"} <= set(results[0]["probed"])
+        assert results[0]["label"] in ("exact", "fp16")  # no block algorithm at the 80 ms median step
 
 
 def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> list:
