@@ -10,10 +10,19 @@ as exact :class:`~bunsan.algorithms.data_parallel.DataParallelSGD`. After
 * the codec's speed, timed on every rank at once as the exchange encodes
   (:func:`bunsan.algorithms.measure.measure_codec`, ``collective=True``).
 
-Rank 0 feeds them to :mod:`bunsan.algorithms.cost_model`: the compute per step is
-what remains of the measured exact step once the exposed exchange predicted for
-it is taken off (a fixed point, as the exposed part depends on the compute that
-hides it). It predicts every candidate the accepted ``risk`` allows and keeps the
+Rank 0 feeds them to :mod:`bunsan.algorithms.cost_model`. On CPU, with the network
+measured, the compute per step is measured too: each rank's time outside the gradient
+exchange (its step less its wait in the exchange), the ranks' mean; what the exact step
+holds beyond that compute, the exchange predicted for it and its fixed cost is the time a
+synchronous step waits for its slowest rank (``straggler_s``; :func:`split_compute`), which
+a block algorithm pays once a block. Ranks that share cores spend most of it: at 4 workers
+on 2 cores the MNIST-1D CNN's exact step took 16 ms, of which 4.3 ms outside the exchange,
+and model averaging's local steps 5-6 ms. Otherwise (a given network, a GPU, whose backward
+returns before its kernels end) the compute is what remains of the measured exact step
+once the exposed exchange predicted for it is taken off (a fixed point, as the exposed
+part depends on the compute that hides it), which charged every algorithm the waiting of
+a synchronous step: on that machine it put model averaging only 10% ahead of exact where
+its epochs were 1.7 times as fast at 2 workers and 3 times at 4. It predicts every candidate the accepted ``risk`` allows and keeps the
 fastest, but only when it beats exact SGD by ``min_gain``: exact SGD is the only
 one without an accuracy cost. Rank 0 broadcasts the decision, every rank builds
 the same algorithm at the same step, and rank 0 prints one short table.
@@ -249,6 +258,39 @@ def infer_compute(
     return compute
 
 
+def split_compute(
+    step_s: float,
+    local_s: float | None,
+    profile: cm.Profile,
+    network: cm.Network,
+    workers: int,
+    *,
+    overlap: bool = True,
+) -> tuple[float, float]:
+    """``(compute, straggler)`` of an exact step of ``step_s`` (the slowest rank's) whose ranks spent
+    ``local_s`` each, on average, outside the exchange (their local compute; ``None``: not measured;
+    Auto measures it on CPU where it also measures the network).
+
+    Without ``local_s`` the compute is inferred (:func:`infer_compute`): what the cost model does not
+    count in a synchronous step stays in it. Measured, the compute is ``local_s`` and the rest of the
+    step, past the modelled exchange and fixed cost, is what a synchronous step spends waiting for its
+    slowest rank (:attr:`bunsan.algorithms.cost_model.Profile.straggler_s`), so that exact's
+    prediction is still the measured step. It matters where ranks share cores: on the 2-core machine
+    of the docs, the MNIST-1D CNN's exact step at 4 workers took 16 ms, of which 4.3 ms outside the
+    exchange on each rank, and the inferred compute was 9.4 ms where model averaging's local steps
+    took 5.0-5.6 ms (docs/plan.md). ``local_s`` not under the inferred compute, or a straggler that
+    would be negative (the model's exchange already exceeds what the step left), keeps the inferred
+    compute, with no straggler.
+    """
+    inferred = infer_compute(step_s, profile, network, workers, overlap=overlap)
+    if local_s is None or not 0 < local_s < inferred:
+        return inferred, 0.0
+    trial = cm.Profile(**{**vars(profile), "compute_s": local_s, "straggler_s": 0.0})
+    exact = cm.Candidate("data_parallel", {}, "exact")
+    straggler = step_s - cm.predict(trial, network, exact, workers, overlap=overlap).step_s
+    return (local_s, straggler) if straggler > 0 else (inferred, 0.0)
+
+
 def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: str, overlap: bool = True) -> int:
     for k in BLOCK_STEPS:
         candidate = cm.Candidate(name, {"block_size": k * profile.batch})
@@ -328,9 +370,10 @@ def probes_needed(
     ``families``: ``"none"``, or the families of :data:`PROBE_FAMILIES` whose probes run,
     joined by ``+`` (e.g. ``"exact+block"``).
 
-    Without the probes every candidate is charged exact's fixed cost (it stays in the
-    inferred compute). The probes take it out of the compute and charge each candidate its
-    own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
+    Without the probes every candidate is charged exact's fixed cost: it stays in the
+    inferred compute, or, where the compute is measured (:func:`split_compute`), in the
+    wait for the slowest rank, which a block algorithm pays once a block (as ``sqrt(k)``
+    times it). The probes take it out and charge each candidate its own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
     below exact's, and exact's below fp16's and the quantized widths', so the probes can
     only lower a block algorithm's prediction against the per-step candidates'. A
     quantized width's probe can only slow it: its striped exchange makes two collectives
@@ -546,6 +589,8 @@ class Auto(Algorithm):
         self.on_resume: str = check_choice("on_resume", on_resume, ON_RESUME)
         self.decision: dict[str, Any] | None = None
         self._durations: list[float] = []  # seconds of measured steps (end to end)
+        # the same steps less the time this process spent completing their exchange (its local compute)
+        self._locals: list[float] = []
         self._measured = 0  # steps completed while measuring (kept across a resume)
         self._last_end: float | None = None  # perf_counter at the end of the last step, this process
         self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
@@ -605,8 +650,12 @@ class Auto(Algorithm):
         if self.decision is None:
             synchronize(self._device())  # on a GPU: the step's kernels and exchange, not their launches
             now = time.perf_counter()
+            waited = 0.0  # in this step's exchange
+            if isinstance(self.inner, DataParallelSGD):
+                waited, self.inner.exchange_s = self.inner.exchange_s, 0.0
             if self._last_end is not None:
                 self._durations.append(now - self._last_end)
+                self._locals.append(max(0.0, now - self._last_end - waited))
             self._last_end = now
             first = self._measured == 0 and self._started is not None  # step 0 of a fresh run
             self._measured += 1
@@ -803,17 +852,35 @@ class Auto(Algorithm):
         fixed: dict[str, float],
         codec: dict[str, float],
         codecs: tuple[tuple[int, float, float, float], ...],
+        local_s: float | None = None,
     ) -> tuple[cm.Profile, float, list[cm.Candidate], list[cm.Prediction]]:
-        """Rank 0: the profile, the inferred compute, the candidates and their predictions."""
+        """Rank 0: the profile, the compute (measured as ``local_s`` or inferred: :func:`split_compute`),
+        the candidates and their predictions."""
         # each candidate its probe's fixed cost; block algorithms by name (probed at another block
         # size, per block), so that the block-size rule amortizes theirs
         draft = cm.Profile(**{**vars(self._profile(step_s)), "fixed_s": tuple(fixed.items())})
-        compute = infer_compute(step_s, draft, network, n, overlap=overlap)
-        profile = cm.Profile(**{**vars(draft), "compute_s": compute, **codec, "codecs": codecs})
+        compute, straggler = split_compute(step_s, local_s, draft, network, n, overlap=overlap)
+        profile = cm.Profile(
+            **{**vars(draft), "compute_s": compute, "straggler_s": straggler, **codec, "codecs": codecs}
+        )
         candidates = candidates_for(
             self.risk, profile, network, n, momentum=self._momentum(), warm_start=self.warm_start, overlap=overlap
         )
         return profile, compute, candidates, [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
+
+    def _local_compute(self) -> float | None:
+        """Collective: the ranks' mean of their median time outside the exchange over the timed steps (their
+        local compute; :func:`split_compute`), or ``None`` where any rank lacks it, or on a GPU: its
+        backward returns before its kernels end, so the exchange's wait holds compute too."""
+        own = [statistics.median(self._locals)] if len(self._locals) == len(self._durations) > 0 else []
+        if self._device().type != "cpu":
+            return None
+        figures = torch.tensor(
+            [own[0] if own else 0.0, 1.0 if own else 0.0], dtype=torch.float64, device=comm.tensor_device(self.group)
+        )
+        comm.all_reduce(figures, group=self.group)
+        total, ranks = figures.tolist()
+        return total / ranks if round(ranks) == self.world_size else None
 
     def _decide(self, first_step_s: float | None = None, span: bool = False) -> None:
         """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
@@ -836,8 +903,11 @@ class Auto(Algorithm):
             step_s = float(slowest[0])
             if span:
                 spread = (min(slowest[1:].tolist()), max(slowest[1:].tolist()))
+            # the split needs the job's own network: with one given, the difference between it and the
+            # real exchange would be counted as waiting for the slowest rank
+            local_s = self._local_compute() if self.network is None else None
         else:
-            step_s = first_step_s
+            step_s, local_s = first_step_s, None
         steps_s = (step_s, *spread)  # rank 0 predicts at each; the first is the one the record keeps
         n = self.world_size
         gradient_bytes = sum(p.numel() * p.element_size() for _, p in self.named_params)
@@ -912,7 +982,7 @@ class Auto(Algorithm):
             # the decision (probes_needed) at any of the step times it weighs: they are most of Auto's
             # measuring time. A family an earlier attempt probed is not probed again.
             if deciding:
-                plans = [self._predict(s, network, n, overlap, {}, codec, codecs) for s in steps_s]
+                plans = [self._predict(s, network, n, overlap, {}, codec, codecs, local_s) for s in steps_s]
                 plan = plans[0]
                 needed = [probes_needed(p[2], p[3], self.min_gain, p[0].batch) for p in plans]
                 wanted = {f for families, _ in needed for f in families.split("+")} - {"none"}
@@ -959,7 +1029,9 @@ class Auto(Algorithm):
                         )
                         found = [
                             later_probes_needed(first[2], first[3], later, fixed["exact"], self.min_gain)
-                            for first in (self._predict(s, network, n, overlap, so_far, codec, codecs) for s in steps_s)
+                            for first in (
+                                self._predict(s, network, n, overlap, so_far, codec, codecs, local_s) for s in steps_s
+                            )
                         ]
                         keep = {f for families_, _ in found for f in families_.split("+")} - {"none"}
                         # a family runs where any step time wants it; the median's reasons for the others
@@ -1009,12 +1081,12 @@ class Auto(Algorithm):
                 print(f"[bunsan] Auto at step {self._measured}: {decision['why']}", flush=True)
         elif deciding and network is not None:
             if plan is None:
-                plan = self._predict(step_s, network, n, overlap, fixed, codec, codecs)
+                plan = self._predict(step_s, network, n, overlap, fixed, codec, codecs, local_s)
             profile, compute, candidates, predictions = plan
             index, why = choose(predictions, self.min_gain)
             agree = True
             for other in spread:  # the span check: the same choice at the fastest and slowest timed step
-                o = self._predict(other, network, n, overlap, fixed, codec, codecs)
+                o = self._predict(other, network, n, overlap, fixed, codec, codecs, local_s)
                 agree = agree and same_choice(o[2][choose(o[3], self.min_gain)[0]], candidates[index])
             if spread and agree:
                 why = (
@@ -1034,6 +1106,8 @@ class Auto(Algorithm):
                         **({"first_step": True} if first_step_s is not None else {}),
                         **({"step_span_s": list(spread)} if spread else {}),
                         "compute_s": compute,
+                        **({"local_step_s": local_s} if local_s is not None else {}),
+                        "straggler_s": profile.straggler_s,
                         "latency_s": network.latency_s,
                         "bandwidth": network.bandwidth,
                         "gather_bandwidth": network.gather_bandwidth,
@@ -1092,6 +1166,7 @@ class Auto(Algorithm):
             "decision": self.decision,
             "measured_steps": self._measured,
             "durations": list(self._durations),
+            "locals": list(self._locals),
             "inner": self.inner.state_dict(),
         }
 
@@ -1106,6 +1181,7 @@ class Auto(Algorithm):
             # An undecided run goes on measuring and decides at the same step as it would have.
             self._measured = int(state.get("measured_steps", 0))
             self._durations = [float(d) for d in state.get("durations", [])]
+            self._locals = [float(d) for d in state.get("locals", [])]  # none in a state saved before 2026-11-26
             self._last_end = None
             return
         if saved_size != self.world_size and self.on_resume == "keep":
@@ -1127,7 +1203,7 @@ class Auto(Algorithm):
         else:  # another algorithm's state (a block's momentum, a quantized exchange's residuals): only the counters
             self.inner.step, self.inner.samples = int(inner["step"]), int(inner["samples"])
             self.inner.local_samples = int(inner["local_samples"])
-        self._measured, self._durations, self._last_end = 0, [], None
+        self._measured, self._durations, self._locals, self._last_end = 0, [], [], None
 
     def __repr__(self) -> str:
         chosen = f", chosen={self.decision['label']!r}" if self.decision else ""
@@ -1140,7 +1216,9 @@ def format_decision(decision: dict[str, Any]) -> str:
     lines = [
         f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: "
         f"{'first step (from distribute() on)' if m.get('first_step') else 'exact step'} "
-        f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms), network "
+        f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms"
+        + (f", waiting for the slowest rank {m['straggler_s'] * 1e3:.2f} ms" if m.get("straggler_s", 0.0) > 0 else "")
+        + "), network "
         f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "
         f"decided in {m['decide_s']:.2f} s"
         + (

@@ -327,10 +327,11 @@ def _load_job(path: str) -> Any:
 def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
     """``(profile keywords, network keywords, summary)`` of what Auto measured in a job.
 
-    The profile is one worker's at the job's worker count: the compute Auto inferred (the exact
-    step less the exposed exchange predicted for it), the parameters, each worker's batch and, where
-    the job measured them, the codec's speeds. The job's fixed costs per candidate are left out:
-    they were measured at its own worker count and on its own machine, and the plan predicts others.
+    The profile is one worker's at the job's worker count: the compute Auto measured (each rank's
+    time outside the exchange) or inferred (the exact step less the exposed exchange predicted for
+    it), the parameters, each worker's batch and, where the job measured them, the codec's speeds.
+    The job's fixed costs per candidate and its wait for the slowest rank are left out: they were
+    measured at its own worker count and on its own machine, and the plan predicts others.
 
     Raises:
         ValueError: the decision holds no compute or no network (Auto kept exact SGD where its

@@ -821,3 +821,40 @@ def test_deciding_inside_a_users_loop_changes_only_the_algorithm(workers, loop):
         assert result["params"] == result["handed"]
         assert result["rng"] == result["handed_rng"]
     assert results[0]["params"] == results[1]["params"]
+
+
+def _body_local_compute(rank: int, world_size: int, network: dict | None) -> dict:
+    import time
+
+    model = _model()
+    auto = bunsan.Auto(
+        measure_steps=10, network=None if network is None else Network(**network), fixed_costs=False, verbose=False
+    )
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    for i in range(8):
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if rank == 0:  # rank 0's compute is 30 ms longer: rank 1 spends them waiting in the exchange
+            time.sleep(0.03)
+        loss.backward()
+        optimizer.step()
+    m = auto.decision["measured"]
+    exact = next(p["step_s"] for p in auto.decision["predictions"] if p["label"] == "exact")
+    return {k: m.get(k) for k in ("exact_step_s", "compute_s", "local_step_s", "straggler_s")} | {"exact": exact}
+
+
+@pytest.mark.parametrize("network", [None, FAST], ids=["measured-network", "given-network"])
+def test_the_compute_is_the_ranks_time_outside_the_exchange_and_the_rest_is_waiting(workers, network):
+    r = workers.run(f"{__name__}:_body_local_compute", network=network)[0]
+    step = r["exact_step_s"]
+    assert step > 0.03  # every step waits for rank 0's
+    if network is None:
+        # rank 0 about 30 ms outside the exchange, rank 1 about 1: a mean near half the step; the rest of the step,
+        # beyond the measured network's exchange, is waiting for the slowest rank
+        assert r["compute_s"] == r["local_step_s"] and 0.3 * step < r["compute_s"] < 0.75 * step, r
+        assert r["straggler_s"] > 0.2 * step, r
+    else:  # a given network: the compute is inferred (the step less the exchange predicted), no waiting
+        assert r["local_step_s"] is None and r["straggler_s"] == 0.0 and r["compute_s"] > 0.9 * step, r
+    assert r["exact"] == pytest.approx(step)  # either way exact's prediction is the measured step

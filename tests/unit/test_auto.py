@@ -370,3 +370,24 @@ def test_the_span_check_takes_a_choice_as_the_same_whatever_its_block_length():
     assert auto.same_choice(ma, longer) and auto.same_choice(one, one)
     assert not auto.same_choice(ma, bm) and not auto.same_choice(one, rotated)
     assert not auto.same_choice(cm.Candidate("data_parallel", {}, "exact"), one)
+
+
+def test_split_compute_takes_the_measured_local_compute_and_counts_the_rest_as_waiting():
+    # 1000 float32 parameters at 2 workers, 100 us latency, 1 GB/s, the exchange after backward: exact's exchange
+    # is a ring all-reduce of 4000 bytes, 2 (N - 1) / N * 4000 / 1e9 + 2 (N - 1) * 1e-4 = 4e-6 + 2e-4 = 204 us
+    profile = cm.Profile(compute_s=1.0, params=1000, batch=32)
+    network = cm.Network(latency_s=1e-4, bandwidth=1e9)
+    inferred = auto.split_compute(10e-3, None, profile, network, 2, overlap=False)
+    assert inferred == pytest.approx((10e-3 - 204e-6, 0.0))
+    # the ranks spent 6 ms each outside the exchange: 6 ms of compute, 10 - 6 - 0.204 ms of waiting a step
+    compute, straggler = auto.split_compute(10e-3, 6e-3, profile, network, 2, overlap=False)
+    assert (compute, straggler) == pytest.approx((6e-3, 3.796e-3))
+    split = cm.Profile(compute_s=compute, params=1000, batch=32, straggler_s=straggler)
+    exact = cm.predict(split, network, cm.Candidate("data_parallel", {}, "exact"), 2, overlap=False)
+    assert exact.step_s == pytest.approx(10e-3)  # exact's prediction stays the measured step
+    # a block of 32 steps waits once, for a skew of straggler * sqrt(32), and all-reduces once
+    block = cm.predict(split, network, cm.Candidate("model_averaging", {"block_size": 32 * 32}), 2, overlap=False)
+    assert block.step_s == pytest.approx(6e-3 + (204e-6 + 3.796e-3 * 32**0.5) / 32)
+    # a local compute not under the inferred one, or none measured: the inferred compute, no waiting
+    assert auto.split_compute(10e-3, 9.9e-3, profile, network, 2, overlap=False) == pytest.approx(inferred)
+    assert auto.split_compute(10e-3, 0.0, profile, network, 2, overlap=False) == pytest.approx(inferred)

@@ -187,6 +187,9 @@ class DataParallelSGD(BucketExchange):
         self._callback_queued = False  # the current backward will complete the exchange
         self._exchanged = False  # an exchange completed since the last optimizer step
         self._last_quantized = False  # that exchange was quantized (momentum already applied)
+        # seconds this process spent completing exchanges (in _exchange: from the end of backward to the
+        # reduced gradients); Auto reads and resets it per step to tell a step's compute from its wait
+        self.exchange_s = 0.0
 
     def __repr__(self) -> str:
         rotate = ", rotate=True" if self.rotate else ""

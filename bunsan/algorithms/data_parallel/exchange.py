@@ -10,6 +10,7 @@ invariants are listed in :mod:`bunsan.algorithms.data_parallel`.
 
 from __future__ import annotations
 
+import time
 from typing import cast
 
 import torch
@@ -51,6 +52,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
     _exchanged: bool
     _last_quantized: bool
     _quantized_bytes: int
+    exchange_s: float
 
     def _update_mode(self) -> None:
         """Whether this step's exchange is quantized: from the global sample count, the same on every rank."""
@@ -179,6 +181,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         when no backward reached a parameter on this rank, here. Returns the number
         of ranks that trained in this round.
         """
+        started = time.perf_counter()
         if self._round is None:
             if active:
                 notify_join_context(self)  # inside a torch Join: before this round's collectives
@@ -255,6 +258,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         self._exchanged = True
         self._last_quantized = quantized and active
         self._update_mode()  # the same global count on every rank: the same decision
+        self.exchange_s += time.perf_counter() - started
         return n_active
 
     def complete_exchange(self) -> None:

@@ -1,0 +1,124 @@
+"""Where an exact step's time goes on each rank, against model averaging's local steps, side by side.
+
+For a model of :mod:`bunsan.models` on random inputs, ``--workers`` Gloo ranks on this machine
+(one thread each) train exact SGD, then model averaging (blocks of 32 steps), then both again,
+``--steps`` steps each (the first 3 untimed). For exact SGD it prints, per rank, the median
+step, the median time outside the gradient exchange (the step less the time spent completing
+the exchange, as ``Auto`` measures its local compute) and the median time in the exchange;
+for model averaging the median step per rank (its local steps: one exchange in 32). Where the
+ranks share cores, a synchronous step waits for the slowest rank far beyond the exchange the
+cost model counts, and the time outside the exchange is the estimate of the local step that
+the exact step's time is not (``bunsan.algorithms.auto.split_compute``)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_wait.py --workers 4 \
+        --model mnist1d_cnn --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+SHAPES = {"mnist1d_cnn": (1, 40), "digits_cnn": (1, 8, 8), "resnet20": (3, 32, 32)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int, queue: mp.Queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(n),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(n),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    import bunsan
+    from bunsan import models
+
+    x = torch.randn(batch, *SHAPES[model_name], generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
+    found: dict[str, list[dict[str, list[float]]]] = {"exact": [], "model averaging": []}
+    runs = [("exact", "data_parallel", {}), ("model averaging", "model_averaging", {"block_size": 32 * batch})] * 2
+    for name, algorithm, options in runs:
+        torch.manual_seed(0)
+        model = models.create(model_name)
+        model, optimizer = bunsan.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm, **options
+        )
+        inner = optimizer.algorithm
+        step_s, outside_s, inside_s = [], [], []
+        dist.barrier()
+        last = time.perf_counter()
+        for i in range(steps):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            now = time.perf_counter()
+            waited = getattr(inner, "exchange_s", 0.0)
+            if hasattr(inner, "exchange_s"):
+                inner.exchange_s = 0.0
+            if i >= 3:
+                step_s.append(now - last)
+                outside_s.append(now - last - waited)
+                inside_s.append(waited)
+            last = now
+        optimizer.join()
+        found[name].append({"step": step_s, "outside": outside_s, "inside": inside_s})
+    queue.put((rank, found))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="mnist1d_cnn")
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_body, args=(r, args.workers, port, args.model, args.batch, args.steps, queue))
+        for r in range(args.workers)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    n = args.workers
+    med = statistics.median
+    print(f"{args.model}, {n} workers, {args.batch} samples per worker; load average {os.getloadavg()[0]:.2f}")
+    for name in ("exact", "model averaging"):
+        for trial in range(2):
+            runs = [results[r][name][trial] for r in range(n)]
+            steps = " ".join(f"{med(run['step']) * 1e3:7.2f}" for run in runs)
+            line = f"{name:16s} #{trial + 1}  step per rank (ms) {steps}"
+            if name == "exact":
+                outside = [med(run["outside"]) for run in runs]
+                inside = " ".join(f"{med(run['inside']) * 1e3:.2f}" for run in runs)
+                line += (
+                    f"; outside the exchange {' '.join(f'{o * 1e3:.2f}' for o in outside)}"
+                    f" (mean {sum(outside) / n * 1e3:.2f}); in it {inside}"
+                )
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
