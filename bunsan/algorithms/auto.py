@@ -16,8 +16,8 @@ exchange (its step less its wait in the exchange), the ranks' mean; what the exa
 holds beyond that compute, the exchange predicted for it and its fixed cost is the time a
 synchronous step waits for its slowest rank (``straggler_s``; :func:`split_compute`), which
 a block algorithm pays once a block. Ranks that share cores spend most of it: at 4 workers
-on 2 cores the MNIST-1D CNN's exact step took 16 ms, of which 4.3 ms outside the exchange,
-and model averaging's local steps 5-6 ms. Otherwise (a given network, a GPU, whose backward
+on 2 cores the MNIST-1D CNN's exact step took 12-15 ms, of which 3.7-3.8 ms outside the
+exchange, and model averaging's local steps 2.8-6.7 ms (docs/experiments/exchange_wait.py). Otherwise (a given network, a GPU, whose backward
 returns before its kernels end) the compute is what remains of the measured exact step
 once the exposed exchange predicted for it is taken off (a fixed point, as the exposed
 part depends on the compute that hides it), which charged every algorithm the waiting of
@@ -276,9 +276,9 @@ def split_compute(
     step, past the modelled exchange and fixed cost, is what a synchronous step spends waiting for its
     slowest rank (:attr:`bunsan.algorithms.cost_model.Profile.straggler_s`), so that exact's
     prediction is still the measured step. It matters where ranks share cores: on the 2-core machine
-    of the docs, the MNIST-1D CNN's exact step at 4 workers took 16 ms, of which 4.3 ms outside the
-    exchange on each rank, and the inferred compute was 9.4 ms where model averaging's local steps
-    took 5.0-5.6 ms (docs/plan.md). ``local_s`` not under the inferred compute, or a straggler that
+    of the docs, the MNIST-1D CNN's exact step at 4 workers took 12-15 ms, of which 3.7-3.8 ms outside
+    the exchange on each rank, and the inferred compute was 9.4 ms where model averaging's local steps
+    took 2.8-6.7 ms (docs/plan.md). ``local_s`` not under the inferred compute, or a straggler that
     would be negative (the model's exchange already exceeds what the step left), keeps the inferred
     compute, with no straggler.
     """
