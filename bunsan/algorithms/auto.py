@@ -113,6 +113,19 @@ needs that: its exact steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s
 accuracy against the same block setting trained from the start (docs/plan.md, run 15).
 Otherwise the network and codec measured after the first step serve the later decision.
 
+That first step is timed twice: at the end of its backward, before any of its buckets leaves
+(a fresh run's first exchange waits for it), and after its exchange. At the end of backward,
+every rank measures the network and codec, and rank 0 adds the exact exchange they predict to
+the first step's compute: where that exact step reaches the same ten budgets and settles a
+block algorithm at the cap, Auto decides there, and the exchange it would make pointless is
+never sent. The decided algorithm starts at step 0 from the broadcast model, whose backward
+becomes its first local step (the run equals that algorithm's from the start, bit for bit:
+tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
+all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/plan.md, run 17). Where it does not
+settle, the exchange goes on, and the network and codec measured serve the later decision; the
+first step's time leaves their measuring out. The price is one exchange not overlapped with
+backward, once. Not with a user's ``warm_start`` (it asks for exact steps first).
+
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
 
@@ -625,6 +638,13 @@ class Auto(Algorithm):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.inner.attach_optimizer(optimizer)
+        if (
+            isinstance(self.inner, DataParallelSGD)
+            and self.measure_budget_s is not None
+            and self.warm_start == 0
+            and self.world_size > 1
+        ):
+            self.inner.before_exchange = self._before_first_exchange  # at the end of the first backward
         self._started = time.perf_counter()  # distribute()'s last act: the first step starts after it
 
     def count_samples(self, n: int) -> None:
@@ -755,6 +775,35 @@ class Auto(Algorithm):
         """Where the model's parameters are: where its steps, its exchange and its codec run."""
         return self.named_params[0][1].device if self.named_params else torch.device("cpu")
 
+    def _before_first_exchange(self) -> bool:
+        """Every rank, at the end of a fresh run's first backward, before its exchange (collective): where
+        the first step's compute (from distribute() on: an upper bound) plus the exact exchange predicted on
+        the network measured now reaches ``FIRST_STEP_BUDGETS`` measuring budgets, and predictions from it
+        settle a block algorithm at the cap (:func:`settled_by_first_step`), decide now: the decided
+        algorithm takes this backward's gradients as its first local step, and the exact exchange that the
+        choice would make pointless is never sent (on the 10.5M MLP at 100 Mbit/s and 4 workers it cost
+        5.8 s of a 48 s time to accuracy, docs/plan.md). Otherwise the exchange goes on; the network and
+        codec stay measured for the decision, and their time is not counted in the first step. True where
+        this algorithm was replaced."""
+        if self.decision is not None or self._measured != 0 or self._started is None or self.world_size < 2:
+            return False
+        old = self.inner
+        assert isinstance(old, DataParallelSGD)
+        synchronize(self._device())
+        began = time.perf_counter()
+        first = torch.tensor([began - self._started], dtype=torch.float64, device=comm.tensor_device(self.group))
+        comm.all_reduce(first, op="max", group=self.group)
+        self._decide(first_step_s=float(first[0]), before_exchange=True)
+        if self.decision is None:
+            self._started += time.perf_counter() - began  # the first step's time leaves this measuring out
+            return False
+        # this backward's samples, taken by its first gradient hook, are the decided algorithm's first step's
+        taken = old._round[0] if old._round is not None else 0
+        old._round = None
+        self.inner.local_samples -= taken
+        self.inner._pending_samples += taken
+        return True
+
     def _first_step_s(self, now: float) -> float | None:
         """The slowest rank's first step, from distribute() on, where it reaches ``FIRST_STEP_BUDGETS``
         times ``measure_budget_s`` (collective: every rank gets the same answer); else ``None``."""
@@ -882,10 +931,12 @@ class Auto(Algorithm):
         total, ranks = figures.tolist()
         return total / ranks if round(ranks) == self.world_size else None
 
-    def _decide(self, first_step_s: float | None = None, span: bool = False) -> None:
+    def _decide(self, first_step_s: float | None = None, span: bool = False, before_exchange: bool = False) -> None:
         """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
         (the slowest rank's first step, from distribute() on), decide only where that settles it
-        (:func:`settled_by_first_step`); with ``span`` (after ``MIN_TIMED`` timed steps), only where
+        (:func:`settled_by_first_step`); ``before_exchange``: that step's time ends before its exchange,
+        and the exact step it stands for adds the exchange predicted on the network (reaching
+        ``FIRST_STEP_BUDGETS`` measuring budgets, or no decision); with ``span`` (after ``MIN_TIMED`` timed steps), only where
         the choice is the same at the fastest and the slowest of them as at their median. Where
         either does not decide, what was measured (network, codec, fixed costs) is kept for the
         decision and measuring goes on."""
@@ -969,8 +1020,12 @@ class Auto(Algorithm):
         if first_step_s is not None:
             settled: tuple[str, str] | None = None
             if deciding and network is not None:
-                plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
+                if before_exchange:  # the exact step it stands for: this compute and the exchange predicted
+                    exact = cm.Candidate("data_parallel", {}, "exact")
+                    step_s = cm.predict(self._profile(step_s), network, exact, n, overlap=overlap).step_s
+                if not before_exchange or step_s >= FIRST_STEP_BUDGETS * (self.measure_budget_s or 0.0):
+                    plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
+                    settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
             settled = comm.broadcast_object(settled, src=0, group=self.group)
             if settled is None:  # go on measuring; the network and codec stay measured
                 keep_measuring()
@@ -1104,6 +1159,7 @@ class Auto(Algorithm):
                     "measured": {
                         "exact_step_s": step_s,
                         **({"first_step": True} if first_step_s is not None else {}),
+                        **({"first_step_before_exchange_s": first_step_s} if before_exchange else {}),
                         **({"step_span_s": list(spread)} if spread else {}),
                         "compute_s": compute,
                         **({"local_step_s": local_s} if local_s is not None else {}),
@@ -1215,8 +1271,14 @@ def format_decision(decision: dict[str, Any]) -> str:
     m = decision["measured"]
     lines = [
         f"[bunsan] Auto at step {decision['step']}, {decision['workers']} workers: "
-        f"{'first step (from distribute() on)' if m.get('first_step') else 'exact step'} "
-        f"{m['exact_step_s'] * 1e3:.2f} ms (compute {m['compute_s'] * 1e3:.2f} ms"
+        + (
+            f"first step before its exchange {m['first_step_before_exchange_s'] * 1e3:.2f} ms (from distribute() on), "
+            f"as an exact step {m['exact_step_s'] * 1e3:.2f} ms"
+            if "first_step_before_exchange_s" in m
+            else f"{'first step (from distribute() on)' if m.get('first_step') else 'exact step'} "
+            f"{m['exact_step_s'] * 1e3:.2f} ms"
+        )
+        + f" (compute {m['compute_s'] * 1e3:.2f} ms"
         + (f", waiting for the slowest rank {m['straggler_s'] * 1e3:.2f} ms" if m.get("straggler_s", 0.0) > 0 else "")
         + "), network "
         f"{m['bandwidth'] * 8 / 1e9:.3f} Gbit/s, latency {m['latency_s'] * 1e6:.1f} us; measured and "

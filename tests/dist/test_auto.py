@@ -229,7 +229,9 @@ def _body_budget(rank: int, world_size: int, budget, sleep_s: float, network: di
 
     real = auto_module.measure_fixed_costs
     model = _model()
-    auto = bunsan.Auto(measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**network), verbose=False)
+    auto = bunsan.Auto(
+        measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**network), verbose=False
+    )
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     decided_at = None
     with mock.patch.object(auto_module, "measure_fixed_costs", counting):
@@ -604,8 +606,63 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     # the job's own network, measured once after the first step, serves the later decision
     results = workers.run(f"{__name__}:_body_first_step", network=None)
     assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
-    assert [r["network_probes"] for r in results] == [[1], [1]]
+    # (at the end of the first backward, before its exchange: step 0)
+    assert [r["network_probes"] for r in results] == [[0], [0]]
     assert not results[0]["first_step"]
+
+
+def _body_before_first_exchange(rank: int, world_size: int, network: dict, reference: bool) -> dict:
+    import time
+
+    from bunsan.algorithms.auto import _CHOICES
+
+    model = _model()
+    if reference:  # the decided algorithm, with the decided settings, from the first step on
+        algorithm = _CHOICES[network.pop("algorithm")](**network.pop("options"))
+    else:
+        algorithm = bunsan.Auto(
+            measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**network), verbose=False
+        )
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), algorithm)
+    if rank == 1 and not reference:  # a first step of over 1 s, before its exchange, on the slowest rank
+        time.sleep(1.2)
+    _train(model, optimizer, rank, 1)
+    first = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    decision = dict(algorithm.decision) if not reference and algorithm.decision is not None else None
+    _train(model, optimizer, rank, 31, start=1)  # to the end of the first 32-step block
+    return {
+        "decision": decision,
+        "first": first,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+def test_a_first_step_that_settles_a_block_skips_its_exact_exchange(workers):
+    # 1 kB/s: the first step (1.2 s before its exchange, on rank 1) settles a block at the cap, so
+    # Auto decides before that step's exchange, which it never sends: the run is the decided
+    # algorithm's from step 0, bit for bit, its first step local (the ranks' models differ after it)
+    results = workers.run(
+        f"{__name__}:_body_before_first_exchange", network={"latency_s": 1e-3, "bandwidth": 1e3}, reference=False
+    )
+    decision = results[0]["decision"]
+    assert decision is not None and decision == results[1]["decision"], results
+    assert decision["step"] == 0 and decision["label"] == "block_momentum:256"
+    assert decision["measured"]["first_step_before_exchange_s"] >= 1.2
+    assert decision["measured"]["exact_step_s"] > decision["measured"]["first_step_before_exchange_s"]
+    assert results[0]["first"] != results[1]["first"]  # a local step
+    same = workers.run(
+        f"{__name__}:_body_before_first_exchange",
+        network={"algorithm": decision["algorithm"], "options": decision["options"]},
+        reference=True,
+    )
+    for auto_run, fixed_run in zip(results, same, strict=True):
+        assert auto_run["first"] == fixed_run["first"]
+        assert auto_run["params"] == fixed_run["params"]  # the block (and its samples) began at step 0
+    # the block, counting step 0's samples, ended at step 31: the replicas are equal again
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+    # 100 kB/s: the first step does not settle it; its exchange goes on (an exact step: equal models)
+    results = workers.run(f"{__name__}:_body_before_first_exchange", network=SLOW, reference=False)
+    assert results[0]["decision"] is None and results[0]["first"] == results[1]["first"]
 
 
 # -- past the cap: the first block's own times lengthen the block where the exchange dominates ---------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -190,6 +190,9 @@ class DataParallelSGD(BucketExchange):
         # seconds this process spent completing exchanges (in _exchange: from the end of backward to the
         # reduced gradients); Auto reads and resets it per step to tell a step's compute from its wait
         self.exchange_s = 0.0
+        # Set by Auto for a fresh run's first step: the buckets wait for the end of backward, where this is
+        # called before any collective of the round; True means it replaced this algorithm (no exchange)
+        self.before_exchange: Callable[[], bool] | None = None
 
     def __repr__(self) -> str:
         rotate = ", rotate=True" if self.rotate else ""

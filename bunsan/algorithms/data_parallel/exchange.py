@@ -11,6 +11,7 @@ invariants are listed in :mod:`bunsan.algorithms.data_parallel`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -53,6 +54,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
     _last_quantized: bool
     _quantized_bytes: int
     exchange_s: float
+    before_exchange: Callable[[], bool] | None
 
     def _update_mode(self) -> None:
         """Whether this step's exchange is quantized: from the global sample count, the same on every rank."""
@@ -76,8 +78,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             notify_join_context(self)  # inside a torch Join: before this round's collectives
             self._round = (self._take_local_samples(), 1.0)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            if self.buffer_sync is not None:  # final since the forward: overlap their all-reduce with backward
-                self.buffer_sync.launch_riding(contribute=True)
+            if self.buffer_sync is not None and self.before_exchange is None:
+                self.buffer_sync.launch_riding(contribute=True)  # final since the forward: overlap with backward
         if self.quantizing:  # per-worker momentum and residuals: one parameter at a time
             self._copy_in(bucket, i)
             bucket.ready.add(i)
@@ -114,6 +116,9 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        hook, self.before_exchange = self.before_exchange, None
+        if hook is not None and hook():  # replaced by another algorithm before this round's first collective
+            return
         self._exchange(active=True)
 
     def _copy_in(self, bucket: Bucket, i: int) -> None:
@@ -138,7 +143,10 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             torch.div(grad, self._n, out=view)
 
     def _launch_in_order(self) -> None:
-        # Same order on every rank: bucket k leaves only after buckets 0..k-1.
+        # Same order on every rank: bucket k leaves only after buckets 0..k-1; none before a
+        # before_exchange hook has run (at the end of backward, or cleared by _exchange).
+        if self.before_exchange is not None:
+            return
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
@@ -182,6 +190,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         of ranks that trained in this round.
         """
         started = time.perf_counter()
+        self.before_exchange = None  # an exchange not started by backward's end (no gradient, join): no hook
         if self._round is None:
             if active:
                 notify_join_context(self)  # inside a torch Join: before this round's collectives
