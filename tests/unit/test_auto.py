@@ -252,6 +252,15 @@ def test_the_printed_table_says_which_probes_ran_and_why():
     ):
         decision["measured"]["probes"] = [mode, "the reason"]
         assert auto.format_decision(decision).splitlines()[-1] == f"[bunsan]   fixed-cost probes: {said}: the reason"
+    # the first line names the step it timed: an exact step, the first step, or the first step before its exchange
+    assert "workers: exact step 59.90 ms (compute 7.20 ms)" in table
+    decision["measured"]["first_step"] = True
+    assert "workers: first step (from distribute() on) 59.90 ms (compute" in auto.format_decision(decision)
+    decision["measured"]["first_step_before_exchange_s"] = 0.0072
+    assert (
+        "workers: first step before its exchange 7.20 ms (from distribute() on), as an exact step 59.90 ms (compute"
+        in auto.format_decision(decision)
+    )
 
 
 def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):
