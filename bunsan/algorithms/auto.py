@@ -657,7 +657,10 @@ class Auto(Algorithm):
         self.inner.confirm_forward(n)
 
     def reduce_gradients(self) -> None:
-        self.inner.reduce_gradients()
+        inner = self.inner
+        inner.reduce_gradients()
+        if self.inner is not inner:  # replaced at its first exchange, which ran here (no backward reached it)
+            self.inner.reduce_gradients()
 
     def complete_exchange(self) -> None:
         self.inner.complete_exchange()
@@ -798,10 +801,13 @@ class Auto(Algorithm):
             self._started += time.perf_counter() - began  # the first step's time leaves this measuring out
             return False
         # this backward's samples, taken by its first gradient hook, are the decided algorithm's first step's
+        # (and any counted or noted on a rank whose backward reached no parameter)
         taken = old._round[0] if old._round is not None else 0
         old._round = None
         self.inner.local_samples -= taken
-        self.inner._pending_samples += taken
+        self.inner._pending_samples += taken + old._pending_samples
+        self.inner._unconfirmed_samples += old._unconfirmed_samples
+        old._pending_samples = old._unconfirmed_samples = 0
         return True
 
     def _first_step_s(self, now: float) -> float | None:

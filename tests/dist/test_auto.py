@@ -665,6 +665,38 @@ def test_a_first_step_that_settles_a_block_skips_its_exact_exchange(workers):
     assert results[0]["decision"] is None and results[0]["first"] == results[1]["first"]
 
 
+def _body_first_backward_reaches_nothing(rank: int, world_size: int, network: dict) -> dict:
+    import time
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**network), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    if rank == 1:
+        time.sleep(1.2)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    if rank == 1:  # this rank's first backward reaches no parameter: it meets the hook in optimizer.step()
+        loss = loss.detach() + torch.zeros((), requires_grad=True)
+    loss.backward()
+    optimizer.step()
+    decided = auto.decision["label"] if auto.decision is not None else None
+    _train(model, optimizer, rank, 7, start=1)
+    return {"decided_at_step_0": decided, "label": auto.decision["label"] if auto.decision else None}
+
+
+@pytest.mark.parametrize("network", [{"latency_s": 1e-3, "bandwidth": 1e3}, SLOW], ids=["settles", "does-not"])
+def test_a_rank_whose_first_backward_reaches_no_parameter_meets_the_first_step_decision(workers, network):
+    # rank 0's hook runs at the end of its backward, rank 1's in optimizer.step(): the same collectives
+    results = workers.run(f"{__name__}:_body_first_backward_reaches_nothing", network=network)
+    assert results[0] == results[1], results
+    if network["bandwidth"] == 1e3:
+        assert results[0]["decided_at_step_0"] == "block_momentum:256"
+    else:
+        assert results[0]["decided_at_step_0"] is None and results[0]["label"] is not None
+
+
 # -- past the cap: the first block's own times lengthen the block where the exchange dominates ---------
 def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
     import time

@@ -275,4 +275,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         if not self._exchanged:
             if self._callback_queued:
                 raise RuntimeError("optimizer.synchronize() was called during backward")
+            # a rank whose backward reached no parameter meets the others' before_exchange hook here
+            hook, self.before_exchange = self.before_exchange, None
+            if hook is not None and hook():
+                return  # replaced: the new algorithm completes this step
             self._exchange(active=True)
