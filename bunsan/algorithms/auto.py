@@ -124,7 +124,9 @@ tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exch
 all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/plan.md, run 17). Where it does not
 settle, the exchange goes on, and the network and codec measured serve the later decision; the
 first step's time leaves their measuring out. The price is one exchange not overlapped with
-backward, once. Not with a user's ``warm_start`` (it asks for exact steps first).
+backward, once. Not with a user's ``warm_start`` (it asks for exact steps first). A rank whose
+first backward reaches no parameter meets the others' measuring in ``optimizer.step()``, where
+its exchange would have run, with the same collectives.
 
 Every rank must take at least ``measure_steps + 1`` steps: the decision is
 collective, and a rank that has already called ``join()`` does not take part in it.
