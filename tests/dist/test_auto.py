@@ -947,3 +947,51 @@ def test_the_compute_is_the_ranks_time_outside_the_exchange_and_the_rest_is_wait
     else:  # a given network: the compute is inferred (the step less the exchange predicted), no waiting
         assert r["local_step_s"] is None and r["straggler_s"] == 0.0 and r["compute_s"] > 0.9 * step, r
     assert r["exact"] == pytest.approx(step)  # either way exact's prediction is the measured step
+
+
+def _body_first_step_decision_in_user_loops(rank: int, world_size: int, loop: str, options: dict | None) -> dict:
+    import time
+
+    from bunsan.algorithms.auto import _CHOICES
+
+    def optimizer_for(model):
+        if loop == "clip_adamw":
+            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model = _dropout_model()
+    if options is None:  # Auto, on a link so slow that a first step of over 1 s settles a block at the cap
+        algorithm = bunsan.Auto(
+            measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(latency_s=1e-3, bandwidth=1e3)
+        )
+    else:  # the decided algorithm with the decided settings, from the first step on
+        algorithm = _CHOICES[options.pop("algorithm")](**options)
+    model, optimizer = bunsan.distribute(model, optimizer_for(model), algorithm)
+    if rank == 1 and options is None:
+        time.sleep(1.2)
+    _user_loop(model, optimizer, rank, world_size, loop, 34)  # past the first 32-step block's round
+    decision = algorithm.decision if options is None else None
+    return {
+        "decision": None if decision is None else (decision["step"], decision["algorithm"], decision["options"]),
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "rng": torch.rand(3).tolist(),
+    }
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "amp_clip", "clip_adamw"])
+def test_a_first_step_decision_inside_a_users_loop_trains_as_the_decided_algorithm(workers, loop):
+    """The decision before the first exchange inside accumulation under no_sync, GradScaler with
+    unscale_ and clipping, and AdamW with clipping: the run is the decided algorithm's from step 0,
+    bit for bit, on every rank (its samples, its block, the global RNG)."""
+    results = workers.run(f"{__name__}:_body_first_step_decision_in_user_loops", loop=loop, options=None)
+    decision = results[0]["decision"]
+    assert decision is not None and decision == results[1]["decision"]
+    assert decision[0] == 0 and decision[1] in ("block_momentum", "model_averaging"), decision
+    reference = workers.run(
+        f"{__name__}:_body_first_step_decision_in_user_loops",
+        loop=loop,
+        options={"algorithm": decision[1], **decision[2]},
+    )
+    for auto_run, fixed_run in zip(results, reference, strict=True):
+        assert auto_run["params"] == fixed_run["params"]
+        assert auto_run["rng"] == fixed_run["rng"]
