@@ -11,7 +11,7 @@ adds it). Each figure is the median of ``--repeats`` steps, each synchronized; t
 hold random gradients.
 
 Usage (on a GPU machine): ``python docs/experiments/gpu_codec_calls.py [--model resnet20]
-[--workers 2,8,32,256] [--bits 1,8] [--json PATH]``. On CPU it runs too (``--device cpu``),
+[--workers 2,8,32,256] [--bits 1,8] [--rotate] [--json PATH]``. On CPU it runs too (``--device cpu``),
 where the per-segment calls are the C kernels and the one-call codec is slower.
 """
 
@@ -39,12 +39,15 @@ def _no_collective(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _one_step_s(named: list[tuple[str, torch.Tensor]], bits: int, workers: int, repeats: int, device: Any) -> float:
+def _one_step_s(
+    named: list[tuple[str, torch.Tensor]], bits: int, workers: int, repeats: int, device: Any, rotate: bool = False
+) -> float:
     class OneRank(DataParallelSGD):
         world_size = workers  # type: ignore[assignment]  # the exchange's arithmetic at N ranks
 
-    algorithm = OneRank(bits=bits)
-    algorithm._quantizer = Quantizer(bits)
+    algorithm = OneRank(bits=bits, rotate=rotate)
+    if not rotate:
+        algorithm._quantizer = Quantizer(bits)
     algorithm._buckets = build_buckets(named, int(algorithm.bucket_size_mb * 2**20), 2)
     generator = torch.Generator().manual_seed(0)
     for bucket in algorithm._buckets:
@@ -83,6 +86,7 @@ def main() -> None:
     parser.add_argument("--bits", default="1,8")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rotate", action="store_true", help="rotated chunks (rotate=True: Auto's 1-bit under momentum)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -96,14 +100,14 @@ def main() -> None:
         f"{args.model}: {sum(p.numel() for _, p in named):,} parameters in {len(named)} tensors, on {device}"
         + (f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" if device.type == "cuda" else "")
     )
-    print("bits  workers  per segment (ms)  per bucket (ms)  ratio")
+    print(("rotated chunks\n" if args.rotate else "") + "bits  workers  per segment (ms)  per bucket (ms)  ratio")
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for workers in [int(n) for n in args.workers.split(",")]:
             found = {}
             for mode in ("segment", "bucket"):
                 os.environ["BUNSAN_CODEC_CALLS"] = mode
-                found[mode] = _one_step_s(named, bits, workers, args.repeats, device)
+                found[mode] = _one_step_s(named, bits, workers, args.repeats, device, args.rotate)
             ratio = found["segment"] / found["bucket"]
             print(
                 f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
@@ -112,7 +116,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"model": args.model, "device": str(device), "torch": torch.__version__, "rows": rows}, f, indent=1
+                {"model": args.model, "device": str(device), "torch": torch.__version__, "rotate": args.rotate, "rows": rows}, f, indent=1
             )
 
 
