@@ -86,7 +86,9 @@ def main() -> None:
     parser.add_argument("--bits", default="1,8")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rotate", action="store_true", help="rotated chunks (rotate=True: Auto's 1-bit under momentum)")
+    parser.add_argument(
+        "--rotate", action="store_true", help="rotated chunks (rotate=True: Auto's 1-bit under momentum)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -116,7 +118,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"model": args.model, "device": str(device), "torch": torch.__version__, "rotate": args.rotate, "rows": rows}, f, indent=1
+                {
+                    "model": args.model,
+                    "device": str(device),
+                    "torch": torch.__version__,
+                    "rotate": args.rotate,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
             )
 
 
