@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bunsan.launch.quoting import quoted
+from bunsan.launch.quoting import MAX_QUOTED_PATH, quoted
 
 __all__ = [
     "MAX_HOST_NAME",
@@ -186,7 +186,7 @@ def read_hostfile(path: str | Path) -> list[Host]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ValueError(f"cannot read hostfile {quoted(path)} ({reason}); check the --hostfile path") from None
+        raise ValueError(f"cannot read hostfile {quoted(path, MAX_QUOTED_PATH)} ({reason}); check the --hostfile path") from None
     return parse_hostfile(text, source=str(path))
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from bunsan._table import format_table
 from bunsan.launch.hosts import Slot
-from bunsan.launch.quoting import quoted
+from bunsan.launch.quoting import MAX_QUOTED_PATH, quoted
 
 __all__ = [
     "HOST_JOB_VARIABLE",
@@ -115,7 +115,7 @@ def worker_command(command: Sequence[str], python: str | None = None, check: boo
     first, rest = command[0], list(command[1:])
     if first.endswith(".py"):
         if check and not os.path.isfile(first):
-            raise ValueError(f"script {quoted(first)} does not exist (looked in {os.getcwd()}); check the path")
+            raise ValueError(f"script {quoted(first, MAX_QUOTED_PATH)} does not exist (looked in {os.getcwd()}); check the path")
         return [python or sys.executable, "-u", first, *rest]
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from bunsan._validate import check_int
 
-__all__ = ["MAX_QUOTED", "quoted"]
+__all__ = ["MAX_QUOTED", "MAX_QUOTED_PATH", "quoted"]
 
 MAX_QUOTED = 80  # characters of user input shown in a message
+# A path is shown whole up to Linux's PATH_MAX: cut at 80 characters, a script's or hostfile's
+# path loses its last part, the name the user must check (a pytest tmp_path under xdist is
+# already longer than 80).
+MAX_QUOTED_PATH = 4096
 
 
 def quoted(value: object, limit: int = MAX_QUOTED) -> str:

@@ -48,7 +48,7 @@ from bunsan.launch import local, plan
 from bunsan.launch.hosts import Slot, check_oversubscription, usable_cores
 from bunsan.launch.output import read_available
 from bunsan.launch.protocol import HEARTBEAT_TIMEOUT_S, AgentInit, Frame, FrameDecoder, encode_frame
-from bunsan.launch.quoting import quoted
+from bunsan.launch.quoting import MAX_QUOTED_PATH, quoted
 
 __all__ = [
     "HEARTBEAT_TIMEOUT_S",
@@ -265,7 +265,7 @@ def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None
         )
     if init.script is not None and not os.path.isfile(init.script):
         return (
-            f"script {quoted(init.script)} does not exist on {host} (looked in {quoted(init.cwd)}); check the path",
+            f"script {quoted(init.script, MAX_QUOTED_PATH)} does not exist on {host} (looked in {quoted(init.cwd, MAX_QUOTED_PATH)}); check the path",
             None,
         )
     if init.check_port is None:

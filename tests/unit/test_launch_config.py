@@ -186,6 +186,15 @@ def test_worker_command_runs_scripts_with_this_python(tmp_path):
         worker_command(["no-such-program-xyz"])
 
 
+def test_a_missing_scripts_long_path_is_named_whole(tmp_path):
+    """A path longer than the 80 characters other input is cut to keeps its last part: the name."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    missing = deep / "missing_train.py"
+    with pytest.raises(ValueError) as raised:
+        worker_command([str(missing)])
+    assert repr(str(missing)) in str(raised.value)
+
+
 def test_exit_codes_and_first_failure():
     assert [exit_code_of(code) for code in (0, 3, -9, -15)] == [0, 3, 137, 143]
     assert first_failure([None, None]) is None
