@@ -186,7 +186,9 @@ def read_hostfile(path: str | Path) -> list[Host]:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise ValueError(f"cannot read hostfile {quoted(path, MAX_QUOTED_PATH)} ({reason}); check the --hostfile path") from None
+        raise ValueError(
+            f"cannot read hostfile {quoted(path, MAX_QUOTED_PATH)} ({reason}); check the --hostfile path"
+        ) from None
     return parse_hostfile(text, source=str(path))
 
 

@@ -115,7 +115,9 @@ def worker_command(command: Sequence[str], python: str | None = None, check: boo
     first, rest = command[0], list(command[1:])
     if first.endswith(".py"):
         if check and not os.path.isfile(first):
-            raise ValueError(f"script {quoted(first, MAX_QUOTED_PATH)} does not exist (looked in {os.getcwd()}); check the path")
+            raise ValueError(
+                f"script {quoted(first, MAX_QUOTED_PATH)} does not exist (looked in {os.getcwd()}); check the path"
+            )
         return [python or sys.executable, "-u", first, *rest]
     if first in ("python", "python3"):
         return [python or sys.executable, "-u", *rest]
