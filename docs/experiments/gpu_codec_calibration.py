@@ -1,0 +1,149 @@
+"""The cost model's codec term against the exchange's own codec work, measured side by side.
+
+``bunsan plan --device`` and Auto predict a quantized step's codec time from
+:func:`bunsan.bench.measure.measure_codec` (seconds per element of encode and decode, and the
+fixed cost of one call, from a one-chunk encode + decode halved) and the count of calls
+(:func:`bunsan.algorithms.cost_model.codec_calls`). This script measures that profile and the
+exchange's codec work of one step (``gpu_codec_calls._one_step_s``: the exchange's own
+``_launch_stripes`` / ``_finish_stripes``, collectives stubbed) alternately, ``--rounds`` times,
+and prints both, with the fixed-cost probe's parts (the one-chunk encode and decode apart) and
+the one-call codec's encode and decode of a whole bucket, so a gap can be placed.
+
+Usage (on a GPU machine): ``python docs/experiments/gpu_codec_calibration.py [--model resnet20]
+[--workers 2,8,32,256] [--bits 1,8] [--rounds 3] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from bunsan import models
+from bunsan.algorithms.cost_model import codec_calls
+from bunsan.algorithms.data_parallel import DataParallelSGD
+from bunsan.algorithms.data_parallel.buckets import build_buckets
+from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
+from bunsan.algorithms.measure import measure_codec, median_time
+from bunsan.bench.synthetic import model_inputs
+from bunsan.compression import Quantizer
+from bunsan.compression.segments import SegmentCodec
+
+
+def _calls_module():
+    spec = importlib.util.spec_from_file_location("gpu_codec_calls", Path(__file__).with_name("gpu_codec_calls.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parts(numel: int, bits: int, device: torch.device, segments: list[tuple[int, int]]) -> dict[str, float]:
+    """The fixed-cost probe's encode and decode apart, and one bucket's one-call encode and decode."""
+    q = Quantizer(bits)
+    x = torch.randn(numel, device=device)
+    residual = torch.zeros(numel, device=device)
+    out = torch.empty(numel, device=device)
+    small = min(q.chunk_size, numel)
+    one = SegmentCodec(q, [(0, small, 0)], device)
+    one_payload = torch.empty(q.payload_bytes(small), dtype=torch.uint8, device=device)
+    cuts, at = [], 0
+    for lo, length in segments:
+        cuts.append((lo, length, at))
+        at += q.payload_bytes(length)
+    whole = SegmentCodec(q, cuts, device)
+    payload = torch.empty(at, dtype=torch.uint8, device=device)
+    found = {}
+    for name, fn in (
+        ("one_encode_s", lambda: one.encode(x, one_payload, residual)),
+        ("one_decode_s", lambda: one.decode(one_payload, out)),
+        ("bucket_encode_s", lambda: whole.encode(x, payload, residual)),
+        ("bucket_decode_s", lambda: whole.decode(payload, out)),
+    ):
+        fn()  # warm up
+        found[name] = median_time(fn, 9, device)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--workers", default="2,8,32,256")
+    parser.add_argument("--bits", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    calls = _calls_module()
+    for name in ("all_to_all", "all_gather_into", "wait"):  # as gpu_codec_calls stubs them: no wire
+        setattr(calls.exchange, name, calls._no_collective)
+    calls.exchange.get_rank = lambda group=None: 0
+    kwargs, _ = model_inputs(args.model, None, 10)
+    model = models.create(args.model, **kwargs).to(device)
+    named = list(model.named_parameters())
+    params = sum(p.numel() for _, p in named)
+    buckets = build_buckets(named, int(DataParallelSGD(bits=1).bucket_size_mb * 2**20), 2)
+    largest = max(buckets, key=lambda b: b.buffer.numel())
+    segments = [(offset, p.numel()) for offset, p in zip(largest.offsets, largest.params)]
+    per_bucket = coded_per_bucket(Quantizer(1), device)
+    print(f"{args.model}: {params:,} parameters in {len(named)} tensors, {len(buckets)} buckets, on {device}")
+    rows = []
+    for round_ in range(args.rounds):
+        for bits in [int(b) for b in args.bits.split(",")]:
+            profile = measure_codec(params, bits, device=device)
+            parts = _parts(largest.buffer.numel(), bits, device, segments) if per_bucket else {}
+            for workers in [int(n) for n in args.workers.split(",")]:
+                os.environ["BUNSAN_CODEC_CALLS"] = "bucket" if per_bucket else "segment"
+                measured = calls._one_step_s(named, bits, workers, 7, device)
+                count = codec_calls(len(named), len(buckets), workers, per_bucket)
+                predicted = (
+                    profile["encode_s_per_element"] * params * (1 + 1 / workers)
+                    + profile["decode_s_per_element"] * params * 2
+                    + profile["codec_call_s"] * count
+                )
+                row = {
+                    "round": round_,
+                    "bits": bits,
+                    "workers": workers,
+                    "calls": count,
+                    "predicted_s": predicted,
+                    "measured_s": measured,
+                    **profile,
+                    **parts,
+                }
+                rows.append(row)
+                print(
+                    f"round {round_} {bits:2d} bit {workers:4d} workers: predicted {predicted * 1e3:7.2f} ms"
+                    f" (call {profile['codec_call_s'] * 1e3:.3f} ms x {count:g}, encode"
+                    f" {profile['encode_s_per_element'] * 1e9:.2f} ns/el) measured {measured * 1e3:7.2f} ms"
+                    f" ({predicted / measured - 1:+.0%})"
+                    + (
+                        f"; probe encode {parts['one_encode_s'] * 1e3:.3f} decode {parts['one_decode_s'] * 1e3:.3f} ms,"
+                        f" bucket encode {parts['bucket_encode_s'] * 1e3:.3f} decode"
+                        f" {parts['bucket_decode_s'] * 1e3:.3f} ms"
+                        if parts
+                        else ""
+                    )
+                )
+    for bits in sorted({r["bits"] for r in rows}):
+        for workers in sorted({r["workers"] for r in rows}):
+            mine = [r for r in rows if r["bits"] == bits and r["workers"] == workers]
+            p = statistics.median(r["predicted_s"] for r in mine)
+            m = statistics.median(r["measured_s"] for r in mine)
+            print(
+                f"median {bits:2d} bit {workers:4d} workers: predicted {p * 1e3:.2f} ms, measured {m * 1e3:.2f} ms ({p / m - 1:+.0%})"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"model": args.model, "device": str(device), "torch": torch.__version__, "rows": rows}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()
