@@ -8,7 +8,9 @@ the exchange, as ``Auto`` measures its local compute) and the median time in the
 for model averaging the median step per rank (its local steps: one exchange in 32). Where the
 ranks share cores, a synchronous step waits for the slowest rank far beyond the exchange the
 cost model counts, and the time outside the exchange is the estimate of the local step that
-the exact step's time is not (``bunsan.algorithms.auto.split_compute``)::
+the exact step's time is not (``bunsan.algorithms.auto.split_compute``). "exact held" holds
+every bucket until backward's end (as Auto's first step does) and also gives the time from
+the step's start to backward's end, with no exchange running beside the compute::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_wait.py --workers 4 \
         --model mnist1d_cnn --batch 32
@@ -52,8 +54,12 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
 
     x = torch.randn(batch, *SHAPES[model_name], generator=torch.Generator().manual_seed(rank))
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
-    found: dict[str, list[dict[str, list[float]]]] = {"exact": [], "model averaging": []}
-    runs = [("exact", "data_parallel", {}), ("model averaging", "model_averaging", {"block_size": 32 * batch})] * 2
+    found: dict[str, list[dict[str, list[float]]]] = {"exact": [], "exact held": [], "model averaging": []}
+    runs = [
+        ("exact", "data_parallel", {}),
+        ("exact held", "data_parallel", {}),
+        ("model averaging", "model_averaging", {"block_size": 32 * batch}),
+    ] * 2
     for name, algorithm, options in runs:
         torch.manual_seed(0)
         model = models.create(model_name)
@@ -61,10 +67,20 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
             model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), algorithm, **options
         )
         inner = optimizer.algorithm
-        step_s, outside_s, inside_s = [], [], []
+        step_s, outside_s, inside_s, before_s = [], [], [], []
+        ended: list[float] = []
+
+        def hold(
+            ended: list[float] = ended,
+        ) -> bool:  # "exact held": no bucket leaves before backward's end (Auto's first step)
+            ended.append(time.perf_counter())
+            return False
+
         dist.barrier()
         last = time.perf_counter()
         for i in range(steps):
+            if name == "exact held":
+                inner.before_exchange = hold
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -76,9 +92,11 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
                 step_s.append(now - last)
                 outside_s.append(now - last - waited)
                 inside_s.append(waited)
+                if ended:
+                    before_s.append(ended[-1] - last)
             last = now
         optimizer.join()
-        found[name].append({"step": step_s, "outside": outside_s, "inside": inside_s})
+        found[name].append({"step": step_s, "outside": outside_s, "inside": inside_s, "before": before_s})
     queue.put((rank, found))
     dist.destroy_process_group()
 
@@ -105,18 +123,21 @@ def main() -> None:
     n = args.workers
     med = statistics.median
     print(f"{args.model}, {n} workers, {args.batch} samples per worker; load average {os.getloadavg()[0]:.2f}")
-    for name in ("exact", "model averaging"):
+    for name in ("exact", "exact held", "model averaging"):
         for trial in range(2):
             runs = [results[r][name][trial] for r in range(n)]
             steps = " ".join(f"{med(run['step']) * 1e3:7.2f}" for run in runs)
             line = f"{name:16s} #{trial + 1}  step per rank (ms) {steps}"
-            if name == "exact":
+            if name.startswith("exact"):
                 outside = [med(run["outside"]) for run in runs]
                 inside = " ".join(f"{med(run['inside']) * 1e3:.2f}" for run in runs)
                 line += (
                     f"; outside the exchange {' '.join(f'{o * 1e3:.2f}' for o in outside)}"
                     f" (mean {sum(outside) / n * 1e3:.2f}); in it {inside}"
                 )
+            if name == "exact held":
+                before = [med(run["before"]) for run in runs]
+                line += f"; before backward's end {' '.join(f'{b * 1e3:.2f}' for b in before)}"
             print(line)
 
 
