@@ -976,9 +976,12 @@ class Auto(Algorithm):
             network = early.network
         elif network is None and n > 1:  # one worker exchanges nothing: exact, without probing a network
             sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient_bytes, 2**20)]
+            sizes = sorted({*sizes, gradient_bytes} if gradient_bytes < sizes[-1] else sizes)  # its own size too
             # every rank fits the same (max-reduced) timings, so all succeed or all fail, and retry alike
             try:
-                network = measure_network(self.group, sizes=sizes, repeats=3, enough_s=ENOUGH_S)
+                network = measure_network(
+                    self.group, sizes=sizes, repeats=3, enough_s=ENOUGH_S, enough_bytes=gradient_bytes
+                )
             except ValueError:  # noise hid the growth with size (loopback, a loaded machine): larger, longer
                 try:
                     network = measure_network(self.group, sizes=RETRY_SIZES, repeats=7, enough_s=ENOUGH_S)

@@ -47,6 +47,9 @@ def register_distribute(fn: Callable[..., Any]) -> None:
 PROBE_SIZES = (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
 # a size whose first all-reduce took enough_s or longer is timed this many times (measure_network)
 LONG_REPEATS = 2
+# measure_network(enough_bytes=...): the job's own size is conclusive once its all-reduce takes this many
+# times the smallest size's (the bandwidth term at least the latency's)
+GROWTH = 2.0
 # segments per timed call of the one-call codec (a bucket of a few dozen parameters; measure_codec)
 SEGMENTS_PER_CALL = 64
 
@@ -183,7 +186,12 @@ def measure_codec(
 
 
 def measure_network(
-    group: Any = None, *, sizes: Sequence[int] = PROBE_SIZES, repeats: int = 7, enough_s: float | None = None
+    group: Any = None,
+    *,
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = 7,
+    enough_s: float | None = None,
+    enough_bytes: int | None = None,
 ) -> Network:
     """Collective: time all-reduces and all-gathers of ``sizes`` bytes and fit alpha and beta.
 
@@ -201,6 +209,15 @@ def measure_network(
     fitted bandwidth at 100 Mbit/s moved as much with 2 repeats as with 3), and on a
     slow link each repeat costs that long: 0.19 s instead of 0.25 for the probe at 2
     workers, 0.28 instead of 0.38 at 4 (docs/plan.md).
+
+    ``enough_bytes``: the job's own message (its gradient's bytes): also stop at the first size of at
+    least that many bytes whose all-reduce took :data:`GROWTH` times the smallest size's or longer.
+    The fit then runs through the latency and the job's own size, which is what the job sends
+    (every exchange of bunsan's sends at most its gradient's bytes), and the bandwidth term is
+    already as large as the latency's; a larger size would only cost its time. On a 100 Mbit/s
+    link MNIST-1D's CNN (32 KB of gradient) probed 256 KB as well, 0.18-0.30 s of a first epoch
+    of 0.4-0.7 s; on loopback its 32 KB all-reduce is within the noise of the latency, and the
+    larger sizes stay.
     """
     n = comm.get_world_size(group)
     device = comm.tensor_device(group)  # NCCL's probe moves GPU memory, as the job's exchange does
@@ -210,6 +227,13 @@ def measure_network(
     timed_repeats = repeats
     for nbytes in sizes:
         if enough_s is not None and len(reduce_points) >= 2 and reduce_points[-1][1] >= enough_s:
+            break
+        if (
+            enough_bytes is not None
+            and len(reduce_points) >= 2
+            and reduce_points[-1][0] >= enough_bytes
+            and reduce_points[-1][1] >= GROWTH * reduce_points[0][1]
+        ):
             break
         numel = max(1, nbytes // 4)
         tensor = torch.ones(numel, device=device)

@@ -14,6 +14,13 @@ that both see the same load:
 * ``now``: a size whose untimed first all-reduce already took ``enough_s`` is timed
   ``LONG_REPEATS`` times.
 
+With ``--compare own-size`` the two settings are instead:
+
+* ``to 1 MiB``: Auto's sizes up to the gradient or 1 MiB, stopping at ``enough_s`` only (as
+  before ``enough_bytes``);
+* ``own size``: the gradient's own size among them, and the probe stops there once its
+  all-reduce took ``GROWTH`` times the 4-byte one's (``measure_network(enough_bytes=...)``).
+
 Rank 0 prints, per setting, the seconds of the probe and the fitted all-reduce, all-gather
 and float16 bandwidths and latency (median and min-max over the trials), and the load
 average.
@@ -39,20 +46,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gradient-bytes", type=int, default=605_224, help="the job's gradient bytes (digits CNN)")
     parser.add_argument("--trials", type=int, default=6)
+    parser.add_argument("--compare", choices=("repeats", "own-size"), default="repeats")
     args = parser.parse_args()
     bunsan.init()
     rank, n = comm.get_rank(), comm.get_world_size()
-    sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(args.gradient_bytes, 2**20)]
-    settings = {"3 repeats": 3, "now": measure.LONG_REPEATS}
+    gradient = args.gradient_bytes
+    sizes = [s for s in (4, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024) if s <= max(gradient, 2**20)]
+    own = sorted({*sizes, gradient} if gradient < sizes[-1] else sizes)
+    long_repeats = measure.LONG_REPEATS
+    # name: (LONG_REPEATS, sizes, enough_bytes)
+    settings: dict[str, tuple[int, list[int], int | None]] = (
+        {"3 repeats": (3, sizes, None), "now": (long_repeats, sizes, None)}
+        if args.compare == "repeats"
+        else {"to 1 MiB": (long_repeats, sizes, None), "own size": (long_repeats, own, gradient)}
+    )
     found: dict[str, dict[str, list[float]]] = {name: {} for name in settings}
     measure.measure_network(None, sizes=sizes[:2], repeats=1)  # untimed: the first connections and buffers
     load = os.getloadavg()[0]
     for _ in range(args.trials):
-        for name, long_repeats in settings.items():
-            measure.LONG_REPEATS = long_repeats
+        for name, (repeats_long, probed, enough_bytes) in settings.items():
+            measure.LONG_REPEATS = repeats_long
             comm.barrier()
             started = time.perf_counter()
-            network = measure.measure_network(None, sizes=sizes, repeats=3, enough_s=auto.ENOUGH_S)
+            network = measure.measure_network(
+                None, sizes=probed, repeats=3, enough_s=auto.ENOUGH_S, enough_bytes=enough_bytes
+            )
             elapsed = time.perf_counter() - started
             record = found[name]
             for key, value in (
@@ -64,7 +82,8 @@ def main() -> None:
             ):
                 record.setdefault(key, []).append(value)
     if rank == 0:
-        print(f"{n} workers, gradient {args.gradient_bytes} bytes, sizes {sizes}, {args.trials} trials per setting")
+        shown = sizes if args.compare == "repeats" else f"{sizes} / {own}"
+        print(f"{n} workers, gradient {gradient} bytes, sizes {shown}, {args.trials} trials per setting")
         print(f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after")
         header = f"{'setting':10s} {'probe s':>20s} {'Gbit/s all-reduce':>22s} {'Gbit/s all-gather':>22s} {'Gbit/s float16':>22s} {'latency us':>16s}"
         print(header)

@@ -479,7 +479,8 @@ def test_fixed_cost_probe_takes_warmup_then_repeats_of_steps(workers, warmup, st
     assert results[0] == results[1] == [steps, steps]  # per candidate, on every rank
 
 
-def _body_network_sizes(rank: int, world_size: int, enough_s) -> dict:
+def _body_network_sizes(rank: int, world_size: int, enough_s, enough_bytes=None, link=None) -> dict:
+    import time
     from unittest import mock
 
     from bunsan import comm
@@ -490,14 +491,21 @@ def _body_network_sizes(rank: int, world_size: int, enough_s) -> dict:
 
     def counting(tensor, *args, **kwargs):
         if tensor.dtype == torch.float32:
-            seen.append(tensor.numel() * 4)
+            nbytes = tensor.numel() * 4
+            seen.append(nbytes)
+            if link == "slow":  # a 200 Mbit/s link with 0.5 ms of latency, on top of loopback's own
+                time.sleep(5e-4 + nbytes * 8 / 2e8)
+            elif link == "flat":  # a size's time hidden in the latency's noise: no growth
+                time.sleep(5e-3)
         return real(tensor, *args, **kwargs)
 
     bandwidth = None
     with mock.patch.object(comm, "all_reduce", counting):
         # 5 repeats: medians of 2 on loopback let one slow 4-byte all-reduce outlast a 1 MiB one (CI at c602d1e)
         try:
-            bandwidth = measure_network(sizes=(4, 1 << 20, 4 << 20), repeats=5, enough_s=enough_s).bandwidth
+            bandwidth = measure_network(
+                sizes=(4, 1 << 20, 4 << 20), repeats=5, enough_s=enough_s, enough_bytes=enough_bytes
+            ).bandwidth
         except ValueError:  # no growth with size in the fit (2-3 busy loops on 2 cores, now and then): every rank alike
             pass
     calls = {size: seen.count(size) for size in sorted(set(seen))}
@@ -518,6 +526,20 @@ def test_network_probe_stops_growing_once_a_message_is_slow_enough(workers):
     full = workers.run(f"{__name__}:_body_network_sizes", enough_s=None)
     assert full[0]["sizes"] == [4, 1 << 20, 4 << 20]
     assert full[0]["calls"] == {4: 6, 1 << 20: 6, 4 << 20: 6}
+
+
+def test_network_probe_stops_at_the_jobs_own_size_once_its_time_has_grown(workers):
+    """Past the gradient's own bytes, a size is probed only while the job's size is still lost in the latency."""
+    # 1 MiB takes 42 ms over the 0.5 ms latency: conclusive, so 4 MiB (170 ms a call) is never sent
+    slow = workers.run(f"{__name__}:_body_network_sizes", enough_s=None, enough_bytes=1 << 20, link="slow")
+    assert slow[0]["sizes"] == slow[1]["sizes"] == [4, 1 << 20]
+    assert slow[0]["bandwidth"] == slow[1]["bandwidth"] and 1e7 < slow[0]["bandwidth"] < 1e8  # ~25 MB/s
+    # a job size smaller than the probe's: every size at least as large counts as the job's size
+    smaller = workers.run(f"{__name__}:_body_network_sizes", enough_s=None, enough_bytes=32 * 1024, link="slow")
+    assert smaller[0]["sizes"] == [4, 1 << 20]
+    # a 1 MiB all-reduce no slower than 4 bytes says nothing of the bandwidth: the larger size is probed too
+    flat = workers.run(f"{__name__}:_body_network_sizes", enough_s=None, enough_bytes=1 << 20, link="flat")
+    assert flat[0]["sizes"] == flat[1]["sizes"] == [4, 1 << 20, 4 << 20]
 
 
 def _body_network_retry(rank: int, world_size: int) -> dict:
