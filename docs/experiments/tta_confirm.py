@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -61,6 +62,12 @@ def _compare_command(arguments: dict[str, Any], workers: int, spec: str, out: Pa
     if arguments.get("network"):
         command += ["--network", arguments["network"]]
     return [*command, "--algorithms", spec, "--no-plots", "--out", str(out)]
+
+
+def _median_epoch(epoch_end_s: list[float]) -> float:
+    """The median epoch's seconds past the first (the first holds Auto's measuring)."""
+    durations = [b - a for a, b in itertools.pairwise(epoch_end_s)]
+    return statistics.median(durations) if durations else epoch_end_s[0]
 
 
 def main() -> int:
@@ -113,14 +120,15 @@ def main() -> int:
                 "tta_s": tta,
                 "epoch": epochs_to_error(config["test_error_curve"], target),
                 "run_s": config["epoch_end_s"][-1],
+                "epoch_s": _median_epoch(config["epoch_end_s"]),
                 "started_at": started,
                 "auto_decision": (config.get("auto_decision") or {}).get("label"),
             }
             runs.append(run)
             print(
                 f"round {round_} {spec:56s} time to target {tta if tta is None else round(tta, 2)} s"
-                f" (epoch {run['epoch']}), whole run {run['run_s']:.2f} s"
-                + (f", chose {run['auto_decision']}" if run["auto_decision"] else ""),
+                f" (epoch {run['epoch']}), whole run {run['run_s']:.2f} s, median epoch past the first"
+                f" {run['epoch_s'] * 1e3:.0f} ms" + (f", chose {run['auto_decision']}" if run["auto_decision"] else ""),
                 flush=True,
             )
 
@@ -131,9 +139,11 @@ def main() -> int:
     a, b = median(auto, "tta_s"), median(best, "tta_s")
     ratio = a / b if a is not None and b else None
     whole = median(auto, "run_s") / median(best, "run_s")
+    epochs = median(auto, "epoch_s") / median(best, "epoch_s")
     print(
         f"median time to target: {auto} {a} s, {best} {b} s: ratio {ratio if ratio is None else round(ratio, 2)}"
-        f" (campaign {times[auto] / times[best]:.2f}); whole runs {whole:.2f}; load average {os.getloadavg()[0]:.2f}"
+        + (f" (campaign {times[auto] / times[best]:.2f})" if times.get(best) and times.get(auto) else "")
+        + f"; whole runs {whole:.2f}, epochs past the first {epochs:.2f}; load average {os.getloadavg()[0]:.2f}"
     )
     summary = {
         "record": args.record,
@@ -141,10 +151,11 @@ def main() -> int:
         "target": target,
         "auto": auto,
         "best": best,
-        "campaign": {"auto_s": times[auto], "best_s": times[best]},
+        "campaign": {"auto_s": times.get(auto), "best_s": times.get(best)},
         "runs": runs,
         "median_ratio": ratio,
         "whole_run_ratio": whole,
+        "epoch_ratio": epochs,
         "command": " ".join(shlex.quote(a) for a in sys.argv),
     }
     (out / "confirm.json").write_text(json.dumps(summary, indent=1))
