@@ -210,14 +210,17 @@ def measure_network(
     slow link each repeat costs that long: 0.19 s instead of 0.25 for the probe at 2
     workers, 0.28 instead of 0.38 at 4 (docs/plan.md).
 
-    ``enough_bytes``: the job's own message (its gradient's bytes): also stop at the first size of at
-    least that many bytes whose all-reduce took :data:`GROWTH` times the smallest size's or longer.
-    The fit then runs through the latency and the job's own size, which is what the job sends
-    (every exchange of bunsan's sends at most its gradient's bytes), and the bandwidth term is
-    already as large as the latency's; a larger size would only cost its time. On a 100 Mbit/s
-    link MNIST-1D's CNN (32 KB of gradient) probed 256 KB as well, 0.18-0.30 s of a first epoch
-    of 0.4-0.7 s; on loopback its 32 KB all-reduce is within the noise of the latency, and the
-    larger sizes stay.
+    ``enough_bytes`` (with ``enough_s``): the job's own message (its gradient's bytes): also stop
+    before a size that would take ``enough_s`` or longer, by the time of the last size grown in
+    proportion, once that last size has at least ``enough_bytes`` and its all-reduce took
+    :data:`GROWTH` times the smallest size's or longer. The fit then runs through the latency
+    and the job's own size, which is what the job sends (every exchange of bunsan's sends at
+    most its gradient's bytes), and the bandwidth term is already as large as the latency's;
+    the larger size would only cost its time. On a 100 Mbit/s link MNIST-1D's CNN (32 KB of
+    gradient) probed 256 KB as well, 0.18-0.30 s of a first epoch of 0.4-0.7 s. Where the next
+    size is cheap (loopback, fast links) it is still probed: a small message's time there is
+    mostly the scheduling of the ranks (4 processes on 2 cores fitted 0.1 Gbit/s from 4 bytes
+    and 32 KB on loopback), and a larger one fits the bandwidth.
     """
     n = comm.get_world_size(group)
     device = comm.tensor_device(group)  # NCCL's probe moves GPU memory, as the job's exchange does
@@ -230,9 +233,11 @@ def measure_network(
             break
         if (
             enough_bytes is not None
+            and enough_s is not None
             and len(reduce_points) >= 2
             and reduce_points[-1][0] >= enough_bytes
             and reduce_points[-1][1] >= GROWTH * reduce_points[0][1]
+            and reduce_points[-1][1] * nbytes / reduce_points[-1][0] >= enough_s
         ):
             break
         numel = max(1, nbytes // 4)
