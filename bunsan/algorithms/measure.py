@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bunsan import comm
+from bunsan._validate import check_int
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
@@ -222,6 +223,7 @@ def measure_network(
     mostly the scheduling of the ranks (4 processes on 2 cores fitted 0.1 Gbit/s from 4 bytes
     and 32 KB on loopback), and a larger one fits the bandwidth.
     """
+    check_int("enough_bytes", enough_bytes, minimum=1, allow_none=True, hint="the job's gradient bytes")
     n = comm.get_world_size(group)
     device = comm.tensor_device(group)  # NCCL's probe moves GPU memory, as the job's exchange does
     reduce_points: list[tuple[int, float]] = []

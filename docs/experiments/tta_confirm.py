@@ -84,7 +84,9 @@ def main() -> int:
     record = json.loads(Path(args.record).read_text())
     arguments = record["arguments"]
     here = [c for c in record["configs"] if c["workers"] == args.workers and c.get("status") == "ok"]
-    auto = next(c["label"] for c in here if c["label"].startswith("auto"))
+    auto = next((c["label"] for c in here if c["label"].startswith("auto")), None)
+    if auto is None:
+        parser.error(f"{args.record} has no successful auto run at {args.workers} workers")
     if args.target is not None:
         target = args.target / 100
         times = {c["label"]: time_to_error(c["test_error_curve"], c["epoch_end_s"], target) for c in here}
@@ -93,6 +95,10 @@ def main() -> int:
         target = rows[0]["target"]
         times = {r["label"]: r["tta_s"] for r in rows}
     fixed = {label: t for label, t in times.items() if not label.startswith("auto") and t is not None}
+    if args.best is None and not fixed:
+        parser.error(
+            f"no fixed setting of {args.record} reached the target at {args.workers} workers; name one with --best"
+        )
     best = args.best or min(fixed, key=fixed.__getitem__)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -400,3 +400,11 @@ def test_split_compute_takes_the_measured_local_compute_and_counts_the_rest_as_w
     # a local compute not under the inferred one, or none measured: the inferred compute, no waiting
     assert auto.split_compute(10e-3, 9.9e-3, profile, network, 2, overlap=False) == pytest.approx(inferred)
     assert auto.split_compute(10e-3, 0.0, profile, network, 2, overlap=False) == pytest.approx(inferred)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "32k"])
+def test_the_network_probe_refuses_a_job_size_that_is_not_a_positive_int(bad):
+    from bunsan.algorithms.measure import measure_network
+
+    with pytest.raises((TypeError, ValueError), match="enough_bytes"):
+        measure_network(enough_bytes=bad)  # refused before any collective: no process group needed
