@@ -36,7 +36,14 @@ What is measured besides time:
   rank then restores its model, the algorithm's state, the local optimizer's
   state and the traffic counters as they were, so training goes on exactly as
   without the curve (``tests/dist/test_block_momentum.py``); the time this
-  takes is left out of ``epoch_end_s`` and ``wall_s``. Until ae02132 this was
+  takes is left out of ``epoch_end_s`` and ``wall_s`` (per epoch: ``paused_s``).
+  The wait for the slowest rank before it is not: a barrier ends every rank's
+  epoch first, on the clock, as the next exchange would have made the faster
+  ranks wait for the slower ones without the copy. Until 2026-11-27 that wait fell
+  inside the copy's collective and was left out too, which made a block
+  algorithm's epochs look faster than they trained where the ranks run at
+  different speeds (up to 0.6 s of a 3.4 s epoch for ResNet-20 at 2 workers on
+  2 cores; an exact step's wait is in its exchange). Until ae02132 this was
   rank 0's own replica mid-block, which for model averaging is often worse than
   the average it ends with (a time-to-accuracy target then looked reached later
   than it was). AsyncSGD's curve is still rank 0's replica.
@@ -312,6 +319,15 @@ def _digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def _mid_block(optimizer: Any) -> Any:
+    """The block algorithm whose replicas may differ now (past its warm start), or ``None``."""
+    from bunsan.algorithms.blockwise import BlockwiseSGD
+
+    algorithm = optimizer.algorithm
+    inner = getattr(algorithm, "inner", algorithm)  # Auto runs its decision as .inner
+    return inner if isinstance(inner, BlockwiseSGD) and not inner.in_warm_start else None
+
+
 def _model_if_stopped(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
     """Collective. A copy of the model this rank would end with if training stopped now, training untouched.
 
@@ -319,11 +335,8 @@ def _model_if_stopped(model: nn.Module, optimizer: Any) -> dict[str, torch.Tenso
     ends with), the copy is taken, and the model, the algorithm's state, the local
     optimizer's state and the traffic counters go back to what they were.
     """
-    from bunsan.algorithms.blockwise import BlockwiseSGD
-
-    algorithm = optimizer.algorithm
-    inner = getattr(algorithm, "inner", algorithm)  # Auto runs its decision as .inner
-    if not isinstance(inner, BlockwiseSGD) or inner.in_warm_start:
+    inner = _mid_block(optimizer)
+    if inner is None:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     local = inner.optimizer
     saved_model = copy.deepcopy(model.state_dict())
@@ -365,6 +378,7 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
     epoch_end_s: list[float] = []
     snapshots: list[dict[str, torch.Tensor]] = []
     paused = 0.0  # seconds spent taking the curve's copies, left out of the times
+    paused_s: list[float] = []  # per epoch
     for _ in range(spec.epochs):
         loss_sum = torch.zeros((), dtype=torch.float64)
         samples = 0
@@ -376,13 +390,18 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
             loss_sum += loss.detach() * len(y)
             samples += len(y)
         epoch_loss.append((float(loss_sum), samples))
+        if spec.curves and _mid_block(optimizer) is not None:
+            # on the clock: without the copy the faster ranks would wait for the slowest at the next
+            # exchange; inside the copy's collective that wait would be left out (module docstring)
+            comm.barrier()
         epoch_end_s.append(time.perf_counter() - start - paused)
         if spec.curves:
             pause = time.perf_counter()
             stopped = _model_if_stopped(model, optimizer)  # collective for block algorithms
             if rank == 0:
                 snapshots.append(stopped)
-            paused += time.perf_counter() - pause
+            paused_s.append(time.perf_counter() - pause)
+            paused += paused_s[-1]
     optimizer.join()  # block algorithms finish their last block; every replica is then equal
     comm.barrier()
     wall_s = time.perf_counter() - start - paused
@@ -419,6 +438,7 @@ def train(spec: JobSpec) -> dict[str, Any] | None:
         "startup_s": startup_s,
         "wall_s": wall_s,
         "epoch_end_s": epoch_end_s,
+        "paused_s": paused_s,
         "train_loss": train_loss,
         "test_error": test_error,
         "test_loss": test_loss,

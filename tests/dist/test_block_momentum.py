@@ -443,6 +443,51 @@ def test_test_error_curve_is_the_synchronized_model_and_leaves_training_alone(wo
         assert result["decision"] is None  # no decision record for a fixed setting
 
 
+SLOW_STEP_S = 0.01  # rank 1's extra time per training forward
+
+
+def _body_slow_rank(rank: int, world_size: int, algorithm: str, options: dict) -> dict | None:
+    from bunsan.bench import job
+
+    build = job.build_model
+
+    def slow_on_rank_1(name, info):  # every training step of rank 1 takes SLOW_STEP_S longer
+        model = build(name, info)
+        if rank == 1:
+            model.register_forward_pre_hook(lambda m, args: time.sleep(SLOW_STEP_S) if m.training else None)
+        return model
+
+    job.build_model = slow_on_rank_1
+    try:
+        result = job.train(
+            job.JobSpec(
+                model="digits_cnn", dataset="digits", algorithm=algorithm, options=options, epochs=2, batch=64, lr=0.1
+            )
+        )
+    finally:
+        job.build_model = build
+    if rank != 0:
+        return None
+    return {k: result[k] for k in ("epoch_end_s", "paused_s", "wall_s", "steps")}
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options"),
+    [("model_averaging", {"block_size": 2048}), ("block_momentum", {"block_size": 2048})],
+    ids=["model_averaging", "block_momentum"],
+)
+def test_epoch_times_count_the_wait_for_the_slowest_rank(workers, algorithm, options):
+    # Blocks of 64 steps, longer than an epoch (23 steps a rank): no exchange in the first epoch. Rank 1
+    # sleeps SLOW_STEP_S in each step; rank 0's clock must still cover rank 1's epoch, as the next
+    # exchange would have made it wait. The curve's copy at the epoch's end synchronizes, and its
+    # time is left out: the wait before it must not be (it was, until the barrier on the clock).
+    result = workers.run(f"{__name__}:_body_slow_rank", algorithm=algorithm, options=options)[0]
+    steps_per_epoch = result["steps"] // 2
+    for epoch, end_s in enumerate(result["epoch_end_s"]):
+        assert end_s >= (epoch + 1) * steps_per_epoch * SLOW_STEP_S, result
+    assert len(result["paused_s"]) == 2
+
+
 def _body_recompute_bn(rank: int, world_size: int) -> dict | None:
     results = _train_with_and_without(
         "recompute_bn",
