@@ -10,7 +10,8 @@ ranks share cores, a synchronous step waits for the slowest rank far beyond the 
 cost model counts, and the time outside the exchange is the estimate of the local step that
 the exact step's time is not (``bunsan.algorithms.auto.split_compute``). "exact held" holds
 every bucket until backward's end (as Auto's first step does) and also gives the time from
-the step's start to backward's end, with no exchange running beside the compute::
+the step's start to backward's end, with no exchange running beside the compute. ``--window W``
+also prints the slowest rank's median step over every W steps of each run (a drift within a run)::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_wait.py --workers 4 \
         --model mnist1d_cnn --batch 32
@@ -107,6 +108,9 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(SHAPES), default="mnist1d_cnn")
     parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--window", type=int, default=0, help="also print each run's median step over every WINDOW timed steps"
+    )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -139,6 +143,10 @@ def main() -> None:
                 before = [med(run["before"]) for run in runs]
                 line += f"; before backward's end {' '.join(f'{b * 1e3:.2f}' for b in before)}"
             print(line)
+            if args.window:  # the slowest rank's step, median per window: does the step drift within a run?
+                slowest = [max(run["step"][i] for run in runs) for i in range(len(runs[0]["step"]))]
+                medians = [med(slowest[i : i + args.window]) * 1e3 for i in range(0, len(slowest), args.window)]
+                print(f"{'':16s}     per {args.window} steps (ms) {' '.join(f'{m:.1f}' for m in medians)}")
 
 
 if __name__ == "__main__":
