@@ -1,0 +1,128 @@
+"""Exact SGD's steps against model averaging's local steps, interleaved in one pair of processes.
+
+``exchange_wait.py`` runs exact SGD and model averaging one after the other, so a change in the
+machine's speed between the runs (on the 2-core machine of the docs the same step moves by 30%
+within a minute) reads as a difference between the algorithms. Here every rank builds both, on
+two copies of one model, and alternates ``--chunk`` steps of exact SGD with ``--chunk`` steps of
+model averaging (blocks of 32 steps), ``--pairs`` times; each chunk's first step is untimed. Per
+pair it prints the slowest rank's median exact step, the ranks' mean time of it outside the
+exchange (``Auto``'s measure of the local compute), and the slowest rank's median local step of
+model averaging (the steps that end a block, with their exchange, left out), then the medians
+over the pairs of the ratios local / exact and local / outside. A ratio local / outside under 1
+means an exact step's compute runs slower than the same compute without an exchange beside it::
+
+    OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_interleaved.py --workers 2 \\
+        --model resnet20 --batch 32 --chunk 20 --pairs 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from exchange_wait import SHAPES, _free_port
+
+BLOCK_STEPS = 32
+
+
+def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    import bunsan
+    from bunsan import models
+
+    x = torch.randn(args.batch, *SHAPES[args.model], generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(rank))
+    built = {}
+    for name, algorithm, options in (
+        ("exact", "data_parallel", {}),
+        ("local", "model_averaging", {"block_size": BLOCK_STEPS * args.batch}),
+    ):
+        torch.manual_seed(0)
+        model = models.create(args.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        built[name] = bunsan.distribute(model, optimizer, algorithm, **options)
+    pairs: list[dict[str, list[float]]] = []
+    local_steps = 0
+    for _ in range(args.pairs):
+        found: dict[str, list[float]] = {"exact": [], "outside": [], "local": []}
+        for name in ("exact", "local"):
+            model, optimizer = built[name]
+            inner = optimizer.algorithm
+            dist.barrier()
+            last = time.perf_counter()
+            for i in range(args.chunk):
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                now = time.perf_counter()
+                if name == "local":
+                    local_steps += 1
+                    if i > 0 and local_steps % BLOCK_STEPS:  # not a step that ended a block
+                        found["local"].append(now - last)
+                else:
+                    waited = inner.exchange_s
+                    inner.exchange_s = 0.0
+                    if i > 0:
+                        found["exact"].append(now - last)
+                        found["outside"].append(now - last - waited)
+                last = now
+        pairs.append(found)
+    for _, optimizer in built.values():
+        optimizer.join()
+    queue.put((rank, pairs))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="resnet20")
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    parser.add_argument("--chunk", type=int, default=20, help="steps of each algorithm in a row")
+    parser.add_argument("--pairs", type=int, default=8, help="chunks of each")
+    args = parser.parse_args()
+    if args.chunk < 3 or args.pairs < 1:
+        parser.error("--chunk must be at least 3 and --pairs at least 1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_body, args=(r, args.workers, port, args, queue)) for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    med = statistics.median
+    print(
+        f"{args.model}, {args.workers} workers, {args.batch} samples per worker, chunks of {args.chunk} steps; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print("pair  exact step (ms)  outside its exchange (ms)  MA local step (ms)  local/exact  local/outside")
+    by_exact, by_outside = [], []
+    for k in range(args.pairs):
+        ranks = [results[r][k] for r in range(args.workers)]
+        exact = max(med(found["exact"]) for found in ranks)
+        outside = sum(med(found["outside"]) for found in ranks) / args.workers
+        local = max(med(found["local"]) for found in ranks)
+        by_exact.append(local / exact)
+        by_outside.append(local / outside)
+        print(
+            f"{k + 1:4d}  {exact * 1e3:15.1f}  {outside * 1e3:25.1f}  {local * 1e3:18.1f}  "
+            f"{by_exact[-1]:11.2f}  {by_outside[-1]:13.2f}"
+        )
+    print(
+        f"median over pairs: local/exact {med(by_exact):.2f} ({min(by_exact):.2f}-{max(by_exact):.2f}), "
+        f"local/outside {med(by_outside):.2f} ({min(by_outside):.2f}-{max(by_outside):.2f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
