@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exchange_wait import SHAPES, _free_port
+from exchange_wait import SHAPES, run_ranks
 
 BLOCK_STEPS = 32
 
@@ -91,15 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.chunk < 3 or args.pairs < 1:
         parser.error("--chunk must be at least 3 and --pairs at least 1")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_body, args=(r, args.workers, port, args, queue)) for r in range(args.workers)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_body, args.workers, (args,))
     med = statistics.median
     print(
         f"{args.model}, {args.workers} workers, {args.batch} samples per worker, chunks of {args.chunk} steps; "

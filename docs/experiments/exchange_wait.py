@@ -24,6 +24,8 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +104,20 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
     dist.destroy_process_group()
 
 
+def run_ranks(body: Callable[..., None], workers: int, args: tuple, timeout_s: float = 1800) -> dict[int, Any]:
+    """``body(rank, workers, port, *args, queue)`` in ``workers`` spawned processes; each puts ``(rank, result)``."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=body, args=(r, workers, port, *args, queue)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -112,18 +128,7 @@ def main() -> None:
         "--window", type=int, default=0, help="also print each run's median step over every WINDOW timed steps"
     )
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_body, args=(r, args.workers, port, args.model, args.batch, args.steps, queue))
-        for r in range(args.workers)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_ranks(_body, args.workers, (args.model, args.batch, args.steps))
     n = args.workers
     med = statistics.median
     print(f"{args.model}, {n} workers, {args.batch} samples per worker; load average {os.getloadavg()[0]:.2f}")
