@@ -89,8 +89,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=20, help="steps of each algorithm in a row")
     parser.add_argument("--pairs", type=int, default=8, help="chunks of each")
     args = parser.parse_args()
-    if args.chunk < 3 or args.pairs < 1:
-        parser.error("--chunk must be at least 3 and --pairs at least 1")
+    if args.chunk < 3 or args.pairs < 1 or args.workers < 1 or args.batch < 1:
+        parser.error("--chunk must be at least 3, and --pairs, --workers and --batch at least 1")
     results = run_ranks(_body, args.workers, (args,))
     med = statistics.median
     print(

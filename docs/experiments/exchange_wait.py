@@ -128,6 +128,8 @@ def main() -> None:
         "--window", type=int, default=0, help="also print each run's median step over every WINDOW timed steps"
     )
     args = parser.parse_args()
+    if args.workers < 1 or args.batch < 1 or args.steps < 4 or args.window < 0:
+        parser.error("--workers and --batch must be at least 1, --steps at least 4 (3 are untimed), --window 0 or more")
     results = run_ranks(_body, args.workers, (args.model, args.batch, args.steps))
     n = args.workers
     med = statistics.median
