@@ -239,7 +239,7 @@ class _EarlyMeasures(NamedTuple):
 
     network: cm.Network
     codec: dict[str, float]
-    codecs: tuple[tuple[int, float, float, float], ...]
+    codecs: tuple[tuple[int | float, ...], ...]
     network_s: float  # seconds the network probe took
     spent_s: float  # seconds that whole measuring took
     # the fixed-cost probes run so far (the check at MIN_TIMED steps runs them; the first step does not)
@@ -908,7 +908,7 @@ class Auto(Algorithm):
         overlap: bool,
         fixed: dict[str, float],
         codec: dict[str, float],
-        codecs: tuple[tuple[int, float, float, float], ...],
+        codecs: tuple[tuple[int | float, ...], ...],
         local_s: float | None = None,
     ) -> tuple[cm.Profile, float, list[cm.Candidate], list[cm.Prediction]]:
         """Rank 0: the profile, the compute (measured as ``local_s`` or inferred: :func:`split_compute`),
@@ -996,7 +996,7 @@ class Auto(Algorithm):
         network_s = time.perf_counter() - started
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         codec: dict[str, float] = {}
-        codecs: tuple[tuple[int, float, float, float], ...] = ()
+        codecs: tuple[tuple[int | float, ...], ...] = ()
         fixed: dict[str, float] = {}
         probed: set[str] = set()  # the probe families run, by this attempt or an earlier one
         earlier_probe_s = 0.0  # seconds an earlier attempt's probes took

@@ -69,6 +69,7 @@ __all__ = [
     "block_steps",
     "bucket_sizes",
     "burst_credit",
+    "codec_call_counts",
     "codec_calls",
     "compute_with_stragglers",
     "default_candidates",
@@ -131,14 +132,22 @@ class Profile:
         chunks: quantization chunks of 512 when every tensor is cut on its own (its
             last chunk short); ``None``: ``ceil(params / 512)``, as if one tensor.
         codec_call_s: fixed time of one encode or decode call, whatever its size
-            (dominant for small models on CPU, and on a GPU, where a call is its kernel launches).
+            (dominant for small models on CPU, and on a GPU, where a call is its kernel launches):
+            the mean of the two, for a profile that does not time them apart.
+        encode_call_s, decode_call_s: the fixed time of one encode call and of one decode call,
+            timed apart (``None``: ``codec_call_s`` for each). They differ: on the H100 of the
+            docs one encode (with its error feedback) cost 2-3 decodes, and on the 2-core CPU a
+            one-chunk 2-bit encode 4-5 decodes; at 2 workers the one-call codec makes one encode
+            and four decodes per bucket, which the mean priced 93% over the exchange's own codec
+            work (docs/plan.md, "On a GPU").
         codec_per_bucket: the striped exchange codes a bucket in one call per phase
             (:func:`bunsan.algorithms.data_parallel.stripes.coded_per_bucket`: on a GPU) instead
             of one call per segment (:func:`codec_calls`).
         codecs: the codec at other bit widths, ``(bits, encode_s_per_element,
-            decode_s_per_element, codec_call_s)`` each; a quantized candidate of those bits
-            uses its own entry (8-bit encoding costs several times 1-bit's per element on
-            CPU), any other the three fields above.
+            decode_s_per_element, codec_call_s)`` each, or with ``encode_call_s`` and
+            ``decode_call_s`` after them; a quantized candidate of those bits uses its own entry
+            (8-bit encoding costs several times 1-bit's per element on CPU), any other the
+            fields above.
         fixed_s: seconds a candidate costs beyond what the model counts (the framework's
             hooks and bookkeeping, the in-situ latency of waking the backend's threads),
             ``(label, seconds)`` per candidate label: per step, but per block for the block
@@ -161,9 +170,11 @@ class Profile:
     tensors: int = 1
     codec_call_s: float = 0.0
     chunks: int | None = None
-    codecs: tuple[tuple[int, float, float, float], ...] = ()
+    codecs: tuple[tuple[int | float, ...], ...] = ()
     fixed_s: tuple[tuple[str, float], ...] = ()
     codec_per_bucket: bool = False
+    encode_call_s: float | None = None
+    decode_call_s: float | None = None
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -181,7 +192,21 @@ class Profile:
             "copy_s_per_element",
         ):
             check_seconds(name, getattr(self, name), zero=True)
-        for bits, *costs in self.codecs:
+        for name in ("encode_call_s", "decode_call_s"):
+            if getattr(self, name) is not None:
+                check_seconds(name, getattr(self, name), zero=True)
+        if (self.encode_call_s is None) != (self.decode_call_s is None):
+            raise ValueError(
+                "encode_call_s and decode_call_s go together (the two calls timed apart); "
+                f"got {self.encode_call_s!r} and {self.decode_call_s!r}"
+            )
+        for entry in self.codecs:
+            if len(entry) not in (4, 6):
+                raise ValueError(
+                    "each codecs entry is (bits, encode_s_per_element, decode_s_per_element, codec_call_s"
+                    f"[, encode_call_s, decode_call_s]); got {entry!r}"
+                )
+            bits, *costs = entry
             check_int("codecs bits", bits, minimum=1, maximum=16)
             for cost in costs:
                 check_seconds("codecs cost", cost, zero=True)
@@ -189,12 +214,19 @@ class Profile:
             check_type("fixed_s label", label, str)
             check_number("fixed_s seconds", seconds)  # may be negative: the model may count more than the probe saw
 
-    def codec(self, bits: int) -> tuple[float, float, float]:
-        """``(encode_s_per_element, decode_s_per_element, codec_call_s)`` of the codec at ``bits``."""
-        for b, encode, decode, call in self.codecs:
-            if b == bits:
-                return encode, decode, call
-        return self.encode_s_per_element, self.decode_s_per_element, self.codec_call_s
+    def codec(self, bits: int) -> tuple[float, float, float, float]:
+        """``(encode_s_per_element, decode_s_per_element, encode_call_s, decode_call_s)`` of the codec at
+        ``bits``; where the calls were not timed apart, ``codec_call_s`` for each."""
+        for entry in self.codecs:
+            if entry[0] == bits:
+                encode, decode, call = (float(v) for v in entry[1:4])
+                calls = (float(entry[4]), float(entry[5])) if len(entry) == 6 else (call, call)
+                return encode, decode, *calls
+        if self.encode_call_s is not None and self.decode_call_s is not None:
+            calls = (self.encode_call_s, self.decode_call_s)
+        else:
+            calls = (self.codec_call_s, self.codec_call_s)
+        return self.encode_s_per_element, self.decode_s_per_element, *calls
 
     def fixed(self, label: str) -> float:
         """The measured fixed seconds of the candidate ``label``; else of its algorithm (the label's
@@ -325,24 +357,31 @@ def compute_with_stragglers(times: Sequence[Sequence[float]]) -> tuple[float, fl
     return mean, slowest - mean
 
 
-def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = False) -> float:
-    """Encode and decode calls per step of the striped exchange.
+def codec_call_counts(tensors: int, buckets: int, workers: int, per_bucket: bool = False) -> tuple[float, float]:
+    """``(encode calls, decode calls)`` per step of the striped exchange.
 
-    Each segment coded on its own (CPU): a stripe cut meets about ``tensors + workers``
+    Each segment coded on its own (CPU): a stripe cut meets about ``S = tensors + workers``
     segments per bucket (:func:`bunsan.algorithms.data_parallel.plan_stripes` cuts at
-    parameter and stripe ends): encode all of them, decode the received ones, encode the
-    own stripe (``tensors / N + 1``), decode the gathered ones: ``3 (T + B N) + T / N + B``.
-    ``per_bucket`` (:class:`bunsan.compression.segments.SegmentCodec`, a GPU): per bucket one
-    encode, one decode of every rank's payload of the own stripe, one encode of their sum and
-    one decode of the gathered stripes, ``4 B``; at 2 workers one encode and four decodes
-    (each rank's payload of each stripe), ``5 B``.
+    parameter and stripe ends): encode all of them (``T + B N``), decode the received ones
+    (``T + B N``), encode the own stripe (``T / N + B``), decode the gathered ones (``T + B N``):
+    ``T + B N + T / N + B`` encodes and ``2 (T + B N)`` decodes. ``per_bucket``
+    (:class:`bunsan.compression.segments.SegmentCodec`, a GPU): per bucket one encode, one
+    decode of every rank's payload of the own stripe, one encode of their sum and one decode
+    of the gathered stripes, ``2 B`` each; at 2 workers one encode and four decodes (each
+    rank's payload of each stripe).
     """
     if workers <= 1:
-        return 0.0
+        return 0.0, 0.0
     if per_bucket:
-        return (5 if workers == 2 else 4) * buckets
+        return (1.0 * buckets, 4.0 * buckets) if workers == 2 else (2.0 * buckets, 2.0 * buckets)
     segments = tensors + buckets * workers
-    return 3 * segments + tensors / workers + buckets
+    return segments + tensors / workers + buckets, 2.0 * segments
+
+
+def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = False) -> float:
+    """Encode and decode calls per step of the striped exchange, together (:func:`codec_call_counts`):
+    ``3 (T + B N) + T / N + B`` coded per segment, ``4 B`` per bucket (``5 B`` at 2 workers)."""
+    return sum(codec_call_counts(tensors, buckets, workers, per_bucket))
 
 
 # -- the algorithms -----------------------------------------------------------------------------
@@ -460,14 +499,16 @@ def predict(
                 striped_exchange_bytes(int(b // profile.bytes_per_element), bits, n, chunk, bucket_chunks(b))
                 for b in buckets
             )
-            encode_s, decode_s, call_s = profile.codec(bits)
+            encode_s, decode_s, encode_call_s, decode_call_s = profile.codec(bits)
+            encodes, decodes = codec_call_counts(profile.tensors, len(buckets), n, profile.codec_per_bucket)
             codec = (
                 0.0
                 if n == 1
                 else (
                     encode_s * profile.params * (1 + 1 / n)
                     + decode_s * profile.params * 2
-                    + call_s * codec_calls(profile.tensors, len(buckets), n, profile.codec_per_bucket)
+                    + encode_call_s * encodes
+                    + decode_call_s * decodes
                 )
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own

@@ -81,6 +81,8 @@ CODEC_FIELDS = (
     "encode_s_per_element",
     "decode_s_per_element",
     "codec_call_s",
+    "encode_call_s",
+    "decode_call_s",
     "cast_s_per_element",
     "copy_s_per_element",
 )
@@ -96,7 +98,9 @@ def measure_codec(
     device: torch.device | str | None = None,
 ) -> dict[str, float]:
     """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
-    fixed seconds of one call (``codec_call_s``), and the seconds per element of a cast to float16 and
+    fixed seconds of one encode call and of one decode call (``encode_call_s``, ``decode_call_s``: a
+    one-chunk encode and decode, timed apart; ``codec_call_s`` their mean), and the seconds per element
+    of a cast to float16 and
     back (``cast_s_per_element``), and of one float32 copy (``copy_s_per_element``: a pass over the
     parameters in memory, as async SGD's in-process exchange makes).
 
@@ -147,8 +151,10 @@ def measure_codec(
         def decode_fn() -> None:
             whole.decode(payload, out)
 
-        def call_fn() -> None:
+        def encode_call_fn() -> None:
             one.encode(x, payload, residual)
+
+        def decode_call_fn() -> None:
             one.decode(payload, out)
 
     else:
@@ -160,22 +166,30 @@ def measure_codec(
         def decode_fn() -> None:
             quantizer.decode(payload, numel, out=out)
 
-        def call_fn() -> None:
+        def encode_call_fn() -> None:
             quantizer.encode_with_feedback(x[:small], residual[:small], out=small_payload)
+
+        def decode_call_fn() -> None:
             quantizer.decode(small_payload, small, out=out[:small])
 
     encode_fn()  # warm up
     encode = timed(encode_fn, repeats)
     decode = timed(decode_fn, repeats)
-    # the fixed cost of one call: encode + decode of one small chunk, halved
-    call = timed(call_fn, max(repeats, 9)) / 2
+    # the fixed cost of one call of each kind: one small chunk's (an encode and its error feedback cost
+    # several decodes: 2-3 on an H100, 4-5 for 2 bits on CPU)
+    encode_call_fn()
+    decode_call_fn()
+    encode_call = timed(encode_call_fn, max(repeats, 9))
+    decode_call = timed(decode_call_fn, max(repeats, 9))
     half = torch.empty(numel, dtype=torch.float16, device=device)
     cast = timed(lambda: (half.copy_(x), out.copy_(half)), repeats)
     copy = timed(lambda: out.copy_(x), repeats)
     found = {
-        "encode_s_per_element": max(0.0, encode - call) / numel,
-        "decode_s_per_element": max(0.0, decode - call) / numel,
-        "codec_call_s": call,
+        "encode_s_per_element": max(0.0, encode - encode_call) / numel,
+        "decode_s_per_element": max(0.0, decode - decode_call) / numel,
+        "codec_call_s": (encode_call + decode_call) / 2,
+        "encode_call_s": encode_call,
+        "decode_call_s": decode_call,
         "cast_s_per_element": cast / numel,
         "copy_s_per_element": copy / numel,
     }
@@ -183,6 +197,7 @@ def measure_codec(
         slowest = torch.tensor([found[k] for k in CODEC_FIELDS], dtype=torch.float64, device=comm.tensor_device(group))
         comm.all_reduce(slowest, op="max", group=group)
         found = dict(zip(CODEC_FIELDS, slowest.tolist()))
+        found["codec_call_s"] = (found["encode_call_s"] + found["decode_call_s"]) / 2  # of the slowest calls
     return found
 
 
@@ -292,13 +307,22 @@ def measure_codecs(
     collective: bool = False,
     group: Any = None,
     device: torch.device | str | None = None,
-) -> tuple[tuple[int, float, float, float], ...]:
+) -> tuple[tuple[int, float, float, float, float, float], ...]:
     """:func:`measure_codec` at each width of ``bits``, as :attr:`bunsan.algorithms.cost_model.Profile.codecs`
     (``collective``: as there, every rank at once, the slowest rank's figures)."""
     found = []
     for b in sorted(set(bits)):
         codec = measure_codec(numel, b, repeats=repeats, collective=collective, group=group, device=device)
-        found.append((b, codec["encode_s_per_element"], codec["decode_s_per_element"], codec["codec_call_s"]))
+        found.append(
+            (
+                b,
+                codec["encode_s_per_element"],
+                codec["decode_s_per_element"],
+                codec["codec_call_s"],
+                codec["encode_call_s"],
+                codec["decode_call_s"],
+            )
+        )
     return tuple(found)
 
 

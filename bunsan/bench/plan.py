@@ -355,9 +355,11 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "encode_s_per_element",
         "decode_s_per_element",
         "codec_call_s",
+        "encode_call_s",
+        "decode_call_s",
         "cast_s_per_element",
     ):
-        if key in measured:
+        if measured.get(key) is not None:  # a job of an older bunsan: the mean call for both
             profile[key] = float(measured[key])
     if measured.get("codecs"):
         profile["codecs"] = tuple(tuple(c) for c in measured["codecs"])
@@ -594,6 +596,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                     "encode_s_per_element",
                     "decode_s_per_element",
                     "codec_call_s",
+                    "encode_call_s",
+                    "decode_call_s",
                     "cast_s_per_element",
                     "copy_s_per_element",
                     "tensors",

@@ -2,8 +2,10 @@
 
 ``bunsan plan --device`` and Auto predict a quantized step's codec time from
 :func:`bunsan.bench.measure.measure_codec` (seconds per element of encode and decode, and the
-fixed cost of one call, from a one-chunk encode + decode halved) and the count of calls
-(:func:`bunsan.algorithms.cost_model.codec_calls`). This script measures that profile and the
+fixed cost of one encode call and of one decode call, each a one-chunk call) and the count of
+calls of each kind (:func:`bunsan.algorithms.cost_model.codec_call_counts`). Each row also
+prints what the model predicted before the two calls were timed apart (every call at their
+mean, ``codec_calls`` of them: "mean"). This script measures that profile and the
 exchange's codec work of one step (``gpu_codec_calls._one_step_s``: the exchange's own
 ``_launch_stripes`` / ``_finish_stripes``, collectives stubbed) alternately, ``--rounds`` times,
 and prints both, with the fixed-cost probe's parts (the one-chunk encode and decode apart) and
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bunsan import models
-from bunsan.algorithms.cost_model import codec_calls
+from bunsan.algorithms.cost_model import codec_call_counts
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.algorithms.data_parallel.buckets import build_buckets
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
@@ -100,18 +102,29 @@ def main() -> None:
             for workers in [int(n) for n in args.workers.split(",")]:
                 os.environ["BUNSAN_CODEC_CALLS"] = "bucket" if per_bucket else "segment"
                 measured = calls._one_step_s(named, bits, workers, 7, device)
-                count = codec_calls(len(named), len(buckets), workers, per_bucket)
+                encodes, decodes = codec_call_counts(len(named), len(buckets), workers, per_bucket)
+                count = encodes + decodes
                 predicted = (
                     profile["encode_s_per_element"] * params * (1 + 1 / workers)
                     + profile["decode_s_per_element"] * params * 2
-                    + profile["codec_call_s"] * count
+                    + profile["encode_call_s"] * encodes
+                    + profile["decode_call_s"] * decodes
                 )
+                # the model before the split: per-element costs net of the mean call, every call at the mean
+                numel = max(1, min(params, 4_000_000))  # as measure_codec caps it
+                mean_call = profile["codec_call_s"]
+                encode_el = max(0.0, profile["encode_s_per_element"] * numel + profile["encode_call_s"] - mean_call) / numel
+                decode_el = max(0.0, profile["decode_s_per_element"] * numel + profile["decode_call_s"] - mean_call) / numel
+                predicted_mean = encode_el * params * (1 + 1 / workers) + decode_el * params * 2 + mean_call * count
                 row = {
                     "round": round_,
                     "bits": bits,
                     "workers": workers,
                     "calls": count,
+                    "encode_calls": encodes,
+                    "decode_calls": decodes,
                     "predicted_s": predicted,
+                    "predicted_mean_s": predicted_mean,
                     "measured_s": measured,
                     **profile,
                     **parts,
@@ -119,9 +132,11 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"round {round_} {bits:2d} bit {workers:4d} workers: predicted {predicted * 1e3:7.2f} ms"
-                    f" (call {profile['codec_call_s'] * 1e3:.3f} ms x {count:g}, encode"
-                    f" {profile['encode_s_per_element'] * 1e9:.2f} ns/el) measured {measured * 1e3:7.2f} ms"
-                    f" ({predicted / measured - 1:+.0%})"
+                    f" (encode call {profile['encode_call_s'] * 1e3:.3f} ms x {encodes:g}, decode call"
+                    f" {profile['decode_call_s'] * 1e3:.3f} ms x {decodes:g}, encode"
+                    f" {profile['encode_s_per_element'] * 1e9:.2f} ns/el; mean {predicted_mean * 1e3:.2f} ms)"
+                    f" measured {measured * 1e3:7.2f} ms ({predicted / measured - 1:+.0%}; mean"
+                    f" {predicted_mean / measured - 1:+.0%})"
                     + (
                         f"; probe encode {parts['one_encode_s'] * 1e3:.3f} decode {parts['one_decode_s'] * 1e3:.3f} ms,"
                         f" bucket encode {parts['bucket_encode_s'] * 1e3:.3f} decode"
@@ -134,9 +149,11 @@ def main() -> None:
         for workers in sorted({r["workers"] for r in rows}):
             mine = [r for r in rows if r["bits"] == bits and r["workers"] == workers]
             p = statistics.median(r["predicted_s"] for r in mine)
+            pm = statistics.median(r["predicted_mean_s"] for r in mine)
             m = statistics.median(r["measured_s"] for r in mine)
             print(
-                f"median {bits:2d} bit {workers:4d} workers: predicted {p * 1e3:.2f} ms, measured {m * 1e3:.2f} ms ({p / m - 1:+.0%})"
+                f"median {bits:2d} bit {workers:4d} workers: predicted {p * 1e3:.2f} ms, measured {m * 1e3:.2f} ms"
+                f" ({p / m - 1:+.0%}); every call at the mean {pm * 1e3:.2f} ms ({pm / m - 1:+.0%})"
             )
     if args.json:
         with open(args.json, "w") as f:

@@ -6,8 +6,8 @@
 # Wheels of what that python lacks (mnist1d, optuna and its needs) may sit in .whl/: they are
 # installed into /tmp/site first. bunsan itself is installed editable, without dependencies.
 # Writes OUT_DIR/log.txt (everything, in order), gpu_check.json, codec_calls.json,
-# codec_calls_rotated.json, plan_resnet20_b128.json and suite.txt (the whole suite, on as many
-# pytest processes as the machine has cores / 4, one test file to each at a time, cut at
+# codec_calls_rotated.json, codec_calibration.json, plan_resnet20_b128.json and suite.txt
+# (the whole suite, on as many pytest processes as the machine has cores / 4, one test file to each at a time, cut at
 # SUITE_SECONDS, default 300). The exit status is the number of failed steps.
 set -u
 out=${1:?OUT_DIR}
@@ -36,6 +36,7 @@ step gpu_check python3 docs/experiments/gpu_check.py --json "$out/gpu_check.json
 step pytest_gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests
 step codec_calls python3 docs/experiments/gpu_codec_calls.py --json "$out/codec_calls.json"
 step codec_calls_rotated python3 docs/experiments/gpu_codec_calls.py --bits 1 --rotate --json "$out/codec_calls_rotated.json"
+step codec_calibration python3 docs/experiments/gpu_codec_calibration.py --rounds 3 --json "$out/codec_calibration.json"
 step plan python3 -m bunsan plan --model resnet20 --device cuda --batch 128 --workers 8,32,256 --link 25gbit \
     --latency 10us --png /tmp/plan.png --json "$out/plan_resnet20_b128.json"
 workers=$(($(nproc) / 4))

@@ -1,5 +1,7 @@
 """The cost model's arithmetic, against values worked out by hand (comments show the sums)."""
 
+from dataclasses import replace
+
 import pytest
 
 from bunsan.algorithms import cost_model as cm
@@ -96,6 +98,43 @@ def test_quantized_prediction_adds_the_codec():
     assert cm.predict(batched, net, Candidate("data_parallel", {"bits": 1}), 4).codec_s == pytest.approx(4e-4, rel=1e-2)
     rotated = Candidate("data_parallel", {"bits": 1, "rotate": True})
     assert cm.predict(batched, net, rotated, 4).codec_s == pytest.approx(4e-4, rel=1e-2)
+
+
+def test_encode_and_decode_calls_are_priced_apart():
+    # per segment, 10 tensors, 1 bucket, 4 workers: S = 10 + 4 = 14 segments; encode them all and the
+    # own stripe (10 / 4 + 1), decode the received and the gathered ones (2 x 14)
+    assert cm.codec_call_counts(10, 1, 4) == pytest.approx((14 + 3.5, 28))
+    assert sum(cm.codec_call_counts(10, 1, 4)) == pytest.approx(cm.codec_calls(10, 1, 4))
+    # per bucket: at 2 workers one encode and four decodes a bucket; from 3 workers two of each
+    assert cm.codec_call_counts(10, 3, 2, per_bucket=True) == (3, 12)
+    assert cm.codec_call_counts(10, 3, 8, per_bucket=True) == (6, 6)
+    assert cm.codec_call_counts(10, 3, 1) == (0, 0)
+    net = Network(latency_s=0.0, bandwidth=1e12)
+    one_bit = Candidate("data_parallel", {"bits": 1})
+    # an encode call 3e-4 s, a decode 1e-4 s (an encode costs 3 decodes): 1 x 3e-4 + 4 x 1e-4 at 2 workers,
+    # where the mean (2e-4 for each of 5 calls) would price 1e-3
+    split = Profile(
+        compute_s=1.0,
+        params=1000,
+        tensors=10,
+        codec_call_s=2e-4,
+        encode_call_s=3e-4,
+        decode_call_s=1e-4,
+        codec_per_bucket=True,
+    )
+    assert cm.predict(split, net, one_bit, 2).codec_s == pytest.approx(7e-4, rel=1e-3)
+    assert cm.predict(replace(split, encode_call_s=None, decode_call_s=None), net, one_bit, 2).codec_s == (
+        pytest.approx(1e-3, rel=1e-3)
+    )
+    # at 4 workers two of each: 2 x 3e-4 + 2 x 1e-4, the same as the mean's 4 x 2e-4
+    assert cm.predict(split, net, one_bit, 4).codec_s == pytest.approx(8e-4, rel=1e-2)
+    # a width's own entry with its calls apart; a 4-entry one takes its mean call for both
+    widths = Profile(compute_s=1.0, params=1000, codecs=((8, 4e-9, 1e-9, 2e-4, 3e-4, 1e-4), (2, 1e-9, 1e-9, 5e-5)))
+    assert widths.codec(8) == (4e-9, 1e-9, 3e-4, 1e-4) and widths.codec(2) == (1e-9, 1e-9, 5e-5, 5e-5)
+    with pytest.raises(ValueError, match="go together"):
+        Profile(compute_s=1.0, params=1, encode_call_s=1e-4)
+    with pytest.raises(ValueError, match="each codecs entry"):
+        Profile(compute_s=1.0, params=1, codecs=((8, 1e-9, 1e-9, 1e-4, 1e-4),))
 
 
 def test_block_algorithms_amortize_one_allreduce():
@@ -246,7 +285,7 @@ def test_codec_per_bit_width_and_measured_fixed_costs():
         codecs=((8, 4e-9, 1e-9, 1e-4),),
         fixed_s=(("exact", 2e-3), ("8-bit", 1e-3), ("block_momentum:320", 5e-4), ("async", 3e-4)),
     )
-    assert profile.codec(8) == (4e-9, 1e-9, 1e-4) and profile.codec(1) == (1e-9, 2e-9, 0.0)
+    assert profile.codec(8) == (4e-9, 1e-9, 1e-4, 1e-4) and profile.codec(1) == (1e-9, 2e-9, 0.0, 0.0)
     assert profile.fixed("exact") == 2e-3 and profile.fixed("fp16") == 0.0
     assert profile.fixed("async:sync_period=64") == 3e-4  # by algorithm where the label is not listed
     net = Network(latency_s=0.0, bandwidth=1e12)
@@ -304,9 +343,10 @@ def test_measure_codecs_one_entry_per_width():
     found = measure_codecs(4096, (8, 1, 8), repeats=1)
     assert [entry[0] for entry in found] == [1, 8]  # sorted, once each
     profile = Profile(compute_s=1.0, params=4096, codecs=found)
-    for bits, encode, decode, call in found:
-        assert profile.codec(bits) == (encode, decode, call)
-        assert encode >= 0 and decode >= 0 and call > 0
+    for bits, encode, decode, call, encode_call, decode_call in found:
+        assert profile.codec(bits) == (encode, decode, encode_call, decode_call)
+        assert encode >= 0 and decode >= 0 and encode_call > 0 and decode_call > 0
+        assert call == pytest.approx((encode_call + decode_call) / 2)  # the mean, for older readers
 
 
 def test_a_token_bucket_passes_its_burst_after_an_idle_compute():

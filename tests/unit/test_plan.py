@@ -239,6 +239,52 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     assert got["predictions"][0]["compute_s"] == pytest.approx(0.040)  # back at 4 workers: the job's own compute
 
 
+def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, capsys):
+    from bunsan.algorithms import cost_model as cm
+
+    split = {
+        "encode_call_s": 9e-6,
+        "decode_call_s": 1e-6,
+        "codecs": [[8, 3e-9, 2e-9, 6e-6, 10e-6, 2e-6], [2, 2.5e-9, 1.5e-9, 5e-6, 8e-6, 2e-6]],
+    }
+    (tmp_path / "decision.json").write_text(json.dumps(_auto_decision(**split)))
+    record = tmp_path / "plan.json"
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2,16", "--png", str(tmp_path / "p.png")]
+    assert main([*argv, "--json", str(record)]) == 0
+    capsys.readouterr()
+    m = _auto_decision(**split)["measured"]
+    profile = cm.Profile(
+        compute_s=0.040,
+        params=1_000_000,
+        batch=16,
+        encode_s_per_element=2e-9,
+        decode_s_per_element=1e-9,
+        codec_call_s=5e-6,
+        encode_call_s=9e-6,
+        decode_call_s=1e-6,
+        cast_s_per_element=0.5e-9,
+        codecs=tuple(tuple(c) for c in split["codecs"]),
+        tensors=6,
+        chunks=1956,
+    )
+    network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
+    expected = cm.predict_all(profile, network, cm.default_candidates(1024), [2, 16], overlap=False)
+    got = json.loads(record.read_text())["predictions"]
+    assert [p["label"] for p in got] == [p.label for p in expected]
+    for p, q in zip(got, expected):
+        assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
+    # the split moves the quantized rows: the same record with every call at the mean predicts otherwise
+    mean = cm.predict_all(
+        cm.Profile(**{**vars(profile), "encode_call_s": None, "decode_call_s": None, "codecs": ()}),
+        network,
+        cm.default_candidates(1024),
+        [2],
+        overlap=False,
+    )
+    one_bit = next(p for p in got if p["label"] == "1-bit" and p["workers"] == 2)
+    assert one_bit["step_s"] != pytest.approx(next(p.step_s for p in mean if p.label == "1-bit"), rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [
