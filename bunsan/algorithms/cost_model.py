@@ -75,6 +75,7 @@ __all__ = [
     "default_candidates",
     "exposed_communication",
     "fit_line",
+    "mean_call_profile",
     "network_from_timings",
     "predict",
     "predict_all",
@@ -376,6 +377,31 @@ def codec_call_counts(tensors: int, buckets: int, workers: int, per_bucket: bool
         return (1.0 * buckets, 4.0 * buckets) if workers == 2 else (2.0 * buckets, 2.0 * buckets)
     segments = tensors + buckets * workers
     return segments + tensors / workers + buckets, 2.0 * segments
+
+
+def mean_call_profile(profile: Profile, timed_numel: int) -> Profile:
+    """``profile`` as the model priced it before encode and decode calls were timed apart: every call
+    at their mean (``codec_call_s``), and each per-element cost net of that mean instead of its own
+    call. ``timed_numel``: the elements of the whole encode and decode that measured the per-element
+    costs (:func:`bunsan.algorithms.measure.measure_codec` caps it at ``CODEC_NUMEL_CAP``). For checks
+    that compare both models on one measured profile (``bunsan bench predict``,
+    ``docs/experiments/gpu_codec_calibration.py``); a profile without the split comes back unchanged."""
+
+    def renet(per_element: float, own_call: float, mean: float) -> float:
+        return max(0.0, per_element * timed_numel + own_call - mean) / timed_numel
+
+    codecs = []
+    for entry in profile.codecs:
+        if len(entry) == 6:
+            bits, encode, decode, mean, encode_call, decode_call = entry
+            entry = (bits, renet(encode, encode_call, mean), renet(decode, decode_call, mean), mean)
+        codecs.append(entry)
+    fields: dict[str, Any] = {"codecs": tuple(codecs), "encode_call_s": None, "decode_call_s": None}
+    if profile.encode_call_s is not None and profile.decode_call_s is not None:
+        mean = profile.codec_call_s
+        fields["encode_s_per_element"] = renet(profile.encode_s_per_element, profile.encode_call_s, mean)
+        fields["decode_s_per_element"] = renet(profile.decode_s_per_element, profile.decode_call_s, mean)
+    return replace(profile, **fields)
 
 
 def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = False) -> float:

@@ -22,6 +22,7 @@ from bunsan.algorithms.network_model import Network, network_from_timings, ring_
 
 __all__ = [
     "CODEC_FIELDS",
+    "CODEC_NUMEL_CAP",
     "PROBE_SIZES",
     "can_overlap",
     "measure_codec",
@@ -77,6 +78,9 @@ def median_time(fn: Any, repeats: int, device: torch.device | str | None = None)
     return statistics.median(times)
 
 
+# the most elements measure_codec encodes and decodes whole (the per-element cost is flat past a few MB)
+CODEC_NUMEL_CAP = 4_000_000
+
 CODEC_FIELDS = (
     "encode_s_per_element",
     "decode_s_per_element",
@@ -126,7 +130,7 @@ def measure_codec(
         return median_time(fn, count, device)
 
     device = torch.device(device if device is not None else "cpu")
-    numel = max(1, min(numel, 4_000_000))  # per-element cost is flat past a few MB; spare the memory
+    numel = max(1, min(numel, CODEC_NUMEL_CAP))  # per-element cost is flat past a few MB; spare the memory
     quantizer = Quantizer(bits)
     # not the global RNG: training's draws stay
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)

@@ -161,7 +161,7 @@ def _worker(spec: dict[str, Any]) -> int:
     import bunsan
     from bunsan import comm
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import can_overlap
+    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, can_overlap
     from bunsan.bench.measure import (
         measure_codec,
         measure_codecs,
@@ -249,6 +249,21 @@ def _worker(spec: dict[str, Any]) -> int:
             measured_s, sent = n / float(mine[0]), float(mine[1])
             rounds_s = [n / float(v) for v in mine[2:]]
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
+            # a quantized row also as the model priced it before encode and decode calls were timed apart
+            before_split = (
+                {
+                    "predicted_mean_call_s": cm.predict(
+                        cm.mean_call_profile(profile, min(profile.params, CODEC_NUMEL_CAP)),
+                        network,
+                        candidate,
+                        n,
+                        overlap=overlap,
+                        spare_core=spare_core,
+                    ).step_s
+                }
+                if "bits" in candidate.options
+                else {}
+            )
             rows.append(
                 {
                     "model": name,
@@ -269,6 +284,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "fixed_s": profile.fixed(candidate.label),
                     "overlap": overlap,
                     "spare_core": spare_core,
+                    **before_split,
                 }
             )
         del trainers
@@ -419,6 +435,14 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             f"{within} of {len(rows)} rows within 20%; worst: {worst['network']} -np {worst['workers']} "
             f"{worst['model']} {worst['label']} ({100 * worst['error']:+.0f}%)"
         )
+        coded = [r for r in rows if "predicted_mean_call_s" in r]
+        if coded:
+            split_in = sum(abs(r["error"]) <= 0.20 for r in coded)
+            mean_in = sum(abs(r["predicted_mean_call_s"] / r["measured_s"] - 1) <= 0.20 for r in coded)
+            say(
+                f"quantized rows: {split_in} of {len(coded)} within 20%; with every codec call at the mean of an "
+                f"encode and a decode (the model before the two were timed apart): {mean_in}"
+            )
         spreads = [(r, rounds_spread(r)) for r in rows]
         loose = [(r, v) for r, v in spreads if v is not None and v > 1.2]
         if loose:

@@ -9,7 +9,11 @@ pair it prints the slowest rank's median exact step, the ranks' mean time of it 
 exchange (``Auto``'s measure of the local compute), and the slowest rank's median local step of
 model averaging (the steps that end a block, with their exchange, left out), then the medians
 over the pairs of the ratios local / exact and local / outside. A ratio local / outside under 1
-means an exact step's compute runs slower than the same compute without an exchange beside it::
+means an exact step's compute runs slower than the same compute without an exchange beside it.
+A third copy runs exact SGD with each step's exchange held until backward ends ("held": no
+bucket leaves during backward; the same gradients), whose time outside the exchange is the
+compute with no exchange beside it; and every kind's main-thread CPU time per step
+(``time.thread_time``, the ranks' mean of their medians) tells work from waiting for a core::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_interleaved.py --workers 2 \\
         --model resnet20 --batch 32 --chunk 20 --pairs 8
@@ -57,19 +61,30 @@ def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queu
     pairs: list[dict[str, list[float]]] = []
     local_steps = 0
     for _ in range(args.pairs):
-        found: dict[str, list[float]] = {"exact": [], "outside": [], "held": [], "local": []}
+        found: dict[str, list[float]] = {
+            "exact": [],
+            "outside": [],
+            "held": [],
+            "local": [],
+            "cpu exact": [],
+            "cpu held": [],
+            "cpu local": [],
+        }
         for name in ("exact", "held", "local"):
             model, optimizer = built[name]
             inner = optimizer.algorithm
             dist.barrier()
-            last = time.perf_counter()
+            last, last_cpu = time.perf_counter(), time.thread_time()
             for i in range(args.chunk):
                 optimizer.zero_grad()
                 if name == "held":  # no bucket leaves before backward ends (Auto's measuring steps on CPU)
                     inner.before_exchange = _hold
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
-                now = time.perf_counter()
+                now, cpu = time.perf_counter(), time.thread_time()
+                if i > 0:
+                    found[f"cpu {name}"].append(cpu - last_cpu)
+                last_cpu = cpu
                 if name == "local":
                     local_steps += 1
                     if i > 0 and local_steps % BLOCK_STEPS:  # not a step that ended a block
@@ -124,6 +139,12 @@ def main() -> None:
             f"{k + 1:4d}  {exact * 1e3:15.1f}  {outside * 1e3:25.1f}  {held * 1e3:18.1f}  {local * 1e3:18.1f}  "
             f"{by_exact[-1]:11.2f}  {by_outside[-1]:13.2f}  {by_held[-1]:10.2f}"
         )
+    for name in ("exact", "held", "local"):
+        cpu = [
+            sum(med(results[r][k][f"cpu {name}"]) for r in range(args.workers)) / args.workers
+            for k in range(args.pairs)
+        ]
+        print(f"main-thread CPU per {name} step (ms), by pair: " + " ".join(f"{c * 1e3:.1f}" for c in cpu))
     print(
         f"median over pairs: local/exact {med(by_exact):.2f} ({min(by_exact):.2f}-{max(by_exact):.2f}), "
         f"local/outside {med(by_outside):.2f} ({min(by_outside):.2f}-{max(by_outside):.2f}), "

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from bunsan import models
-from bunsan.algorithms.cost_model import codec_call_counts
+from bunsan.algorithms.cost_model import Profile, codec_call_counts, mean_call_profile
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.algorithms.data_parallel.buckets import build_buckets
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
-from bunsan.algorithms.measure import measure_codec, median_time
+from bunsan.algorithms.measure import CODEC_NUMEL_CAP, measure_codec, median_time
 from bunsan.bench.synthetic import model_inputs
 from bunsan.compression import Quantizer
 from bunsan.compression.segments import SegmentCodec
@@ -110,12 +110,16 @@ def main() -> None:
                     + profile["encode_call_s"] * encodes
                     + profile["decode_call_s"] * decodes
                 )
-                # the model before the split: per-element costs net of the mean call, every call at the mean
-                numel = max(1, min(params, 4_000_000))  # as measure_codec caps it
-                mean_call = profile["codec_call_s"]
-                encode_el = max(0.0, profile["encode_s_per_element"] * numel + profile["encode_call_s"] - mean_call) / numel
-                decode_el = max(0.0, profile["decode_s_per_element"] * numel + profile["decode_call_s"] - mean_call) / numel
-                predicted_mean = encode_el * params * (1 + 1 / workers) + decode_el * params * 2 + mean_call * count
+                # the model before the split (cost_model.mean_call_profile): per-element costs net of the
+                # mean call, every call at the mean
+                before = mean_call_profile(
+                    Profile(compute_s=1.0, params=params, **profile), min(params, CODEC_NUMEL_CAP)
+                )
+                predicted_mean = (
+                    before.encode_s_per_element * params * (1 + 1 / workers)
+                    + before.decode_s_per_element * params * 2
+                    + before.codec_call_s * count
+                )
                 row = {
                     "round": round_,
                     "bits": bits,

@@ -131,6 +131,15 @@ def test_encode_and_decode_calls_are_priced_apart():
     # a width's own entry with its calls apart; a 4-entry one takes its mean call for both
     widths = Profile(compute_s=1.0, params=1000, codecs=((8, 4e-9, 1e-9, 2e-4, 3e-4, 1e-4), (2, 1e-9, 1e-9, 5e-5)))
     assert widths.codec(8) == (4e-9, 1e-9, 3e-4, 1e-4) and widths.codec(2) == (1e-9, 1e-9, 5e-5, 5e-5)
+    # the model before the split, from the same measurement (1000 elements timed whole): every call at
+    # the mean 2e-4, the per-element costs net of it (encode 0 + 3e-4 - 2e-4 over 1000: 1e-7 per element)
+    before = cm.mean_call_profile(split, 1000)
+    assert (before.encode_call_s, before.decode_call_s) == (None, None)
+    assert before.encode_s_per_element == pytest.approx(1e-7) and before.decode_s_per_element == 0.0
+    assert cm.predict(before, net, one_bit, 2).codec_s == pytest.approx(1e-3 + 1e-7 * 1000 * 1.5, rel=1e-3)
+    # 8 bits: encode (4e-9 x 1000 + 3e-4 - 2e-4) / 1000; decode 1e-6 + 1e-4 - 2e-4 < 0: 0, as measure_codec clamps
+    assert cm.mean_call_profile(widths, 1000).codecs[0] == (8, pytest.approx(1.04e-7), 0.0, 2e-4)
+    assert cm.mean_call_profile(before, 1000) == before  # nothing split: unchanged
     with pytest.raises(ValueError, match="go together"):
         Profile(compute_s=1.0, params=1, encode_call_s=1e-4)
     with pytest.raises(ValueError, match="each codecs entry"):

@@ -102,6 +102,11 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
             assert 0 <= r["measured_bytes"] - r["predicted_bytes"] <= 80, r
         elif r["label"] in ("8-bit", "1-bit"):
             assert r["measured_bytes"] == pytest.approx(r["predicted_bytes"], rel=0.15), r
+        # a quantized row also as the model priced it with every codec call at the mean: another figure
+        assert ("predicted_mean_call_s" in r) == (r["label"] in ("8-bit", "1-bit")), r
+        if "predicted_mean_call_s" in r:
+            assert r["predicted_mean_call_s"] > 0 and r["predicted_mean_call_s"] != r["predicted_s"]
+    assert "quantized rows: " in capsys.readouterr().out
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
