@@ -177,6 +177,25 @@ def _auto_decision(**measured):
     }
 
 
+def _job_profile(**changes):
+    """The profile ``plan --job`` should build from :func:`_auto_decision`'s measurements."""
+    from bunsan.algorithms import cost_model as cm
+
+    fields = {
+        "compute_s": 0.040,
+        "params": 1_000_000,
+        "batch": 16,
+        "encode_s_per_element": 2e-9,
+        "decode_s_per_element": 1e-9,
+        "codec_call_s": 5e-6,
+        "cast_s_per_element": 0.5e-9,
+        "codecs": ((8, 3e-9, 2e-9, 6e-6), (2, 2.5e-9, 1.5e-9, 5e-6)),
+        "tensors": 6,
+        "chunks": 1956,
+    }
+    return cm.Profile(**{**fields, **changes})
+
+
 def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_json(tmp_path, capsys):
     from bunsan.algorithms import cost_model as cm
 
@@ -198,18 +217,7 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     files.write_file(tmp_path / "session.pt", {"format": files.FORMAT, **checkpoint})  # a TrainingSession's file
     m = decision["measured"]
     job_network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
-    profile = cm.Profile(
-        compute_s=0.040,
-        params=1_000_000,
-        batch=16,
-        encode_s_per_element=2e-9,
-        decode_s_per_element=1e-9,
-        codec_call_s=5e-6,
-        cast_s_per_element=0.5e-9,
-        codecs=((8, 3e-9, 2e-9, 6e-6), (2, 2.5e-9, 1.5e-9, 5e-6)),
-        tensors=6,
-        chunks=1956,
-    )
+    profile = _job_profile()
     expected = cm.predict_all(profile, job_network, cm.default_candidates(1024), [4, 16, 64], overlap=False)
     for source in ("ckpt.pt", "decision.json", "session.pt"):
         record = tmp_path / f"{source}.plan.json"
@@ -253,20 +261,7 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
     assert main([*argv, "--json", str(record)]) == 0
     capsys.readouterr()
     m = _auto_decision(**split)["measured"]
-    profile = cm.Profile(
-        compute_s=0.040,
-        params=1_000_000,
-        batch=16,
-        encode_s_per_element=2e-9,
-        decode_s_per_element=1e-9,
-        codec_call_s=5e-6,
-        encode_call_s=9e-6,
-        decode_call_s=1e-6,
-        cast_s_per_element=0.5e-9,
-        codecs=tuple(tuple(c) for c in split["codecs"]),
-        tensors=6,
-        chunks=1956,
-    )
+    profile = _job_profile(encode_call_s=9e-6, decode_call_s=1e-6, codecs=tuple(tuple(c) for c in split["codecs"]))
     network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
     expected = cm.predict_all(profile, network, cm.default_candidates(1024), [2, 16], overlap=False)
     got = json.loads(record.read_text())["predictions"]
