@@ -392,13 +392,15 @@ def mean_call_profile(profile: Profile, timed_numel: int) -> Profile:
 
     codecs = []
     for entry in profile.codecs:
-        if len(entry) == 6:
-            bits, encode, decode, mean, encode_call, decode_call = entry
+        if len(entry) == 6:  # the mean from the two calls (the entry's own mean field may be stale or 0)
+            bits, encode, decode, _, encode_call, decode_call = entry
+            mean = (float(encode_call) + float(decode_call)) / 2
             entry = (bits, renet(encode, encode_call, mean), renet(decode, decode_call, mean), mean)
         codecs.append(entry)
     fields: dict[str, Any] = {"codecs": tuple(codecs), "encode_call_s": None, "decode_call_s": None}
     if profile.encode_call_s is not None and profile.decode_call_s is not None:
-        mean = profile.codec_call_s
+        mean = (profile.encode_call_s + profile.decode_call_s) / 2
+        fields["codec_call_s"] = mean
         fields["encode_s_per_element"] = renet(profile.encode_s_per_element, profile.encode_call_s, mean)
         fields["decode_s_per_element"] = renet(profile.decode_s_per_element, profile.decode_call_s, mean)
     return replace(profile, **fields)

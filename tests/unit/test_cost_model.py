@@ -138,8 +138,11 @@ def test_encode_and_decode_calls_are_priced_apart():
     assert before.encode_s_per_element == pytest.approx(1e-7) and before.decode_s_per_element == 0.0
     assert cm.predict(before, net, one_bit, 2).codec_s == pytest.approx(1e-3 + 1e-7 * 1000 * 1.5, rel=1e-3)
     # 8 bits: encode (4e-9 x 1000 + 3e-4 - 2e-4) / 1000; decode 1e-6 + 1e-4 - 2e-4 < 0: 0, as measure_codec clamps
-    assert cm.mean_call_profile(widths, 1000).codecs[0] == (8, pytest.approx(1.04e-7), 0.0, 2e-4)
+    assert cm.mean_call_profile(widths, 1000).codecs[0] == (8, pytest.approx(1.04e-7), 0.0, pytest.approx(2e-4))
     assert cm.mean_call_profile(before, 1000) == before  # nothing split: unchanged
+    # the mean comes from the two calls, not from a codec_call_s left at its default
+    unset = cm.mean_call_profile(replace(split, codec_call_s=0.0), 1000)
+    assert unset.codec_call_s == pytest.approx(2e-4) and unset.encode_s_per_element == pytest.approx(1e-7)
     with pytest.raises(ValueError, match="go together"):
         Profile(compute_s=1.0, params=1, encode_call_s=1e-4)
     with pytest.raises(ValueError, match="each codecs entry"):
