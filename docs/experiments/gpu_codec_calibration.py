@@ -84,7 +84,6 @@ def main() -> None:
     calls = _calls_module()
     for name in ("all_to_all", "all_gather_into", "wait"):  # as gpu_codec_calls stubs them: no wire
         setattr(calls.exchange, name, calls._no_collective)
-    calls.exchange.get_rank = lambda group=None: 0
     kwargs, _ = model_inputs(args.model, None, 10)
     model = models.create(args.model, **kwargs).to(device)
     named = list(model.named_parameters())
