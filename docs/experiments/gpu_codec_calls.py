@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument(
         "--rotate", action="store_true", help="rotated chunks (rotate=True: Auto's 1-bit under momentum)"
     )
+    parser.add_argument(
+        "--rank", type=int, default=None, help="the rank simulated (default: the one the step waits for, busiest_rank)"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -132,7 +135,7 @@ def main() -> None:
             found = {}
             for mode in ("segment", "bucket"):
                 os.environ["BUNSAN_CODEC_CALLS"] = mode
-                found[mode] = _one_step_s(named, bits, workers, args.repeats, device, args.rotate)
+                found[mode] = _one_step_s(named, bits, workers, args.repeats, device, args.rotate, args.rank)
             ratio = found["segment"] / found["bucket"]
             print(
                 f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
@@ -146,6 +149,7 @@ def main() -> None:
                     "device": str(device),
                     "torch": torch.__version__,
                     "rotate": args.rotate,
+                    "rank": args.rank,
                     "rows": rows,
                 },
                 f,
