@@ -19,7 +19,8 @@ many rows are within ``--within`` (1.10); then the epochs in which the two reach
 target and the ratio of their whole runs (the same epochs), which tell a slower
 choice (whole run over 1.10) from a target crossed in an earlier epoch by the other
 setting's trajectory (the ratio to target well above the whole run's). Records that
-differ only in their seed make one row of medians over the seeds::
+differ only in their seed make one row of medians over the seeds, and there a last column
+compares auto, seed by seed, with the setting the other seeds pick (no selection bias)::
 
     bunsan bench tta runs/tta/*/compare.json
 
@@ -46,6 +47,7 @@ __all__ = [
     "auto_choice",
     "campaign_rows",
     "epochs_to_error",
+    "held_out_ratios",
     "run",
     "time_to_error",
     "tta_rows",
@@ -61,7 +63,8 @@ best other setting at the same worker count. Needs the per-epoch curves (run
 compare without --no-curves). With several records (a campaign), one row per
 model, network and worker count: auto's choice, its time, the best fixed
 setting's, their ratio, the count within --within, the epochs in which each
-reached the target and the ratio of their whole runs."""
+reached the target and the ratio of their whole runs; over several seeds, auto
+against the setting picked on the other seeds."""
 EPILOG = """\
 examples:
   bunsan bench tta runs/tta/compare.json
@@ -157,6 +160,36 @@ def _median(values: Sequence[float | None]) -> float | None:
     return None if math.isinf(value) else value
 
 
+def held_out_ratios(per_seed: Sequence[dict[str, float | None]], auto_label: str) -> list[float | None]:
+    """Auto's time to target over that of the fixed setting picked on the other seeds, at each seed.
+
+    ``per_seed``: one ``label -> time to target`` (``None``: never reached) per seed. At each seed the
+    fixed setting with the smallest median time over the *other* seeds is picked (a setting that missed
+    at half of them or more is not a candidate), and auto's time at this seed is divided by the picked
+    setting's at this seed (``None`` where auto missed the target there, ``inf`` where only the picked
+    setting did). Picking the best on the same runs it is measured on takes the luckiest draw of several
+    noisy settings (a minimum sits below what the setting gives on average); picking it on other seeds
+    removes that selection bias (leave-one-out cross-validation). Empty below two seeds.
+    """
+    if len(per_seed) < 2:
+        return []
+    found: list[float | None] = []
+    for i, here in enumerate(per_seed):
+        others = [seed for j, seed in enumerate(per_seed) if j != i]
+        labels = sorted({label for seed in others for label in seed if not label.startswith("auto")})
+        medians = [(_median([seed.get(label) for seed in others]), label) for label in labels]
+        candidates = [(m, label) for m, label in medians if m is not None]
+        if not candidates:
+            continue
+        picked = here.get(min(candidates)[1])
+        auto = here.get(auto_label)
+        if auto is None:
+            found.append(None)
+        else:
+            found.append(auto / picked if picked else math.inf)
+    return found
+
+
 def campaign_rows(
     records: Sequence[tuple[Path, dict[str, Any]]], reference: str, points: float
 ) -> list[dict[str, Any]]:
@@ -167,7 +200,9 @@ def campaign_rows(
     in an earlier epoch, not by faster steps); ``seed_ratios``, auto's time over the best setting's at
     each seed where both reached the target (sorted), and ``best_spread``, the best setting's slowest
     seed's time over its fastest (``None`` below two seeds that reached it): how far one trajectory
-    moves the time to target, the resolution of ``ratio``.
+    moves the time to target, the resolution of ``ratio``; ``held_out_ratios`` (:func:`held_out_ratios`)
+    and their median ``held_out_ratio`` (``None`` below two seeds, or where auto missed at half of them):
+    auto against the setting the other seeds pick, without the selection bias of ``ratio``.
 
     Records of the same model, data set and network at several seeds are one row: each setting's time to
     its seed's target, epoch and whole run are medians over the seeds (a setting that missed the
@@ -216,6 +251,7 @@ def campaign_rows(
         seed_ratios = sorted(a / b for a, b in pairs if a is not None and b)
         best_times = [b for _, b in pairs if b is not None]
         best_spread = max(best_times) / min(best_times) if len(best_times) > 1 and min(best_times) > 0 else None
+        held_out = held_out_ratios(per_seed[key], auto_label)
         found.append(
             {
                 "model": model,
@@ -233,6 +269,8 @@ def campaign_rows(
                 "run_ratio": auto_run / best[2] if best else None,
                 "seed_ratios": seed_ratios,
                 "best_spread": best_spread,
+                "held_out_ratios": held_out,
+                "held_out_ratio": _median(held_out) if held_out else None,
             }
         )
     return found
@@ -268,6 +306,7 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         "whole run auto / best",
         "auto / best by seed",
         "best's seeds max / min",
+        "auto / held-out best",
     )
     # a model trained on more than one data set in these records is named with its data set
     sets: dict[str, set[str]] = {}
@@ -288,6 +327,11 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             "-" if r["run_ratio"] is None else f"{r['run_ratio']:.2f}",
             "-" if len(r["seed_ratios"]) < 2 else f"{r['seed_ratios'][0]:.2f}-{r['seed_ratios'][-1]:.2f}",
             "-" if r["best_spread"] is None else f"{r['best_spread']:.2f}",
+            "-"
+            if not r["held_out_ratios"]
+            else "never"
+            if r["held_out_ratio"] is None
+            else f"{r['held_out_ratio']:.2f}",
         ]
         for r in rows
     ]
@@ -303,6 +347,13 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         f"auto's whole run within {args.within:.2f}x of that setting's whole run (the same epochs): "
         f"{runs} of {len(rows)}"
     )
+    several = [r for r in rows if r["held_out_ratios"]]
+    if several:
+        held = sum(1 for r in several if r["held_out_ratio"] is not None and r["held_out_ratio"] <= args.within)
+        say(
+            f"auto within {args.within:.2f}x of the setting picked on the other seeds (held out, median over "
+            f"the seeds): {held} of {len(several)} rows with two seeds or more"
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """``bunsan bench predict``: its parsing, its table and plot, its refusals, and one tiny real run."""
 
 import json
+import math
 
 import pytest
 
@@ -285,3 +286,48 @@ def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
     assert "mnist1d_cnn on mnist1d_20k" in out and "mnist1d_cnn on mnist1d " in out
     assert main(["bench", "tta", str(records[1][0])]) == 0  # one data set: the model's name alone
     assert " on mnist1d" not in capsys.readouterr().out
+
+
+def test_held_out_ratio_picks_the_best_on_the_other_seeds(tmp_path, capsys):
+    from bunsan.bench import tta
+
+    # setting A is fastest by its median only through two lucky seeds; B is steady; auto equals B
+    times = {"data_parallel": [6.0, 6.0, 6.0], "A": [1.0, 1.0, 4.0], "B": [2.0, 2.0, 2.0], "auto:risk=high": [2.0] * 3}
+    per_seed = [{label: t[i] for label, t in times.items()} for i in range(3)]
+    # seed 0: seeds 1-2 pick B (A's median 2.5): 2/2; seed 1 the same; seed 2: seeds 0-1 pick A: 2/4
+    assert tta.held_out_ratios(per_seed, "auto:risk=high") == [pytest.approx(1.0), pytest.approx(1.0), 0.5]
+    assert tta.held_out_ratios(per_seed[:1], "auto:risk=high") == []
+    # auto missed at seed 0: None there; the picked setting missed where auto did not: inf
+    per_seed[0]["auto:risk=high"] = None
+    per_seed[2]["A"] = None  # seeds 0-1 still pick A (median 1.0); at seed 2 it never got there
+    assert tta.held_out_ratios(per_seed, "auto:risk=high") == [None, pytest.approx(1.0), math.inf]
+
+    # in a campaign: the in-sample best is A (median 1.0, auto 2.0 / 1.0), the held-out ratio 1.0
+    def curve_to(t):  # reaches the target (0.11) at the end of epoch 1, at t seconds
+        return [0.10, 0.10], [t, 2 * t]
+
+    records = []
+    for seed in range(3):
+        out = tmp_path / f"s{seed}"
+        (out / "np2-auto").mkdir(parents=True)
+        (out / "np2-auto" / "stdout.txt").write_text("[bunsan]   exact   1.0 ms/step predicted  <- chosen\n")
+        configs = [
+            _compare_config("data_parallel", [0.30, 0.10], [3.0, 6.0]),
+            _compare_config("model_averaging:block_size=1024", *curve_to([1.0, 1.0, 4.0][seed])),
+            _compare_config("block_momentum:block_size=1024", *curve_to(2.0)),
+            {**_compare_config("auto:risk=high", *curve_to(2.0)), "dir": str(out / "np2-auto")},
+        ]
+        document = {"arguments": {"model": "digits_cnn", "network": None, "seed": seed}, "configs": configs}
+        (out / "compare.json").write_text(json.dumps(document))
+        records.append((out / "compare.json", document))
+    (row,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    assert row["best_label"] == "model_averaging:block_size=1024" and row["ratio"] == pytest.approx(2.0)
+    assert row["held_out_ratios"] == [pytest.approx(1.0), pytest.approx(1.0), pytest.approx(0.5)]
+    assert row["held_out_ratio"] == pytest.approx(1.0)
+    assert main(["bench", "tta", *(str(p) for p, _ in records)]) == 0
+    out = capsys.readouterr().out
+    assert "auto / held-out best" in out
+    assert "within 1.10x of the best fixed setting's time to target: 0 of 1" in out
+    assert "within 1.10x of the setting picked on the other seeds (held out, median over the seeds): 1 of 1" in out
+    assert main(["bench", "tta", str(records[0][0])]) == 0  # one seed: no held-out column figure, no line
+    assert "held out" not in capsys.readouterr().out
