@@ -118,6 +118,9 @@ def main() -> None:
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    fewest = min(int(n) for n in args.workers.split(","))
+    if args.rank is not None and not 0 <= args.rank < fewest:
+        parser.error(f"--rank must be a rank of every worker count, 0 to {fewest - 1}; got {args.rank}")
     device = torch.device(args.device)
     for name in ("all_to_all", "all_gather_into", "wait"):
         setattr(exchange, name, _no_collective)

@@ -68,3 +68,17 @@ def test_one_step_runs_the_exchange_code_as_the_given_rank(monkeypatch):
     assert calls._one_step_s(named, 8, 32, 1, torch.device("cpu")) > 0
     assert calls._one_step_s(named, 8, 32, 1, torch.device("cpu"), rank=0) > 0
     assert seen[0] != 0 and set(seen[:3]) == {seen[0]} and set(seen[3:]) == {0}
+
+
+def test_a_rank_outside_the_smallest_worker_count_is_refused_in_one_sentence():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--workers", "2,8", "--rank", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--rank must be a rank of every worker count, 0 to 1; got 2" in done.stderr
