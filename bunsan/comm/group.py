@@ -359,24 +359,18 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
     if store is None or _world.world_size == 1:
         return None
     here = socket.gethostname()
+    store_gone = [0] if _world.store_on_rank0 and _world.rank != 0 else None  # the answer without a store
     try:
         peers = _peers(store, _world.world_size)
     except Exception:
-        return [0] if _world.store_on_rank0 and _world.rank != 0 else None
-    local = {r: (pid, start) for r, (host, pid, start) in peers.items() if r != _world.rank and host == here}
-    # A killed process closes its sockets a moment before it is gone from the process table.
-    deadline = time.monotonic() + (local_wait_s if local else 0.0)
-    while True:
-        dead = [r for r, (pid, start) in local.items() if not treewatch.is_alive(pid, start)]
-        with contextlib.suppress(Exception):
-            dead = [
-                r
-                for r in dead
-                if not (store.check([_BEAT_KEY.format(rank=r)]) and store.get(_BEAT_KEY.format(rank=r)) == b"done")
-            ]
-        if dead or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
+        # The store did not answer (a launcher tearing the job down may be why): the watch has
+        # learned the processes of this host's ranks already, and those need no store to check.
+        learned = watchdog._local_peers if watchdog is not None else None
+        if not learned:
+            return store_gone
+        found = _dead_among({r: (here, pid, start) for r, (pid, start) in learned.items()}, here, None, local_wait_s)
+        return found or store_gone
+    dead = _dead_among(peers, here, store, local_wait_s)
     remote = [r for r, (host, _, _) in peers.items() if r != _world.rank and host != here]
     if remote and not dead and wait_s != 0:
         poll_s = watchdog.poll_s if watchdog is not None else 0.5
@@ -385,9 +379,31 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
             time.sleep(3 * poll_s if wait_s is None else wait_s)
             after = {r: store.get(_BEAT_KEY.format(rank=r)) for r in remote}
         except Exception:
-            return [0] if _world.store_on_rank0 and _world.rank != 0 else None
+            return store_gone
         dead += [r for r in remote if before[r] == after[r] != b"done"]
     return sorted(dead)
+
+
+def _dead_among(
+    peers: dict[int, tuple[str, int, str]], here: str, store: dist.Store | None, local_wait_s: float
+) -> list[int]:
+    """The ranks of ``peers`` on this host whose process is gone (waiting up to ``local_wait_s`` for one to
+    go), less those that said in ``store`` that they finished (none asked without a store: it may not answer)."""
+    local = {r: (pid, start) for r, (host, pid, start) in peers.items() if r != _world.rank and host == here}
+    # A killed process closes its sockets a moment before it is gone from the process table.
+    deadline = time.monotonic() + (local_wait_s if local else 0.0)
+    while True:
+        dead = [r for r, (pid, start) in local.items() if not treewatch.is_alive(pid, start)]
+        if store is not None:
+            with contextlib.suppress(Exception):
+                dead = [
+                    r
+                    for r in dead
+                    if not (store.check([_BEAT_KEY.format(rank=r)]) and store.get(_BEAT_KEY.format(rank=r)) == b"done")
+                ]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.02)
 
 
 def abort_reason() -> tuple[int, str] | None:
