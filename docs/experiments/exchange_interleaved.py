@@ -13,7 +13,10 @@ means an exact step's compute runs slower than the same compute without an excha
 A third copy runs exact SGD with each step's exchange held until backward ends ("held": no
 bucket leaves during backward; the same gradients), whose time outside the exchange is the
 compute with no exchange beside it; and every kind's main-thread CPU time per step
-(``time.thread_time``, the ranks' mean of their medians) tells work from waiting for a core::
+(``time.thread_time``, the ranks' mean of their medians) tells work from waiting for a core, and
+the CPU time of the process's other threads per step (``time.process_time`` less the main
+thread's: Gloo's threads, where the exchange's copies and sums run) what the exchange takes
+from the cores the compute runs on::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exchange_interleaved.py --workers 2 \\
         --model resnet20 --batch 32 --chunk 20 --pairs 8
@@ -69,22 +72,26 @@ def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queu
             "cpu exact": [],
             "cpu held": [],
             "cpu local": [],
+            "others exact": [],
+            "others held": [],
+            "others local": [],
         }
         for name in ("exact", "held", "local"):
             model, optimizer = built[name]
             inner = optimizer.algorithm
             dist.barrier()
-            last, last_cpu = time.perf_counter(), time.thread_time()
+            last, last_cpu, last_all = time.perf_counter(), time.thread_time(), time.process_time()
             for i in range(args.chunk):
                 optimizer.zero_grad()
                 if name == "held":  # no bucket leaves before backward ends (Auto's measuring steps on CPU)
                     inner.before_exchange = _hold
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
-                now, cpu = time.perf_counter(), time.thread_time()
+                now, cpu, every = time.perf_counter(), time.thread_time(), time.process_time()
                 if i > 0:
                     found[f"cpu {name}"].append(cpu - last_cpu)
-                last_cpu = cpu
+                    found[f"others {name}"].append((every - last_all) - (cpu - last_cpu))
+                last_cpu, last_all = cpu, every
                 if name == "local":
                     local_steps += 1
                     if i > 0 and local_steps % BLOCK_STEPS:  # not a step that ended a block
@@ -145,6 +152,12 @@ def main() -> None:
             for k in range(args.pairs)
         ]
         print(f"main-thread CPU per {name} step (ms), by pair: " + " ".join(f"{c * 1e3:.1f}" for c in cpu))
+    for name in ("exact", "held", "local"):  # Gloo's and torch's own threads: the exchange's CPU work, mostly
+        others = [
+            sum(med(results[r][k][f"others {name}"]) for r in range(args.workers)) / args.workers
+            for k in range(args.pairs)
+        ]
+        print(f"other threads' CPU per {name} step (ms), by pair: " + " ".join(f"{c * 1e3:.1f}" for c in others))
     print(
         f"median over pairs: local/exact {med(by_exact):.2f} ({min(by_exact):.2f}-{max(by_exact):.2f}), "
         f"local/outside {med(by_outside):.2f} ({min(by_outside):.2f}-{max(by_outside):.2f}), "
