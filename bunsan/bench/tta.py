@@ -289,6 +289,11 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
+    def held_out(row: dict[str, Any]) -> str:  # "-" below two seeds; "never" where auto missed at half
+        if not row["held_out_ratios"]:
+            return "-"
+        return "never" if row["held_out_ratio"] is None else f"{row['held_out_ratio']:.2f}"
+
     def epoch(value: float | None) -> str:  # a median over an even number of seeds can end in .5
         return "-" if value is None else f"{value:g}"
 
@@ -327,11 +332,7 @@ def _campaign(args: argparse.Namespace, say: Callable[[str], None]) -> int:
             "-" if r["run_ratio"] is None else f"{r['run_ratio']:.2f}",
             "-" if len(r["seed_ratios"]) < 2 else f"{r['seed_ratios'][0]:.2f}-{r['seed_ratios'][-1]:.2f}",
             "-" if r["best_spread"] is None else f"{r['best_spread']:.2f}",
-            "-"
-            if not r["held_out_ratios"]
-            else "never"
-            if r["held_out_ratio"] is None
-            else f"{r['held_out_ratio']:.2f}",
+            held_out(r),
         ]
         for r in rows
     ]

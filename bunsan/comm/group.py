@@ -350,9 +350,11 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
     little to vanish, so this waits up to ``local_wait_s`` for one to. A rank on
     another host is dead when its watch's heartbeat stood still for ``wait_s``
     (default 3 polls; 0 skips the check). A rank that said it finished
-    (:func:`mark_finished`) is never dead. When the store itself is gone and rank
-    0 hosted it, the answer is rank 0. Call it from the main thread (it uses the
-    main store connection).
+    (:func:`mark_finished`) is never dead. When the store does not answer, this
+    host's ranks are checked from the processes the watch learned (a launcher
+    tearing the job down may have stopped the store first); where that finds none
+    dead and rank 0 hosted the store, the answer is rank 0. Call it from the main
+    thread (it uses the main store connection).
     """
     watchdog = _world.watchdog
     store = _world.store  # the caller's connection: the watch thread uses its own
@@ -369,7 +371,7 @@ def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[i
         if not learned:
             return store_gone
         found = _dead_among({r: (here, pid, start) for r, (pid, start) in learned.items()}, here, None, local_wait_s)
-        return found or store_gone
+        return sorted(found) or store_gone
     dead = _dead_among(peers, here, store, local_wait_s)
     remote = [r for r, (host, _, _) in peers.items() if r != _world.rank and host != here]
     if remote and not dead and wait_s != 0:
