@@ -18,12 +18,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
+from bunsan import _allocator
 from bunsan import algorithms as _algorithms
 from bunsan._validate import check_type
 from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.buffers import synced_buffer_modules
-from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, global_rank, is_initialized
+from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, get_world_size, global_rank, is_initialized
 from bunsan.errors import CheckpointError, ModelMismatchError
 
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
@@ -387,7 +388,10 @@ def distribute(
 ) -> tuple[nn.Module, DistributedOptimizer]:
     """Make a single-process model and optimizer data-parallel. Collective.
 
-    Calls :func:`bunsan.init` first if this process has not joined the job yet.
+    Calls :func:`bunsan.init` first if this process has not joined the job yet. A CPU model
+    in a group of several, also one the script made itself with
+    ``torch.distributed.init_process_group``, gets the malloc settings that ``bunsan.init()``
+    gives its CPU workers (:mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off).
 
     Args:
         model: the model; it is returned as the same object (no wrapper, so its
@@ -427,6 +431,12 @@ def distribute(
         raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")
 
     check_same_model(model, group=algorithm.group)
+    if get_world_size(algorithm.group) > 1 and all(p.device.type == "cpu" for p in model.parameters()):
+        # What bunsan.init() does for the CPU workers it starts, also for a group the script made itself
+        # (torchrun + dist.init_process_group): keep the memory a step frees for the next one. Without
+        # it, ResNet-20's exact steps at 2 workers took 4,000-8,800 minor page faults each
+        # (docs/design-notes.md, "Page faults"). BUNSAN_MALLOC_TUNING=0 leaves malloc alone.
+        _allocator.tune()
     with torch.no_grad():
         tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]
         if broadcast:

@@ -117,6 +117,8 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
         _state.info = WorldInfo("external", comm.get_rank(), size_, local_rank_, local_size_, None, 0, "external")
         _state.backend = comm.get_backend()
         _state.device = torch.device("cuda", local_rank_) if _state.backend == "nccl" else torch.device("cpu")
+        if _state.backend == "gloo" and size_ > 1:
+            _allocator.tune()  # as for the workers init() starts (bunsan/_allocator.py)
         return _state.info
 
     info = detect_environment()
