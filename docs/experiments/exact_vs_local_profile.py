@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exchange_wait import SHAPES, run_ranks
+from exchange_wait import SHAPES, finish_rank, rank_parser, run_ranks
 
 SHOWN = 12  # operators printed per rank
 
@@ -69,17 +69,11 @@ def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queu
             ops = found[name][2]
             for event in profile.key_averages():
                 ops[event.key] = ops.get(event.key, 0.0) + event.self_cpu_time_total
-    for _, optimizer in built.values():
-        optimizer.join()
-    queue.put((rank, found))
-    dist.destroy_process_group()
+    finish_rank((optimizer for _, optimizer in built.values()), rank, found, queue)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="resnet20")
-    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    parser = rank_parser(__doc__.split("\n")[0], workers=2, model="resnet20")
     parser.add_argument("--steps", type=int, default=10, help="profiled steps of each per round")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()

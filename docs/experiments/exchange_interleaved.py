@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exchange_wait import SHAPES, run_ranks
+from exchange_wait import SHAPES, finish_rank, rank_parser, run_ranks
 
 BLOCK_STEPS = 32
 
@@ -129,17 +129,11 @@ def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queu
                         found["outside"].append(now - last - waited)
                 last = now
         pairs.append(found)
-    for _, optimizer in built.values():
-        optimizer.join()
-    queue.put((rank, pairs))
-    dist.destroy_process_group()
+    finish_rank((optimizer for _, optimizer in built.values()), rank, pairs, queue)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="resnet20")
-    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    parser = rank_parser(__doc__.split("\n")[0], workers=2, model="resnet20")
     parser.add_argument("--chunk", type=int, default=20, help="steps of each algorithm in a row")
     parser.add_argument("--pairs", type=int, default=8, help="chunks of each")
     args = parser.parse_args()

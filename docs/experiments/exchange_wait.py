@@ -24,7 +24,7 @@ import os
 import socket
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -100,7 +100,23 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
             last = now
         optimizer.join()
         found[name].append({"step": step_s, "outside": outside_s, "inside": inside_s, "before": before_s})
-    queue.put((rank, found))
+    finish_rank((), rank, found, queue)
+
+
+def rank_parser(description: str, workers: int, model: str) -> argparse.ArgumentParser:
+    """The arguments every script of these ranks takes: ``--workers``, ``--model``, ``--batch``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workers", type=int, default=workers)
+    parser.add_argument("--model", choices=sorted(SHAPES), default=model)
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    return parser
+
+
+def finish_rank(optimizers: Iterable[Any], rank: int, result: Any, queue: mp.Queue) -> None:
+    """End a rank: every block algorithm's last block, the result to the parent, the process group."""
+    for optimizer in optimizers:
+        optimizer.join()
+    queue.put((rank, result))
     dist.destroy_process_group()
 
 
@@ -119,10 +135,7 @@ def run_ranks(body: Callable[..., None], workers: int, args: tuple, timeout_s: f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="mnist1d_cnn")
-    parser.add_argument("--batch", type=int, default=32, help="samples per worker per step")
+    parser = rank_parser(__doc__.split("\n")[0], workers=4, model="mnist1d_cnn")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument(
         "--window", type=int, default=0, help="also print each run's median step over every WINDOW timed steps"

@@ -73,17 +73,24 @@ def main() -> None:
     ap.add_argument("--codec", choices=["twomeans", "scaledsign", "dither", "rotated", "none"], default="twomeans")
     ap.add_argument("--stages", type=int, choices=[1, 2], default=2)
     ap.add_argument("--bits", type=int, default=1)
-    ap.add_argument("--local-beta", type=float, default=None,
-                    help="with --mode local: the workers' momentum while quantizing, the gradient scaled by "
-                         "(1 - local_beta) / (1 - momentum) so that the steady step lr / (1 - momentum) is kept")
+    ap.add_argument(
+        "--local-beta",
+        type=float,
+        default=None,
+        help="with --mode local: the workers' momentum while quantizing, the gradient scaled by "
+        "(1 - local_beta) / (1 - momentum) so that the steady step lr / (1 - momentum) is kept",
+    )
     ap.add_argument("--owner-bits", type=int, default=None, help="bits of stage 2 (default: --bits)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--warm", type=int, default=0, help="epochs of exact averaging first")
     ap.add_argument("--batch", type=int, default=128, help="global minibatch")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vary-signs", action="store_true",
-                    help="with --codec rotated: new random signs every step (the package keeps them fixed)")
+    ap.add_argument(
+        "--vary-signs",
+        action="store_true",
+        help="with --codec rotated: new random signs every step (the package keeps them fixed)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)

@@ -98,8 +98,9 @@ def loss_on(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, 1:].reshape(-1, VOCAB), tokens[:, 2:].reshape(-1))
 
 
-def train(label: str, algorithm: DataParallelSGD, args: argparse.Namespace, chain: torch.Tensor,
-          held_out: torch.Tensor) -> dict[str, float]:
+def train(
+    label: str, algorithm: DataParallelSGD, args: argparse.Namespace, chain: torch.Tensor, held_out: torch.Tensor
+) -> dict[str, float]:
     torch.manual_seed(args.seed)
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -122,8 +123,12 @@ def train(label: str, algorithm: DataParallelSGD, args: argparse.Namespace, chai
     model.eval()
     with torch.no_grad():
         held = float(loss_on(model, held_out))
-    return {"setting": label, "held_out_loss": held, "seconds": seconds,
-            "bytes_per_step": algorithm.stats().get("bytes_sent_per_step", float("nan"))}
+    return {
+        "setting": label,
+        "held_out_loss": held,
+        "seconds": seconds,
+        "bytes_per_step": algorithm.stats().get("bytes_sent_per_step", float("nan")),
+    }
 
 
 def main() -> None:
@@ -133,8 +138,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the rows here (rank 0)")
-    parser.add_argument("--settings", default="exact,1bit,decoded",
-                        help="which of exact, 1bit, 1bit_beta1, 1bit_plain, frozen16, decoded to train")
+    parser.add_argument(
+        "--settings",
+        default="exact,1bit,decoded",
+        help="which of exact, 1bit, 1bit_beta1, 1bit_plain, frozen16, decoded to train",
+    )
     parser.add_argument("--warm-fraction", type=float, default=0.1, help="learning-rate warm-up, fraction of steps")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -146,26 +154,36 @@ def main() -> None:
     settings = {
         "exact": ("exact", lambda: DataParallelSGD()),
         "1bit": ("1 bit", lambda: DataParallelSGD(bits=1, warm_start=warm_samples)),
-        "1bit_beta1": ("1 bit, workers' beta1 not capped",
-                       lambda: DataParallelSGD(bits=1, warm_start=warm_samples, quantized_momentum=None)),
-        "1bit_plain": ("1 bit, unrotated chunks of 512",
-                       lambda: DataParallelSGD(bits=1, warm_start=warm_samples, rotate=False, chunk_size=512)),
+        "1bit_beta1": (
+            "1 bit, workers' beta1 not capped",
+            lambda: DataParallelSGD(bits=1, warm_start=warm_samples, quantized_momentum=None),
+        ),
+        "1bit_plain": (
+            "1 bit, unrotated chunks of 512",
+            lambda: DataParallelSGD(bits=1, warm_start=warm_samples, rotate=False, chunk_size=512),
+        ),
         "frozen16": ("16 bits, frozen variance", lambda: DataParallelSGD(bits=16, warm_start=warm_samples)),
-        "decoded": ("1 bit, Adam on decoded gradients",
-                    lambda: DataParallelSGD(bits=1, warm_start=warm_samples, local_momentum=False)),
+        "decoded": (
+            "1 bit, Adam on decoded gradients",
+            lambda: DataParallelSGD(bits=1, warm_start=warm_samples, local_momentum=False),
+        ),
     }
     chosen = [settings[name] for name in args.settings.split(",")]
     rows = [train(label, make(), args, chain, held_out) for label, make in chosen]
     if bunsan.is_main():
         exact_excess = rows[0]["held_out_loss"] - best
-        print(f"transformer (2 layers, d=64), AdamW, {args.steps} steps, {bunsan.size()} workers x {args.batch} "
-              f"sequences, seed {args.seed}; oracle held-out loss {best:.4f}")
+        print(
+            f"transformer (2 layers, d=64), AdamW, {args.steps} steps, {bunsan.size()} workers x {args.batch} "
+            f"sequences, seed {args.seed}; oracle held-out loss {best:.4f}"
+        )
         print(f"{'setting':<34} {'held-out loss':>13} {'excess':>8} {'excess / exact':>14} {'s':>6}")
         for row in rows:
             row["excess"] = row["held_out_loss"] - best
             row["excess_vs_exact"] = row["excess"] / exact_excess if exact_excess > 0 else float("nan")
-            print(f"{row['setting']:<34} {row['held_out_loss']:>13.4f} {row['excess']:>8.4f} "
-                  f"{row['excess_vs_exact']:>14.2f} {row['seconds']:>6.1f}")
+            print(
+                f"{row['setting']:<34} {row['held_out_loss']:>13.4f} {row['excess']:>8.4f} "
+                f"{row['excess_vs_exact']:>14.2f} {row['seconds']:>6.1f}"
+            )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"oracle": best, "rows": rows, "args": vars(args)}, f, indent=1)
