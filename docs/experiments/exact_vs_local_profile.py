@@ -25,30 +25,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exchange_wait import SHAPES, finish_rank, rank_parser, run_ranks
+from exchange_wait import finish_rank, rank_parser, run_ranks, start_rank
 
 SHOWN = 12  # operators printed per rank
 
 
 def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
-    import bunsan
-    from bunsan import models
-
-    x = torch.randn(args.batch, *SHAPES[args.model], generator=torch.Generator().manual_seed(rank))
-    y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(rank))
     total_steps = args.rounds * (args.steps + 3)
-    built = {}
-    for name, algorithm, options in (
+    kinds = (
         ("exact", "data_parallel", {}),
-        ("local", "model_averaging", {"block_size": (total_steps + 1) * args.batch}),
-    ):
-        torch.manual_seed(0)
-        model = models.create(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        built[name] = bunsan.distribute(model, optimizer, algorithm, **options)
+        ("local", "model_averaging", {"block_size": (total_steps + 1) * args.batch}),  # local steps only
+    )
+    x, y, built = start_rank(rank, n, port, args.model, args.batch, kinds)
     found: dict[str, list] = {name: [0.0, 0, {}] for name in built}  # CPU s, faults, op -> self CPU us
     for _ in range(args.rounds):
         for name, (model, optimizer) in built.items():

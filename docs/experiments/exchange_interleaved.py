@@ -36,11 +36,10 @@ import resource
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exchange_wait import SHAPES, finish_rank, rank_parser, run_ranks
+from exchange_wait import finish_rank, rank_parser, run_ranks, start_rank
 
 BLOCK_STEPS = 32
 
@@ -50,25 +49,14 @@ def _hold() -> bool:
 
 
 def _body(rank: int, n: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=n)
-    import bunsan
-    from bunsan import models
-
-    x = torch.randn(args.batch, *SHAPES[args.model], generator=torch.Generator().manual_seed(rank))
-    y = torch.randint(0, 10, (args.batch,), generator=torch.Generator().manual_seed(rank))
-    built = {}
-    for name, algorithm, options in (
+    block = {"block_size": BLOCK_STEPS * args.batch}
+    kinds = (
         ("exact", "data_parallel", {}),
         ("held", "data_parallel", {}),
-        ("local", "model_averaging", {"block_size": BLOCK_STEPS * args.batch}),
-        ("locked", "model_averaging", {"block_size": BLOCK_STEPS * args.batch}),
-    ):
-        torch.manual_seed(0)
-        model = models.create(args.model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        built[name] = bunsan.distribute(model, optimizer, algorithm, **options)
+        ("local", "model_averaging", block),
+        ("locked", "model_averaging", block),
+    )
+    x, y, built = start_rank(rank, n, port, args.model, args.batch, kinds)
     pairs: list[dict[str, list[float]]] = []
     steps_of = {"local": 0, "locked": 0}
     for _ in range(args.pairs):

@@ -112,6 +112,29 @@ def rank_parser(description: str, workers: int, model: str) -> argparse.Argument
     return parser
 
 
+def start_rank(
+    rank: int, n: int, port: int, model_name: str, batch: int, kinds: Iterable[tuple[str, str, dict[str, Any]]]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Join the process group (its own, made here), and for each ``(name, algorithm, options)`` of
+    ``kinds`` a copy of the model (the same initial values) with its optimizer, distributed with that
+    algorithm; with this rank's random inputs ``x`` and labels ``y`` of ``batch`` samples."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    import bunsan
+    from bunsan import models
+
+    x = torch.randn(batch, *SHAPES[model_name], generator=torch.Generator().manual_seed(rank))
+    y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
+    built = {}
+    for name, algorithm, options in kinds:
+        torch.manual_seed(0)
+        model = models.create(model_name)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        built[name] = bunsan.distribute(model, optimizer, algorithm, **options)
+    return x, y, built
+
+
 def finish_rank(optimizers: Iterable[Any], rank: int, result: Any, queue: mp.Queue) -> None:
     """End a rank: every block algorithm's last block, the result to the parent, the process group."""
     for optimizer in optimizers:
