@@ -24,7 +24,15 @@ from bunsan._validate import check_type
 from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.buffers import synced_buffer_modules
-from bunsan.comm import all_gather_object, all_reduce, broadcast_tensors, get_world_size, global_rank, is_initialized
+from bunsan.comm import (
+    all_gather_object,
+    all_reduce,
+    broadcast_tensors,
+    get_backend,
+    get_world_size,
+    global_rank,
+    is_initialized,
+)
 from bunsan.errors import CheckpointError, ModelMismatchError
 
 __all__ = ["DistributedOptimizer", "check_same_model", "distribute"]
@@ -430,6 +438,10 @@ def distribute(
     if attached is not None and getattr(attached, "algorithm", None) is not None:
         raise ValueError("this model was already passed to bunsan.distribute(); build a fresh model or optimizer pair")
 
+    if get_world_size(algorithm.group) > 1 and get_backend(algorithm.group) == "gloo":
+        from bunsan import runtime
+
+        runtime.share_host_cores(algorithm.group)  # a script's own group: no more threads than cores
     check_same_model(model, group=algorithm.group)
     if get_world_size(algorithm.group) > 1 and all(p.device.type == "cpu" for p in model.parameters()):
         # What bunsan.init() does for the CPU workers it starts, also for a group the script made itself

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -420,6 +421,47 @@ def _info() -> WorldInfo | None:
     if comm.is_initialized():  # a group made by the user or a test harness
         return WorldInfo("external", comm.get_rank(), comm.get_world_size(), 0, 1, None, 0, "external")
     return None
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform tells it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def share_host_cores(group: Any = None) -> None:
+    """Collective over ``group``: in a CPU job whose group the script made itself (``mp.spawn``,
+    ``init_process_group`` under a launcher that sets no ``OMP_NUM_THREADS``), where the workers
+    sharing this host would run more intra-op threads together than it has cores, give each
+    ``cores // workers on the host`` threads, as :func:`init` gives the workers it starts one
+    (two workers each using both cores of a 2-core machine made a step 15 times slower), and
+    say so once, on the host's lowest rank. Where ``OMP_NUM_THREADS`` is set, the threads are the
+    user's: only the warning. Workers of a job :func:`init` started are left alone (it set them)."""
+    if _state.info is not None and _state.info.launcher != "external":
+        return
+    threads, cores = torch.get_num_threads(), _usable_cores()
+    everyone = comm.all_gather_object((socket.gethostname(), threads, cores), group=group)
+    host = everyone[comm.get_rank(group)][0]
+    here = [r for r, (name, _, _) in enumerate(everyone) if name == host]
+    if threads <= 1 or len(here) * threads <= cores:
+        return
+    fair = max(1, cores // len(here))
+    chosen = "OMP_NUM_THREADS" in os.environ
+    if not chosen:
+        torch.set_num_threads(fair)
+    if comm.get_rank(group) == here[0]:
+        warnings.warn(
+            f"{len(here)} workers share this host's {cores} cores and each ran {threads} intra-op threads; "
+            + (
+                f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is set, so they keep them (oversubscribed "
+                f"cores slow every step; {fair} each would fit)"
+                if chosen
+                else f"each now runs {fair} (set OMP_NUM_THREADS to choose)"
+            ),
+            stacklevel=3,
+        )
 
 
 def _current() -> WorldInfo:

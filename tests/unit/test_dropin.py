@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import platform
 import pickle
+import platform
 import socket
 import subprocess
 import sys
@@ -275,12 +275,34 @@ def test_distribute_tunes_malloc_in_a_group_the_script_made(adopt):
     # Two workers whose group torch.distributed made, as under torchrun: bunsan.init() never ran (or
     # adopted that group), and the workers still keep freed memory for the next step (without it:
     # 4,000-8,800 page faults a ResNet-20 step at 2 workers).
-    port = _free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("BUNSAN_LAUNCHER", "BUNSAN_MALLOC_TUNING")}
+    tuned = str(sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+    expected = f"(False, {tuned}) {tuned}" if adopt else f"False {tuned}"
+    assert _two_workers(f"ADOPT = {adopt}\n" + _OWN_GROUP_SCRIPT, base) == [expected, expected]
+
+
+_SHARED_CORES_SCRIPT = """
+import os, warnings, torch, torch.distributed as dist, bunsan
+from bunsan import runtime
+dist.init_process_group("gloo")    # the script's own group, as under mp.spawn
+before = torch.get_num_threads()
+model = torch.nn.Linear(4, 2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+warned = [str(w.message) for w in caught if "intra-op threads" in str(w.message)]
+print(before, torch.get_num_threads(), runtime._usable_cores(), len(warned), repr(warned[0] if warned else ""))
+dist.destroy_process_group()
+"""
+
+
+def _two_workers(script: str, env: dict[str, str]) -> list[str]:
+    """Run ``script`` as ranks 0 and 1 of a Gloo group it makes itself; each one's last line."""
+    port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", f"ADOPT = {adopt}\n" + _OWN_GROUP_SCRIPT],
-            env={**base, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            [sys.executable, "-c", script],
+            env={**env, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -292,8 +314,26 @@ def test_distribute_tunes_malloc_in_a_group_the_script_made(adopt):
     finally:
         for p in procs:
             p.kill()
-    tuned = str(sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
-        expected = f"(False, {tuned}) {tuned}" if adopt else f"False {tuned}"
-        assert out.strip().splitlines()[-1] == expected
+    return [out.strip().splitlines()[-1] for out, _ in outs]
+
+
+@pytest.mark.parametrize("omp", [None, "cores"], ids=["threads-unset", "OMP_NUM_THREADS-set"])
+def test_workers_of_a_scripts_own_group_share_the_hosts_cores(omp):
+    # Two workers on one host whose group the script made (mp.spawn style): torch's default threads
+    # each would oversubscribe the cores; distribute() gives each its share and says so once. With
+    # OMP_NUM_THREADS set the threads are the user's: the warning only.
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "BUNSAN_LAUNCHER")}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if omp == "cores":
+        base["OMP_NUM_THREADS"] = str(cores)
+    lines = [line.split(" ", 4) for line in _two_workers(_SHARED_CORES_SCRIPT, base)]
+    for rank, (before, after, seen_cores, warned, message) in enumerate(lines):
+        before, after, seen_cores, warned = int(before), int(after), int(seen_cores), int(warned)
+        oversubscribed = before > 1 and 2 * before > seen_cores
+        expected = max(1, seen_cores // 2) if oversubscribed and omp is None else before
+        assert after == expected
+        assert warned == (1 if oversubscribed and rank == 0 else 0)  # once, on the host's lowest rank
+        if warned:
+            assert ("each now runs" in message) == (omp is None), message
