@@ -399,7 +399,10 @@ def distribute(
     Calls :func:`bunsan.init` first if this process has not joined the job yet. A CPU model
     in a group of several, also one the script made itself with
     ``torch.distributed.init_process_group``, gets the malloc settings that ``bunsan.init()``
-    gives its CPU workers (:mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off).
+    gives its CPU workers (:mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off),
+    and in a Gloo group that ``bunsan.init()`` did not start, workers sharing a host that would
+    run more intra-op threads than it has cores get their share of them
+    (:func:`bunsan.runtime.share_host_cores`).
 
     Args:
         model: the model; it is returned as the same object (no wrapper, so its
