@@ -19,6 +19,7 @@ from bunsan import comm
 from bunsan._validate import check_int
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
+from bunsan.compression.graphs import CapturedCalls, graphs_enabled
 
 __all__ = [
     "CODEC_FIELDS",
@@ -148,18 +149,26 @@ def measure_codec(
             at += quantizer.payload_bytes(min(length, numel - lo))
         payload = torch.empty(at, dtype=torch.uint8, device=device)
         whole, one = SegmentCodec(quantizer, cuts, device), SegmentCodec(quantizer, [(0, small, 0)], device)
+        # as the exchange runs them: replayed as CUDA graphs where it replays its calls
+        graphs = CapturedCalls(device) if graphs_enabled(device) else None
+
+        def run(site: str, call: Any, *tensors: torch.Tensor) -> None:
+            if graphs is None:
+                call()
+            else:
+                graphs(site, call, tensors)
 
         def encode_fn() -> None:
-            whole.encode(x, payload, residual)
+            run("encode", functools.partial(whole.encode, x, payload, residual), x, payload, residual)
 
         def decode_fn() -> None:
-            whole.decode(payload, out)
+            run("decode", functools.partial(whole.decode, payload, out), payload, out)
 
         def encode_call_fn() -> None:
-            one.encode(x, payload, residual)
+            run("encode_call", functools.partial(one.encode, x, payload, residual), x, payload, residual)
 
         def decode_call_fn() -> None:
-            one.decode(payload, out)
+            run("decode_call", functools.partial(one.decode, payload, out), payload, out)
 
     else:
         small_payload = payload[: quantizer.payload_bytes(small)]
@@ -176,13 +185,19 @@ def measure_codec(
         def decode_call_fn() -> None:
             quantizer.decode(small_payload, small, out=out[:small])
 
-    encode_fn()  # warm up
+    captured = coded_per_bucket(quantizer, device) and graphs_enabled(device)
+    # warm up; each call that becomes a graph runs eagerly once and is captured the second time
+    for fn in (encode_fn, decode_fn, encode_call_fn, decode_call_fn) if captured else (encode_fn,):
+        fn()
+        if captured:
+            fn()
     encode = timed(encode_fn, repeats)
     decode = timed(decode_fn, repeats)
     # the fixed cost of one call of each kind: one small chunk's (an encode and its error feedback cost
     # several decodes: 2-3 on an H100, 4-5 for 2 bits on CPU)
-    encode_call_fn()
-    decode_call_fn()
+    if not captured:
+        encode_call_fn()
+        decode_call_fn()
     encode_call = timed(encode_call_fn, max(repeats, 9))
     decode_call = timed(decode_call_fn, max(repeats, 9))
     half = torch.empty(numel, dtype=torch.float16, device=device)

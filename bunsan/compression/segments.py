@@ -126,6 +126,8 @@ class SegmentCodec:
         self._short_byte_dst = (
             self._codes_at[self.full_rows :][byte // self._bytes.numel()] + byte % self._bytes.numel()
         )
+        self._shifts: dict[tuple[int, ...], Tensor] = {}  # _moved's cache
+        self._index: Tensor | None = None  # _codes_index's
 
     def _rotate(self, rows: Tensor, inverse: bool) -> Tensor:
         """Rows (any leading dimensions) into rotated coordinates, or back (a rotated codec); in place."""
@@ -225,20 +227,34 @@ class SegmentCodec:
         q, flat = self.quantizer, payload.view(-1)
         if not self.rows:
             return torch.zeros(len(shifts), 0, q.chunk_size, device=self.device)
-        moved = torch.tensor(list(shifts), dtype=torch.int64, device=self.device)[:, None, None]
+        moved = self._moved(shifts)
         offset = self._get_params(flat, self._offset_at[None, :, None] + moved)
         step = self._get_params(flat, self._step_at[None, :, None] + moved)
-        index = self._codes_at[:, None] + self._bytes[None, :]
-        # a short chunk's bytes past its codes belong to the next field, or lie past the payload:
-        # read its first byte again there (those codes fall in the padding, which scatter leaves out)
-        index[self.full_rows :] = torch.where(
-            self._sent, index[self.full_rows :], self._codes_at[self.full_rows :, None]
-        )
-        packed = flat[index[None] + moved]  # (k, rows, bytes of a full chunk's codes)
+        packed = flat[self._codes_index() + moved]  # (k, rows, bytes of a full chunk's codes)
         k = len(shifts)
         codes = unpack_bits(packed.reshape(-1), q.bits, k * self.rows * q.chunk_size).view(k, self.rows, -1)
         out = codes.to(torch.float32)
         return out.mul_(step[..., None]).add_(offset[..., None])
+
+    def _moved(self, shifts: Sequence[int]) -> Tensor:
+        """``shifts`` as a ``(k, 1, 1)`` index on the device, made once per tuple: a copy from the host
+        is a synchronizing transfer, which a CUDA graph cannot hold (:mod:`bunsan.compression.graphs`)."""
+        key = tuple(shifts)
+        if key not in self._shifts:
+            self._shifts[key] = torch.tensor(key, dtype=torch.int64, device=self.device)[:, None, None]
+        return self._shifts[key]
+
+    def _codes_index(self) -> Tensor:
+        """``(1, rows, bytes of a full chunk's codes)``: where each row's packed codes lie in a payload."""
+        if self._index is None:
+            index = self._codes_at[:, None] + self._bytes[None, :]
+            # a short chunk's bytes past its codes belong to the next field, or lie past the payload:
+            # read its first byte again there (those codes fall in the padding, which scatter leaves out)
+            index[self.full_rows :] = torch.where(
+                self._sent, index[self.full_rows :], self._codes_at[self.full_rows :, None]
+            )
+            self._index = index[None]
+        return self._index
 
     def _get_params(self, flat: Tensor, at: Tensor) -> Tensor:
         return flat[at + self._four].contiguous().view(torch.float32).squeeze(-1)
@@ -260,6 +276,13 @@ class SegmentCodec:
         return self._rotate(total, inverse=True)
 
 
+def _low_high(rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's least and greatest valid cell (masked fills: no scalar copied from the host, which a
+    CUDA graph could not hold)."""
+    outside = ~mask
+    return rows.masked_fill(outside, float("inf")).amin(1), rows.masked_fill(outside, float("-inf")).amax(1)
+
+
 def _encode_1bit(rows: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Seide et al.'s two means per row over its valid cells (whatever the padding holds): codes,
     offset, step."""
@@ -273,8 +296,7 @@ def _encode_1bit(rows: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, T
     zero = torch.zeros_like(sum_pos)
     mean_pos = torch.where(count_pos > 0, sum_pos / count_pos.clamp(min=1), zero)
     mean_neg = torch.where(count_neg > 0, sum_neg / count_neg.clamp(min=1), zero)
-    inf = torch.tensor(float("inf"), device=rows.device)
-    low, high = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
+    low, high = _low_high(rows, mask)
     constant = low == high  # a rounded sum / count can miss a constant chunk's value: take it exactly
     mean_pos = torch.where(constant, high.clamp(min=0), mean_pos)
     mean_neg = torch.where(constant, low.clamp(max=0), mean_neg)
@@ -285,8 +307,7 @@ def _encode_levels(rows: Tensor, mask: Tensor, lengths: Tensor, bits: int) -> tu
     """Uniform ``2 ** bits`` levels per row over its valid cells, with the clipped range tried at 2-4
     bits, as :class:`Quantizer` does per chunk: codes, offset, step."""
     top = float(2**bits - 1)
-    inf = torch.tensor(float("inf"), device=rows.device)
-    low, high = torch.where(mask, rows, inf).amin(1), torch.where(mask, rows, -inf).amax(1)
+    low, high = _low_high(rows, mask)
     step = (high - low) / top
     valid = mask.to(torch.float32)
 

@@ -3,7 +3,9 @@
 Times the codec work of one step of ``DataParallelSGD(bits=B)``'s striped exchange at ``N``
 workers, as one rank does it, for a model's gradients on this device, in both modes
 (``BUNSAN_CODEC_CALLS=segment`` and ``bucket``, :func:`bunsan.algorithms.data_parallel.
-stripes.coded_per_bucket`). It runs the exchange's own code (``QuantizedExchange.
+stripes.coded_per_bucket`), and on a GPU the per-bucket calls also replayed as CUDA graphs
+(``BUNSAN_CODEC_GRAPHS=1``, the default there: :mod:`bunsan.compression.graphs`; the
+two warm-up steps run the first call eagerly and capture the second). It runs the exchange's own code (``QuantizedExchange.
 _launch_stripes`` and ``_finish_stripes``: quantize every stripe, the owner's sum and
 re-quantization, the decode of every stripe) with its collectives replaced by nothing: one
 GPU cannot hold ``N`` ranks, and the wire is not what is measured here (the cost model
@@ -131,19 +133,28 @@ def main() -> None:
         f"{args.model}: {sum(p.numel() for _, p in named):,} parameters in {len(named)} tensors, on {device}"
         + (f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" if device.type == "cuda" else "")
     )
-    print(("rotated chunks\n" if args.rotate else "") + "bits  workers  per segment (ms)  per bucket (ms)  ratio")
+    graphs = device.type == "cuda"  # CUDA graphs of the per-bucket calls (bunsan.compression.graphs)
+    print(
+        ("rotated chunks\n" if args.rotate else "")
+        + "bits  workers  per segment (ms)  per bucket (ms)  ratio"
+        + ("  graphed (ms)  bucket / graphed" if graphs else "")
+    )
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for workers in [int(n) for n in args.workers.split(",")]:
             found = {}
-            for mode in ("segment", "bucket"):
-                os.environ["BUNSAN_CODEC_CALLS"] = mode
+            for mode, captured in [("segment", "0"), ("bucket", "0")] + ([("graphs", "1")] if graphs else []):
+                os.environ["BUNSAN_CODEC_CALLS"] = "segment" if mode == "segment" else "bucket"
+                os.environ["BUNSAN_CODEC_GRAPHS"] = captured
                 found[mode] = _one_step_s(named, bits, workers, args.repeats, device, args.rotate, args.rank)
             ratio = found["segment"] / found["bucket"]
-            print(
-                f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
-            )
-            rows.append({"bits": bits, "workers": workers, "segment_s": found["segment"], "bucket_s": found["bucket"]})
+            line = f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
+            row = {"bits": bits, "workers": workers, "segment_s": found["segment"], "bucket_s": found["bucket"]}
+            if graphs:
+                line += f"  {found['graphs'] * 1e3:12.2f}  {found['bucket'] / found['graphs']:15.1f}x"
+                row["graphs_s"] = found["graphs"]
+            print(line)
+            rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -17,6 +17,7 @@ codes a whole bucket in one call (:class:`bunsan.compression.segments.SegmentCod
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -52,6 +53,20 @@ def _one(source: tuple[Tensor, int]) -> tuple[Tensor, tuple[int]]:
     return source[0], (source[1],)
 
 
+def _pair_batched(q: Stripes, me: int, n_active: int, out: Tensor) -> None:
+    """Two ranks: the sum of both ranks' first-stage payloads of both stripes, into ``out`` (a GPU)."""
+    other = 1 - me
+    for j in (0, 1):
+        found = {me: (q.send, j * q.payload)}
+        found[other] = (q.received, other * q.payload) if j == me else (q.gathered, j * q.payload)
+        codec = q.codec(j)
+        # rank order: the same sum on both ranks
+        rows = codec.decode_rows(*_one(found[0]))[0].add_(codec.decode_rows(*_one(found[1]))[0])
+        if n_active != 2:
+            rows.mul_(2 / n_active)
+        codec.scatter(rows, out)
+
+
 class QuantizedExchange(Algorithm):
     """The quantized half of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a mixin of it)."""
 
@@ -76,7 +91,8 @@ class QuantizedExchange(Algorithm):
         start = time.perf_counter()
         if q.batched:  # one call for every stripe of the bucket (a GPU: stripes.coded_per_bucket)
             residual = q.residual if active and self.error_feedback else None
-            q.codec(None).encode(bucket.buffer, q.send, residual)  # it reads half types as float32
+            codec = q.codec(None)  # it reads half types as float32
+            q.run("encode", partial(codec.encode, bucket.buffer, q.send, residual), bucket.buffer, q.send, residual)
         else:
             values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
             for j, stripe in enumerate(q.segments):
@@ -114,12 +130,14 @@ class QuantizedExchange(Algorithm):
             q = self._stripes[bucket.index]
             start = time.perf_counter()
             if q.batched:
-                owned = q.codec(me)
-                # the owner alone sums its stripe: one reduction over the ranks' payloads
-                rows = owned.decode_sum_rows(q.received, [i * q.payload for i in range(n)])
-                if n_active != n:
-                    rows.mul_(n / n_active)
-                owned.encode_gathered(rows, q.own_payload, q.owner_residual if self.error_feedback else None)
+                owner_residual = q.owner_residual if self.error_feedback else None
+                q.run(
+                    ("owner", me, n, n_active),
+                    partial(self._owner_batched, q, me, n_active, owner_residual),
+                    q.received,
+                    q.own_payload,
+                    owner_residual,
+                )
             else:
                 position = 0
                 for lo, length, at in q.segments[me]:
@@ -144,7 +162,8 @@ class QuantizedExchange(Algorithm):
             decoded = bucket.buffer if bucket.buffer.dtype == torch.float32 else None
             mine = pieces.get(bucket.index, []) if pieces is not None else []
             if q.batched:
-                q.codec(None).decode(q.gathered, bucket.buffer)
+                codec = q.codec(None)
+                q.run("decode", partial(codec.decode, q.gathered, bucket.buffer), q.gathered, bucket.buffer)
                 if decoded is not None:
                     _take_out(decoded, mine)
             else:
@@ -194,15 +213,14 @@ class QuantizedExchange(Algorithm):
             start = time.perf_counter()
             mine = pieces.get(bucket.index, []) if pieces is not None else []
             if q.batched:
-                for j in (0, 1):
-                    found = {me: (q.send, j * q.payload)}
-                    found[other] = (q.received, other * q.payload) if j == me else (q.gathered, j * q.payload)
-                    codec = q.codec(j)
-                    # rank order: the same sum on both ranks
-                    rows = codec.decode_rows(*_one(found[0]))[0].add_(codec.decode_rows(*_one(found[1]))[0])
-                    if n_active != 2:
-                        rows.mul_(2 / n_active)
-                    codec.scatter(rows, bucket.buffer)
+                q.run(
+                    ("pair", me, n_active),
+                    partial(_pair_batched, q, me, n_active, bucket.buffer),
+                    q.send,
+                    q.received,
+                    q.gathered,
+                    bucket.buffer,
+                )
                 if bucket.buffer.dtype == torch.float32:
                     _take_out(bucket.buffer, mine)
             else:
@@ -225,6 +243,15 @@ class QuantizedExchange(Algorithm):
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
+
+    def _owner_batched(self, q: Stripes, me: int, n_active: int, owner_residual: Tensor | None) -> None:
+        """The owner's sum of its stripe and its re-quantization, one call each (a GPU)."""
+        n, owned = self.world_size, q.codec(me)
+        # the owner alone sums its stripe: one reduction over the ranks' payloads
+        rows = owned.decode_sum_rows(q.received, [i * q.payload for i in range(n)])
+        if n_active != n:
+            rows.mul_(n / n_active)
+        owned.encode_gathered(rows, q.own_payload, owner_residual)
 
     def _local_nonfinite(self) -> float:
         """1.0 if this rank encoded an inf or NaN in this round (its slot in the metadata), else 0.0."""

@@ -7,7 +7,7 @@ is in :mod:`bunsan.algorithms.data_parallel.quantized`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,7 @@ from torch import Tensor
 
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.compression import Quantizer
+from bunsan.compression.graphs import CapturedCalls, graphs_enabled
 from bunsan.compression.rotation import RotatedQuantizer
 from bunsan.compression.segments import SegmentCodec, batches
 
@@ -82,6 +83,7 @@ class Stripes:
     params_index: Tensor  # int64: the bytes of ``send`` that hold the chunks' parameters (float32)
     work: Any = None
     quantizer: Quantizer | RotatedQuantizer | None = None  # set where the codec runs one call per bucket
+    graphs: CapturedCalls | None = None  # set where those calls are replayed as CUDA graphs
     _codecs: dict[int | None, SegmentCodec] = field(default_factory=dict)
 
     @property
@@ -100,6 +102,14 @@ class Stripes:
                 segments = list(self.segments[stripe])
             self._codecs[stripe] = SegmentCodec(self.quantizer, segments, self.residual.device)
         return self._codecs[stripe]
+
+    def run(self, site: Hashable, call: Callable[[], object], *tensors: Tensor | None) -> None:
+        """Do a codec ``call`` that works in ``tensors`` only: as a CUDA graph where :attr:`graphs`
+        is set (:class:`bunsan.compression.graphs.CapturedCalls`), else now."""
+        if self.graphs is None:
+            call()
+        else:
+            self.graphs(site, call, tensors)
 
     def sent_finite(self) -> Tensor:
         """Whether every chunk parameter this rank encoded into ``send`` is finite (a 0-d bool tensor).
@@ -157,6 +167,7 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
         for _, length, at in stripe
     ]
     params_index = (torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)).to(device)
+    batched = coded_per_bucket(quantizer, device)
 
     return Stripes(
         segments,
@@ -170,5 +181,6 @@ def build_stripes(bucket: Bucket, quantizer: Quantizer | RotatedQuantizer, world
         octets(payload),
         octets(n * payload),
         params_index,
-        quantizer=quantizer if coded_per_bucket(quantizer, device) else None,
+        quantizer=quantizer if batched else None,
+        graphs=CapturedCalls(device) if batched and graphs_enabled(device) else None,
     )
