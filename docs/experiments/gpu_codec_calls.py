@@ -137,22 +137,30 @@ def main() -> None:
     print(
         ("rotated chunks\n" if args.rotate else "")
         + "bits  workers  per segment (ms)  per bucket (ms)  ratio"
-        + ("  graphed (ms)  bucket / graphed" if graphs else "")
+        + ("  graphed (ms)  bucket / graphed  peak MB, bucket / graphed" if graphs else "")
     )
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for workers in [int(n) for n in args.workers.split(",")]:
-            found = {}
+            found, peaks = {}, {}
             for mode, captured in [("segment", "0"), ("bucket", "0")] + ([("graphs", "1")] if graphs else []):
                 os.environ["BUNSAN_CODEC_CALLS"] = "segment" if mode == "segment" else "bucket"
                 os.environ["BUNSAN_CODEC_GRAPHS"] = captured
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
                 found[mode] = _one_step_s(named, bits, workers, args.repeats, device, args.rotate, args.rank)
+                if device.type == "cuda":  # the exchange's buffers, scratch and graph pool at their peak
+                    peaks[mode] = (torch.cuda.max_memory_allocated() - before) / 2**20
             ratio = found["segment"] / found["bucket"]
             line = f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
             row = {"bits": bits, "workers": workers, "segment_s": found["segment"], "bucket_s": found["bucket"]}
             if graphs:
                 line += f"  {found['graphs'] * 1e3:12.2f}  {found['bucket'] / found['graphs']:15.1f}x"
                 row["graphs_s"] = found["graphs"]
+                line += f"  {peaks['bucket']:9.1f} / {peaks['graphs']:.1f}"
+                row["peak_mb"] = peaks
             print(line)
             rows.append(row)
     if args.json:
