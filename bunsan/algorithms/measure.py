@@ -19,7 +19,7 @@ from bunsan import comm
 from bunsan._validate import check_int
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
-from bunsan.compression.graphs import CapturedCalls, graphs_enabled
+from bunsan.compression.graphs import CapturedCalls, graphs_enabled, run_call
 
 __all__ = [
     "CODEC_FIELDS",
@@ -151,12 +151,7 @@ def measure_codec(
         whole, one = SegmentCodec(quantizer, cuts, device), SegmentCodec(quantizer, [(0, small, 0)], device)
         # as the exchange runs them: replayed as CUDA graphs where it replays its calls
         graphs = CapturedCalls(device) if graphs_enabled(device) else None
-
-        def run(site: str, call: Any, *tensors: torch.Tensor) -> None:
-            if graphs is None:
-                call()
-            else:
-                graphs(site, call, tensors)
+        run = functools.partial(run_call, graphs)
 
         def encode_fn() -> None:
             run("encode", functools.partial(whole.encode, x, payload, residual), x, payload, residual)

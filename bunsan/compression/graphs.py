@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CapturedCalls", "graphs_enabled"]
+__all__ = ["CapturedCalls", "graphs_enabled", "run_call"]
 
 _POOLS: dict[torch.device, Any] = {}  # per device: the memory pool all the codec's graphs share
 
@@ -111,3 +111,12 @@ class CapturedCalls:
         ):
             call()
         return graph.replay
+
+
+def run_call(graphs: CapturedCalls | None, site: Hashable, call: Callable[[], object], *tensors: Tensor | None) -> None:
+    """Do ``call`` through ``graphs`` (as a CUDA graph from its second time on), or now where ``graphs``
+    is ``None`` (a CPU, or capture turned off)."""
+    if graphs is None:
+        call()
+    else:
+        graphs(site, call, tensors)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.compression import Quantizer
-from bunsan.compression.graphs import CapturedCalls, graphs_enabled
+from bunsan.compression.graphs import CapturedCalls, graphs_enabled, run_call
 from bunsan.compression.rotation import RotatedQuantizer
 from bunsan.compression.segments import SegmentCodec, batches
 
@@ -106,10 +106,7 @@ class Stripes:
     def run(self, site: Hashable, call: Callable[[], object], *tensors: Tensor | None) -> None:
         """Do a codec ``call`` that works in ``tensors`` only: as a CUDA graph where :attr:`graphs`
         is set (:class:`bunsan.compression.graphs.CapturedCalls`), else now."""
-        if self.graphs is None:
-            call()
-        else:
-            self.graphs(site, call, tensors)
+        run_call(self.graphs, site, call, *tensors)
 
     def sent_finite(self) -> Tensor:
         """Whether every chunk parameter this rank encoded into ``send`` is finite (a 0-d bool tensor).
