@@ -17,9 +17,9 @@ import torch
 
 from bunsan import comm
 from bunsan._validate import check_int
+from bunsan.algorithms.data_parallel.graphs import CapturedCalls, graphs_enabled, run_call
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
-from bunsan.compression.graphs import CapturedCalls, graphs_enabled, run_call
 
 __all__ = [
     "CODEC_FIELDS",

@@ -238,7 +238,7 @@ class SegmentCodec:
 
     def _moved(self, shifts: Sequence[int]) -> Tensor:
         """``shifts`` as a ``(k, 1, 1)`` index on the device, made once per tuple: a copy from the host
-        is a synchronizing transfer, which a CUDA graph cannot hold (:mod:`bunsan.compression.graphs`)."""
+        is a synchronizing transfer, which a CUDA graph of the exchange's calls cannot hold."""
         key = tuple(shifts)
         if key not in self._shifts:
             self._shifts[key] = torch.tensor(key, dtype=torch.int64, device=self.device)[:, None, None]

@@ -4,7 +4,7 @@ Times the codec work of one step of ``DataParallelSGD(bits=B)``'s striped exchan
 workers, as one rank does it, for a model's gradients on this device, in both modes
 (``BUNSAN_CODEC_CALLS=segment`` and ``bucket``, :func:`bunsan.algorithms.data_parallel.
 stripes.coded_per_bucket`), and on a GPU the per-bucket calls also replayed as CUDA graphs
-(``BUNSAN_CODEC_GRAPHS=1``, the default there: :mod:`bunsan.compression.graphs`; the
+(``BUNSAN_CODEC_GRAPHS=1``, the default there: :mod:`bunsan.algorithms.data_parallel.graphs`; the
 two warm-up steps run the first call eagerly and capture the second). It runs the exchange's own code (``QuantizedExchange.
 _launch_stripes`` and ``_finish_stripes``: quantize every stripe, the owner's sum and
 re-quantization, the decode of every stripe) with its collectives replaced by nothing: one
@@ -133,7 +133,7 @@ def main() -> None:
         f"{args.model}: {sum(p.numel() for _, p in named):,} parameters in {len(named)} tensors, on {device}"
         + (f" ({torch.cuda.get_device_name(device)}, torch {torch.__version__})" if device.type == "cuda" else "")
     )
-    graphs = device.type == "cuda"  # CUDA graphs of the per-bucket calls (bunsan.compression.graphs)
+    graphs = device.type == "cuda"  # CUDA graphs of the per-bucket calls (bunsan.algorithms.data_parallel.graphs)
     print(
         ("rotated chunks\n" if args.rotate else "")
         + "bits  workers  per segment (ms)  per bucket (ms)  ratio"

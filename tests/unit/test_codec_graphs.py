@@ -1,4 +1,4 @@
-"""The quantized exchange's codec calls replayed as CUDA graphs (bunsan.compression.graphs).
+"""The quantized exchange's codec calls replayed as CUDA graphs (bunsan.algorithms.data_parallel.graphs).
 
 On CPU, with a recorder in place of a CUDA graph: which call runs eagerly, which is captured
 and which replayed, and the fallback. On a GPU (``-m gpu``): the exchange's own code, with its
@@ -18,7 +18,7 @@ from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.algorithms.data_parallel.buckets import build_buckets
 from bunsan.algorithms.data_parallel.stripes import build_stripes
 from bunsan.compression import Quantizer
-from bunsan.compression.graphs import CapturedCalls, graphs_enabled
+from bunsan.algorithms.data_parallel.graphs import CapturedCalls, graphs_enabled
 
 
 class Recorded(CapturedCalls):

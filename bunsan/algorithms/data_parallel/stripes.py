@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from bunsan.algorithms.data_parallel.buckets import Bucket
+from bunsan.algorithms.data_parallel.graphs import CapturedCalls, graphs_enabled, run_call
 from bunsan.compression import Quantizer
-from bunsan.compression.graphs import CapturedCalls, graphs_enabled, run_call
 from bunsan.compression.rotation import RotatedQuantizer
 from bunsan.compression.segments import SegmentCodec, batches
 
@@ -105,7 +105,7 @@ class Stripes:
 
     def run(self, site: Hashable, call: Callable[[], object], *tensors: Tensor | None) -> None:
         """Do a codec ``call`` that works in ``tensors`` only: as a CUDA graph where :attr:`graphs`
-        is set (:class:`bunsan.compression.graphs.CapturedCalls`), else now."""
+        is set (:class:`bunsan.algorithms.data_parallel.graphs.CapturedCalls`), else now."""
         run_call(self.graphs, site, call, *tensors)
 
     def sent_finite(self) -> Tensor:

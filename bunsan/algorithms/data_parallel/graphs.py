@@ -28,6 +28,9 @@ one after another on one stream, so the pool needs only the largest call's scrat
 sum over buckets. A capture that fails (an operation the graph cannot hold) warns once and
 leaves the calls eager for the process; ``BUNSAN_CODEC_GRAPHS=0`` turns capture off, ``=1``
 keeps it on where it would be (a CUDA device; there is nothing to replay on CPU).
+
+It lives beside the exchange, not in :mod:`bunsan.compression`: the graphs are the exchange's
+state (keyed by its buffers), and the codecs there stay stateless (DESIGN.md).
 """
 
 from __future__ import annotations
