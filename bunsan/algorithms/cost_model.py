@@ -59,6 +59,8 @@ __all__ = [
     "ALGORITHMS",
     "ASYNC_OWN_PASSES",
     "ASYNC_REMOTE_PASSES",
+    "BLOCK_ROUND_PASSES",
+    "NESTEROV_START_PASSES",
     "Candidate",
     "Network",
     "Prediction",
@@ -66,6 +68,7 @@ __all__ = [
     "allgather_time",
     "alltoall_time",
     "async_step",
+    "block_round_passes",
     "block_steps",
     "bucket_sizes",
     "burst_credit",
@@ -97,6 +100,16 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
 # packs, subtracts, unpacks and copies the base (its push and pull are on the wire): 4.
 ASYNC_OWN_PASSES = 6
 ASYNC_REMOTE_PASSES = 4
+# Passes over the parameters in memory per round of a block algorithm
+# (bunsan.algorithms.blockwise.BlockwiseSGD._block_round), in float32 copies (a read and a write of
+# each element), counted in its code: pack the parameters into the flat buffer 1, subtract the
+# block's start 1.5 (two reads and a write), divide by N 1, the filter D = bm D + zeta G 2.5 and
+# W += D 1.5, the next start (a copy of W) 1, unpack it into the parameters 1: 9.5. A Nesterov start
+# (W + bm D, block momentum's default) reads two tensors: 0.5 more. On the 10.5M MLP at 2 workers
+# on 2 cores these took 38-44 ms a round, as long as its all-reduce (docs/plan.md, "What a block
+# costs beside its all-reduce"); a test counts them in the operations a round dispatches.
+BLOCK_ROUND_PASSES = 9.5
+NESTEROV_START_PASSES = 0.5
 
 
 @dataclass(frozen=True)
@@ -118,11 +131,13 @@ class Profile:
             element, for the quantized exchange (0 where not measured).
         cast_s_per_element: casting one element to half precision and back (fp16/bf16
             traffic; 0 where not measured).
-        update_s_per_element: time per element of a block update (model averaging,
-            block momentum) beyond the all-reduce.
+        update_s_per_element: time per element of a block round (model averaging, block
+            momentum) beyond its all-reduce and its passes over the parameters
+            (:func:`block_round_passes`, priced by ``copy_s_per_element``): 0 unless known.
         copy_s_per_element: one pass over the parameters in memory (a float32 copy), per
             element: async SGD's in-process exchange is made of such passes
-            (:data:`ASYNC_OWN_PASSES`, :data:`ASYNC_REMOTE_PASSES`; 0 where not measured).
+            (:data:`ASYNC_OWN_PASSES`, :data:`ASYNC_REMOTE_PASSES`), and so is a block round
+            beside its all-reduce (:func:`block_round_passes`); 0 where not measured.
         straggler_s: how much longer the slowest of the workers takes, on average, than
             their mean compute in a step (:func:`compute_with_stragglers`); a
             synchronous step waits for the slowest worker (Dean et al. 2012; Chen et al.
@@ -413,6 +428,16 @@ def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = Fal
 
 
 # -- the algorithms -----------------------------------------------------------------------------
+def block_round_passes(candidate: Candidate) -> float:
+    """Passes over the parameters (float32 copies) one round of the block algorithm ``candidate``
+    makes beside its all-reduce: :data:`BLOCK_ROUND_PASSES`, and :data:`NESTEROV_START_PASSES` more
+    for block momentum with a Nesterov start (its default, ``options["nesterov"]``)."""
+    if candidate.algorithm not in ("block_momentum", "model_averaging"):
+        raise ValueError(f"block_round_passes is for block_momentum and model_averaging, got {candidate.algorithm!r}")
+    nesterov = candidate.algorithm == "block_momentum" and bool(_option(candidate.options, "nesterov", True))
+    return BLOCK_ROUND_PASSES + (NESTEROV_START_PASSES if nesterov else 0.0)
+
+
 def block_steps(block_size: int, batch: int) -> int:
     """Local steps per block: ``block_size`` samples per worker over ``batch`` samples per step (at least 1)."""
     return max(1, math.ceil(block_size / batch))
@@ -559,7 +584,9 @@ def predict(
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
         nbytes = profile.gradient_bytes  # parameters are averaged in their own dtypes
         communication = ring_allreduce_time(nbytes, n, network)
-        update = profile.update_s_per_element * profile.params if n > 1 else 0.0
+        # the round's own passes over the parameters (a pass costs as a copy) and anything measured beyond
+        passes = block_round_passes(candidate) * profile.copy_s_per_element + profile.update_s_per_element
+        update = passes * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
         fixed = profile.fixed(candidate.label) if n > 1 else 0.0  # per block
         # a token-bucket link refills over the block's k steps of compute

@@ -160,6 +160,92 @@ def test_block_algorithms_amortize_one_allreduce():
     assert cm.block_steps(100, 32) == 4 and cm.block_steps(1, 32) == 1
 
 
+def test_a_block_round_pays_its_passes_over_the_parameters():
+    # one pass over 1e6 parameters: 1 ms; a round of model averaging makes 9.5, block momentum with its
+    # Nesterov start 10, without it 9.5; a block of 10 steps: 4e-3 s of all-reduce + the passes, / 10
+    profile = Profile(compute_s=0.1, params=1_000_000, batch=32, copy_s_per_element=1e-9)
+    net = Network(latency_s=0.0, bandwidth=1e9)
+    expected = {
+        ("model_averaging", None): 0.1 + (4e-3 + 9.5e-3) / 10,
+        ("block_momentum", None): 0.1 + (4e-3 + 10e-3) / 10,
+        ("block_momentum", False): 0.1 + (4e-3 + 9.5e-3) / 10,
+    }
+    for (name, nesterov), step_s in expected.items():
+        options = {"block_size": 320} if nesterov is None else {"block_size": 320, "nesterov": nesterov}
+        assert cm.predict(profile, net, Candidate(name, options), 2).step_s == pytest.approx(step_s)
+    # anything measured beyond the passes adds per element; alone, a worker has no round
+    more = replace(profile, update_s_per_element=2e-9)
+    block = Candidate("model_averaging", {"block_size": 320})
+    assert cm.predict(more, net, block, 2).step_s == pytest.approx(0.1 + (4e-3 + 11.5e-3) / 10)
+    assert cm.predict(more, net, block, 1).step_s == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="block_momentum and model_averaging"):
+        cm.block_round_passes(Candidate("data_parallel"))
+
+
+@pytest.mark.parametrize(
+    "algorithm,options", [("block_momentum", {}), ("block_momentum", {"nesterov": False}), ("model_averaging", {})]
+)
+def test_the_counted_passes_are_those_a_round_dispatches(algorithm, options):
+    """The passes the cost model prices, against the element reads and writes of the operations one
+    round of the real algorithm dispatches (one process: the all-reduce moves nothing), in float32
+    copies (a read and a write of every parameter)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import bunsan
+
+    class Moved(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            schema = func._schema
+            returns = schema.returns
+            if "c10d" in schema.name or (returns and returns[0].alias_info and not returns[0].alias_info.is_write):
+                return out  # a collective (counted as the network's) or a view (moves nothing)
+            name = schema.name.split("::")[1]
+            values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+            writes = False
+            for arg, value in zip(schema.arguments, values):
+                if isinstance(value, torch.Tensor):
+                    written = arg.alias_info is not None and arg.alias_info.is_write
+                    writes |= written
+                    read = not written or (name not in ("copy_", "zero_", "fill_") and arg.name != "out")
+                    self.elements += value.numel() * (int(read) + int(written))
+            if not writes:
+                self.elements += sum(
+                    t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+                )
+            return out
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    numel = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm, block_size=4, **options)
+    inner = optimizer.algorithm
+    x, y = torch.randn(4, 300), torch.randint(0, 10, (4,))
+    rounds = []
+    block_round = inner._block_round
+
+    def counted(*a, **k):
+        with Moved() as moved:
+            active = block_round(*a, **k)
+        rounds.append(moved.elements)
+        return active
+
+    inner._block_round = counted
+    for _ in range(3):  # a round after every step (blocks of one step); the first after the warm-up's
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert len(rounds) == 3
+    passes = cm.block_round_passes(Candidate(algorithm, options))
+    # the round's own tensors (its counts, the report) add a few dozen elements
+    assert rounds[-1] / (2 * numel) == pytest.approx(passes, abs=0.01)
+
+
 def test_every_exchange_travels_in_the_parameters_own_dtype():
     net = Network(latency_s=0.0, bandwidth=1e9)
     # bfloat16 parameters: 2 bytes an element. Exact at 2 workers after backward: an all-reduce of 2e6
