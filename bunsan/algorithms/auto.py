@@ -54,7 +54,7 @@ on bunsan's own models.
 
 Past the cap, the job's own times decide: after deciding on a block at the cap, Auto
 times the first block's local steps (median, end to end) and the exchange that ends it
-(the round's own all-reduces, waits included) on every rank; the next round's sample
+(the whole round: its all-reduces, waits included, and its passes over the parameters) on every rank; the next round's sample
 counts carry them (no collective of their own, so a rank that has joined takes part
 alike), and every rank lengthens the block from their means by the same rule
 (:func:`lengthened_block`): doubled while a doubling cuts the time per step by more than
@@ -70,7 +70,9 @@ step cannot decide this (its compute is only an upper bound), nor the exact step
 slow link (each costs a whole exchange); the first block times the steps the job will
 take. The check and its figures go into the decision (``block_check``), so a resumed run
 builds the lengthened block. The two block algorithms exchange the same bytes once per block
-and are predicted alike; a tie goes by the optimizer's own momentum. Block momentum
+and are predicted alike (block momentum's Nesterov start costs half a pass over the
+parameters more a round; within 1%, :data:`BLOCK_TIE`, the two are a tie); a tie goes by
+the optimizer's own momentum. Block momentum
 (BMUF, Chen and Huo 2016) filters the block updates with a momentum of ``1 - 1/N``,
 which stacks on the optimizer's: with SGD momentum 0.9 on MNIST-1D at 4 workers it ended
 1.9-4.7 points behind exact where model averaging ended 0.4 behind (README, accuracy
@@ -223,6 +225,8 @@ BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the c
 EPOCH_GROWTH = 1.625
 MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
+# block algorithms predicted within this share of each other are a tie (choose): it goes by momentum
+BLOCK_TIE = 0.01
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
 # then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
 # probes of risk="high" took 0.13 s instead of 0.20 at 2 workers and 0.49 s instead of 0.79 at 4
@@ -527,6 +531,14 @@ def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, 
     """Index of the chosen prediction (the first is exact) and why."""
     exact = predictions[0]
     best = min(range(len(predictions)), key=lambda i: predictions[i].step_s)
+    if predictions[best].label.split(":")[0] in BLOCK_ALGORITHMS:
+        # the two block algorithms differ by block momentum's Nesterov start, half a pass over the
+        # parameters a round: within BLOCK_TIE the first listed wins (candidates_for: by momentum)
+        best = next(
+            i
+            for i, p in enumerate(predictions)
+            if p.label.split(":")[0] in BLOCK_ALGORITHMS and p.step_s <= (1 + BLOCK_TIE) * predictions[best].step_s
+        )
     gain = exact.step_s / predictions[best].step_s - 1
     if best == 0:
         return 0, "exact is predicted fastest"
@@ -700,7 +712,7 @@ class Auto(Algorithm):
     def _time_block_step(self) -> None:
         """After deciding on a block algorithm at the cap: time the first block's local steps (end to
         end: the median leaves out a step that an evaluation between steps lengthened) and take the
-        round's own time of the exchange that ends it; hand both to the next round's report
+        round that ends it, whole (its all-reduce and its passes over the parameters); hand both to the next round's report
         (:meth:`_lengthen`). Local: the report rides on the round that the block algorithm makes anyway."""
         inner = self.inner
         assert isinstance(inner, BlockwiseSGD) and self._block_steps_s is not None
@@ -712,7 +724,7 @@ class Auto(Algorithm):
             seconds = now - self._last_end
             if inner.blocks > blocks:  # this step ended the block: its exchange, as the round timed it
                 if self._block_steps_s:
-                    inner.report_values = [1.0, statistics.median(self._block_steps_s), inner.last_exchange_s]
+                    inner.report_values = [1.0, statistics.median(self._block_steps_s), inner.last_round_s]
             elif inner.block_steps > 0:  # a local step (not the warm start's exact steps)
                 self._block_steps_s.append(seconds)
         self._last_end = time.perf_counter()

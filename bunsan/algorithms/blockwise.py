@@ -148,6 +148,7 @@ class BlockwiseSGD(Algorithm):
         # it from sync_replicas() (one more summed flag: a joined rank's round may meet the others' sync).
         self.report_width = 0
         self.last_exchange_s = 0.0  # seconds the last round's all-reduces took on this rank (waits included)
+        self.last_round_s = 0.0  # seconds the whole last round took on this rank: its all-reduces and its passes
         self.report_values: list[float] | None = None
         self.on_report: Callable[[list[float]], None] | None = None
 
@@ -329,6 +330,7 @@ class BlockwiseSGD(Algorithm):
         """One block synchronization; returns the number of ranks still training after it. ``report=False``:
         this rank sends zeros in the report's place, and no rank acts on this round's report."""
         n = self.world_size
+        began = time.perf_counter()
         # 1. Every rank sends its block's model change (or zeros) and its counts.
         for f in self._flats:
             if contribute:
@@ -363,6 +365,7 @@ class BlockwiseSGD(Algorithm):
         self.block_samples = self.block_steps = 0
         if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
             reset_momentum_buffers(self.optimizer)
+        self.last_round_s = time.perf_counter() - began
         if extras and extras[0] == n and self.on_report is not None:  # no rank's round was a sync_replicas()
             self.on_report(extras[1:])  # may change block_size and the report itself, alike on every rank
         return active
