@@ -179,6 +179,7 @@ from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.measure import (
     can_overlap,
+    measure_block_round,
     measure_codec,
     measure_codecs,
     measure_fixed_costs,
@@ -1019,6 +1020,10 @@ class Auto(Algorithm):
         elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
             codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
+            if self.risk == "high":  # the block algorithms' rounds: their passes over the parameters
+                codec["update_s_per_element"] = measure_block_round(
+                    numel, n, repeats=2, collective=True, group=self.group, device=device
+                )
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             if self.risk != "low":
                 codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)

@@ -105,9 +105,11 @@ ASYNC_REMOTE_PASSES = 4
 # each element), counted in its code: pack the parameters into the flat buffer 1, subtract the
 # block's start 1.5 (two reads and a write), divide by N 1, the filter D = bm D + zeta G 2.5 and
 # W += D 1.5, the next start (a copy of W) 1, unpack it into the parameters 1: 9.5. A Nesterov start
-# (W + bm D, block momentum's default) reads two tensors: 0.5 more. On the 10.5M MLP at 2 workers
-# on 2 cores these took 38-44 ms a round, as long as its all-reduce (docs/plan.md, "What a block
-# costs beside its all-reduce"); a test counts them in the operations a round dispatches.
+# (W + bm D, block momentum's default) reads two tensors: 0.5 more. A test counts them in the
+# operations a round dispatches. The price where the round was not timed (Profile.update_s_per_element):
+# timed, the round cost about 7 copies on this CPU (a copy also reads the lines it writes), so the
+# count is an upper bound; on the 10.5M MLP at 2 workers on 2 cores the passes took 24-38 ms of a
+# 63-89 ms round, as long as its all-reduce (docs/plan.md, "What a block costs beside its all-reduce").
 BLOCK_ROUND_PASSES = 9.5
 NESTEROV_START_PASSES = 0.5
 
@@ -131,9 +133,10 @@ class Profile:
             element, for the quantized exchange (0 where not measured).
         cast_s_per_element: casting one element to half precision and back (fp16/bf16
             traffic; 0 where not measured).
-        update_s_per_element: time per element of a block round (model averaging, block
-            momentum) beyond its all-reduce and its passes over the parameters
-            (:func:`block_round_passes`, priced by ``copy_s_per_element``): 0 unless known.
+        update_s_per_element: time per element of a block round's own work (model averaging,
+            block momentum) beside its all-reduce: its passes over the parameters, timed
+            (:func:`bunsan.algorithms.measure.measure_block_round`); 0 where not measured: then
+            :func:`block_round_passes` at ``copy_s_per_element`` each.
         copy_s_per_element: one pass over the parameters in memory (a float32 copy), per
             element: async SGD's in-process exchange is made of such passes
             (:data:`ASYNC_OWN_PASSES`, :data:`ASYNC_REMOTE_PASSES`), and so is a block round
@@ -584,9 +587,9 @@ def predict(
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
         nbytes = profile.gradient_bytes  # parameters are averaged in their own dtypes
         communication = ring_allreduce_time(nbytes, n, network)
-        # the round's own passes over the parameters (a pass costs as a copy) and anything measured beyond
-        passes = block_round_passes(candidate) * profile.copy_s_per_element + profile.update_s_per_element
-        update = passes * profile.params if n > 1 else 0.0
+        # the round's own passes over the parameters: timed (measure_block_round), else counted at a copy's cost
+        per_element = profile.update_s_per_element or block_round_passes(candidate) * profile.copy_s_per_element
+        update = per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
         fixed = profile.fixed(candidate.label) if n > 1 else 0.0  # per block
         # a token-bucket link refills over the block's k steps of compute

@@ -173,11 +173,13 @@ def test_a_block_round_pays_its_passes_over_the_parameters():
     for (name, nesterov), step_s in expected.items():
         options = {"block_size": 320} if nesterov is None else {"block_size": 320, "nesterov": nesterov}
         assert cm.predict(profile, net, Candidate(name, options), 2).step_s == pytest.approx(step_s)
-    # anything measured beyond the passes adds per element; alone, a worker has no round
-    more = replace(profile, update_s_per_element=2e-9)
-    block = Candidate("model_averaging", {"block_size": 320})
-    assert cm.predict(more, net, block, 2).step_s == pytest.approx(0.1 + (4e-3 + 11.5e-3) / 10)
-    assert cm.predict(more, net, block, 1).step_s == pytest.approx(0.1)
+    # the round timed (measure_block_round): 7 ms for its 1e6 elements, in place of the count at a copy's
+    # cost, for both algorithms; alone, a worker has no round
+    timed = replace(profile, update_s_per_element=7e-9)
+    for name in ("model_averaging", "block_momentum"):
+        block = Candidate(name, {"block_size": 320})
+        assert cm.predict(timed, net, block, 2).step_s == pytest.approx(0.1 + (4e-3 + 7e-3) / 10)
+        assert cm.predict(timed, net, block, 1).step_s == pytest.approx(0.1)
     with pytest.raises(ValueError, match="block_momentum and model_averaging"):
         cm.block_round_passes(Candidate("data_parallel"))
 
@@ -433,6 +435,16 @@ def test_async_server_on_the_compute_core_without_overlap():
     assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
     crowded = cm.predict(profile, net, Candidate("async"), 3, overlap=True, spare_core=False)
     assert crowded.step_s == pytest.approx(p.step_s)
+
+
+def test_measure_block_round_times_a_rounds_passes_per_element():
+    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, measure_block_round, measure_codec
+
+    per_element = measure_block_round(200_000, 2, repeats=3)
+    copy = measure_codec(200_000, repeats=3)["copy_s_per_element"]
+    # several passes over the parameters: more than one copy's time; the bound above is loose, for a shared machine
+    assert copy < per_element < 100 * copy
+    assert measure_block_round(10 * CODEC_NUMEL_CAP, 2, repeats=1) > 0  # timed on at most the cap, per element
 
 
 def test_measure_codecs_one_entry_per_width():

@@ -280,6 +280,26 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
     assert one_bit["step_s"] != pytest.approx(next(p.step_s for p in mean if p.label == "1-bit"), rel=1e-6)
 
 
+def test_job_prices_the_block_rounds_and_copies_its_auto_timed(tmp_path, capsys):
+    from bunsan.algorithms import cost_model as cm
+
+    timed = {"update_s_per_element": 7e-9, "copy_s_per_element": 1e-9}
+    (tmp_path / "decision.json").write_text(json.dumps(_auto_decision(**timed)))
+    record = tmp_path / "plan.json"
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2,16", "--png", str(tmp_path / "p.png")]
+    assert main([*argv, "--json", str(record)]) == 0
+    capsys.readouterr()
+    m = _auto_decision(**timed)["measured"]
+    network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
+    expected = cm.predict_all(_job_profile(**timed), network, cm.default_candidates(1024), [2, 16], overlap=False)
+    untimed = cm.predict_all(_job_profile(), network, cm.default_candidates(1024), [2, 16], overlap=False)
+    got = json.loads(record.read_text())["predictions"]
+    for p, q, r in zip(got, expected, untimed):
+        assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
+        if p["label"].startswith(("block_momentum", "model_averaging", "async")):  # what the two price
+            assert q.step_s > r.step_s, p["label"]
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [
