@@ -9,7 +9,8 @@ takes out the wait for the slower rank, which the all-reduce otherwise absorbs. 
 all-reduce is the block's own work on the parameters (pack, the change, the block filter, the next
 start, unpack, the optimizer's momentum reset). Printed beside: what the job measures for the cost
 model (``measure_network``: the ring all-reduce of the parameters' bytes; ``measure_codec``:
-``copy_s_per_element``, one pass over the parameters in memory, timed on every rank at once)::
+``copy_s_per_element``, one pass over the parameters in memory; ``measure_block_round``: the
+round's own work, which prices it since 8fcef9c; both timed on every rank at once)::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/block_round_cost.py --workers 2 \
         --model mlp_10m --batch 32 --block-steps 16
@@ -44,7 +45,7 @@ def _body(
     import bunsan
     from bunsan import models
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import measure_codec, measure_network
+    from bunsan.algorithms.measure import measure_block_round, measure_codec, measure_network
 
     x = torch.randn(batch, *SHAPES[model_name], generator=torch.Generator().manual_seed(rank))
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
@@ -94,6 +95,7 @@ def _body(
         "params": params,
         "allreduce_s": cm.ring_allreduce_time(params * 4, n, network),
         "copy_s": codec["copy_s_per_element"] * params,
+        "round_s": measure_block_round(params, n, collective=True) * params,
     }
     queue.put((rank, found))
     dist.destroy_process_group()
@@ -119,7 +121,8 @@ def main() -> None:
     )
     print(
         f"the cost model's inputs: ring all-reduce of the parameters {model['allreduce_s'] * 1e3:.1f} ms; "
-        f"one pass over them {model['copy_s'] * 1e3:.1f} ms (copy_s_per_element, every rank at once)"
+        f"one pass over them {model['copy_s'] * 1e3:.1f} ms (copy_s_per_element), a round's own work "
+        f"{model['round_s'] * 1e3:.1f} ms (measure_block_round; both every rank at once)"
     )
     for name in ("block_momentum", "model_averaging"):
         for rank in sorted(results):
