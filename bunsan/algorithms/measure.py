@@ -109,7 +109,9 @@ def measure_block_round(
     the global model (:func:`bunsan.algorithms.bmuf.update_global_model_`), compute the next start
     (:func:`~bunsan.algorithms.bmuf.update_block_start_`, with block momentum's Nesterov start) and
     unpack it. The same operations on tensors of ``numel`` elements (at most
-    :data:`CODEC_NUMEL_CAP`: the cost per element is flat past a few MB), the median of ``repeats``.
+    :data:`CODEC_NUMEL_CAP`: the cost per element is flat once the five tensors outgrow the
+    last-level cache), the median of ``repeats``. On the 10.5M MLP it took 0.08-0.3 s here, most
+    of it the first touch of the tensors' pages (less where the codec's probe freed as much just before).
 
     It prices :attr:`bunsan.algorithms.cost_model.Profile.update_s_per_element`. On a large model the
     round's passes cost as much as its all-reduce: on the 10.5M MLP at 2 workers on 2 cores 24-38 ms
@@ -126,7 +128,9 @@ def measure_block_round(
 
     device = torch.device(device if device is not None else "cpu")
     numel = max(1, min(numel, CODEC_NUMEL_CAP))
-    params = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    # past the CPU's last-level cache (32 MB on the 2-core machine of the docs: 1M elements' five tensors
+    # fit in it and ran 3 times faster than 4M's); their values do not matter to the passes' speed
+    params = torch.full((numel,), 0.5, device=device)
     flat, start, global_model, momentum = (params.clone() for _ in range(4))
 
     def one_round() -> None:
