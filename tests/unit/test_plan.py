@@ -247,6 +247,21 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     assert got["predictions"][0]["compute_s"] == pytest.approx(0.040)  # back at 4 workers: the job's own compute
 
 
+def _plan_job_at_2_and_16(tmp_path, capsys, **measured):
+    """``plan --job`` of :func:`_auto_decision` with ``measured`` at 2 and 16 workers: its predictions
+    (the JSON record's) and the job's network."""
+    from bunsan.algorithms import cost_model as cm
+
+    (tmp_path / "decision.json").write_text(json.dumps(_auto_decision(**measured)))
+    record = tmp_path / "plan.json"
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2,16", "--png", str(tmp_path / "p.png")]
+    assert main([*argv, "--json", str(record)]) == 0
+    capsys.readouterr()
+    m = _auto_decision(**measured)["measured"]
+    network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
+    return json.loads(record.read_text())["predictions"], network
+
+
 def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, capsys):
     from bunsan.algorithms import cost_model as cm
 
@@ -255,16 +270,9 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
         "decode_call_s": 1e-6,
         "codecs": [[8, 3e-9, 2e-9, 6e-6, 10e-6, 2e-6], [2, 2.5e-9, 1.5e-9, 5e-6, 8e-6, 2e-6]],
     }
-    (tmp_path / "decision.json").write_text(json.dumps(_auto_decision(**split)))
-    record = tmp_path / "plan.json"
-    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2,16", "--png", str(tmp_path / "p.png")]
-    assert main([*argv, "--json", str(record)]) == 0
-    capsys.readouterr()
-    m = _auto_decision(**split)["measured"]
+    got, network = _plan_job_at_2_and_16(tmp_path, capsys, **split)
     profile = _job_profile(encode_call_s=9e-6, decode_call_s=1e-6, codecs=tuple(tuple(c) for c in split["codecs"]))
-    network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
     expected = cm.predict_all(profile, network, cm.default_candidates(1024), [2, 16], overlap=False)
-    got = json.loads(record.read_text())["predictions"]
     assert [p["label"] for p in got] == [p.label for p in expected]
     for p, q in zip(got, expected):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
@@ -284,16 +292,9 @@ def test_job_prices_the_block_rounds_and_copies_its_auto_timed(tmp_path, capsys)
     from bunsan.algorithms import cost_model as cm
 
     timed = {"update_s_per_element": 7e-9, "copy_s_per_element": 1e-9}
-    (tmp_path / "decision.json").write_text(json.dumps(_auto_decision(**timed)))
-    record = tmp_path / "plan.json"
-    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2,16", "--png", str(tmp_path / "p.png")]
-    assert main([*argv, "--json", str(record)]) == 0
-    capsys.readouterr()
-    m = _auto_decision(**timed)["measured"]
-    network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
+    got, network = _plan_job_at_2_and_16(tmp_path, capsys, **timed)
     expected = cm.predict_all(_job_profile(**timed), network, cm.default_candidates(1024), [2, 16], overlap=False)
     untimed = cm.predict_all(_job_profile(), network, cm.default_candidates(1024), [2, 16], overlap=False)
-    got = json.loads(record.read_text())["predictions"]
     for p, q, r in zip(got, expected, untimed):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
         if p["label"].startswith(("block_momentum", "model_averaging", "async")):  # what the two price
