@@ -70,7 +70,7 @@ step cannot decide this (its compute is only an upper bound), nor the exact step
 slow link (each costs a whole exchange); the first block times the steps the job will
 take. The check and its figures go into the decision (``block_check``), so a resumed run
 builds the lengthened block. The two block algorithms exchange the same bytes once per block
-and are predicted alike (block momentum's Nesterov start costs half a pass over the
+and are predicted alike (block momentum's Nesterov start costs a third of a pass over the
 parameters more a round; within 1%, :data:`BLOCK_TIE`, the two are a tie); a tie goes by
 the optimizer's own momentum. Block momentum
 (BMUF, Chen and Huo 2016) filters the block updates with a momentum of ``1 - 1/N``,
@@ -179,7 +179,6 @@ from bunsan.algorithms.data_parallel import HEAVY_MOMENTUM_1BIT, DataParallelSGD
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.measure import (
     can_overlap,
-    measure_block_round,
     measure_codec,
     measure_codecs,
     measure_fixed_costs,
@@ -533,7 +532,7 @@ def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, 
     exact = predictions[0]
     best = min(range(len(predictions)), key=lambda i: predictions[i].step_s)
     if predictions[best].label.split(":")[0] in BLOCK_ALGORITHMS:
-        # the two block algorithms differ by block momentum's Nesterov start, half a pass over the
+        # the two block algorithms differ by block momentum's Nesterov start, a third of a pass over the
         # parameters a round: within BLOCK_TIE the first listed wins (candidates_for: by momentum)
         best = next(
             i
@@ -1020,10 +1019,6 @@ class Auto(Algorithm):
         elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
             numel = sum(p.numel() for _, p in self.named_params)
             codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
-            if self.risk == "high":  # the block algorithms' rounds: their passes over the parameters
-                codec["update_s_per_element"] = measure_block_round(
-                    numel, n, repeats=2, collective=True, group=self.group, device=device
-                )
             # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
             if self.risk != "low":
                 codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)

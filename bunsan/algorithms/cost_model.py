@@ -101,17 +101,19 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
 ASYNC_OWN_PASSES = 6
 ASYNC_REMOTE_PASSES = 4
 # Passes over the parameters in memory per round of a block algorithm
-# (bunsan.algorithms.blockwise.BlockwiseSGD._block_round), in float32 copies (a read and a write of
-# each element), counted in its code: pack the parameters into the flat buffer 1, subtract the
-# block's start 1.5 (two reads and a write), divide by N 1, the filter D = bm D + zeta G 2.5 and
-# W += D 1.5, the next start (a copy of W) 1, unpack it into the parameters 1: 9.5. A Nesterov start
-# (W + bm D, block momentum's default) reads two tensors: 0.5 more. A test counts them in the
-# operations a round dispatches. The price where the round was not timed (Profile.update_s_per_element):
-# timed, the round cost about 7 copies on this CPU (a copy also reads the lines it writes), so the
-# count is an upper bound; on the 10.5M MLP at 2 workers on 2 cores the passes took 24-38 ms of a
-# 63-89 ms round, as long as its all-reduce (docs/plan.md, "What a block costs beside its all-reduce").
-BLOCK_ROUND_PASSES = 9.5
-NESTEROV_START_PASSES = 0.5
+# (bunsan.algorithms.blockwise.BlockwiseSGD._block_round), in float32 copies, counted in its code by
+# the elements each operation moves through memory: what it reads, and what it writes twice (the
+# processor reads a line before writing it, unless the operation read it already), so a copy moves
+# 3 elements per element and is the unit. Pack the parameters into the flat buffer (a copy, 3),
+# subtract the block's start (in place: reads two, writes one, 3), divide by N (2), the filter
+# D = bm D + zeta G (2 + 3) and W += D (3), the next start as a copy of W (3), unpack it into the
+# parameters (3): 22 / 3 = 7.33. A Nesterov start (W + bm D into the start, block momentum's
+# default) reads two tensors and writes a third: 4, one more. A test counts them in the operations
+# a round dispatches. Timed, the passes of a round took 6-7.4 copies' time on the 10.5M MLP in the
+# job at 2 workers on 2 cores (24-39 ms of a 63-96 ms round: as long as its all-reduce) and 6.9
+# alone (docs/plan.md, "What a block costs beside its all-reduce").
+BLOCK_ROUND_PASSES = 22 / 3
+NESTEROV_START_PASSES = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -134,9 +136,9 @@ class Profile:
         cast_s_per_element: casting one element to half precision and back (fp16/bf16
             traffic; 0 where not measured).
         update_s_per_element: time per element of a block round's own work (model averaging,
-            block momentum) beside its all-reduce: its passes over the parameters, timed
-            (:func:`bunsan.algorithms.measure.measure_block_round`); 0 where not measured: then
-            :func:`block_round_passes` at ``copy_s_per_element`` each.
+            block momentum) beside its all-reduce, where it was timed (``plan --job`` of a
+            record that holds it); 0: its passes over the parameters as counted
+            (:func:`block_round_passes`), at ``copy_s_per_element`` each.
         copy_s_per_element: one pass over the parameters in memory (a float32 copy), per
             element: async SGD's in-process exchange is made of such passes
             (:data:`ASYNC_OWN_PASSES`, :data:`ASYNC_REMOTE_PASSES`), and so is a block round
@@ -432,9 +434,10 @@ def codec_calls(tensors: int, buckets: int, workers: int, per_bucket: bool = Fal
 
 # -- the algorithms -----------------------------------------------------------------------------
 def block_round_passes(candidate: Candidate) -> float:
-    """Passes over the parameters (float32 copies) one round of the block algorithm ``candidate``
-    makes beside its all-reduce: :data:`BLOCK_ROUND_PASSES`, and :data:`NESTEROV_START_PASSES` more
-    for block momentum with a Nesterov start (its default, ``options["nesterov"]``)."""
+    """Passes over the parameters (float32 copies' worth of memory traffic) one round of the block
+    algorithm ``candidate`` makes beside its all-reduce: :data:`BLOCK_ROUND_PASSES`, and
+    :data:`NESTEROV_START_PASSES` more for block momentum with a Nesterov start (its default,
+    ``options["nesterov"]``)."""
     if candidate.algorithm not in ("block_momentum", "model_averaging"):
         raise ValueError(f"block_round_passes is for block_momentum and model_averaging, got {candidate.algorithm!r}")
     nesterov = candidate.algorithm == "block_momentum" and bool(_option(candidate.options, "nesterov", True))
@@ -587,7 +590,7 @@ def predict(
         k = block_steps(int(_option(options, "block_size", 1024)), profile.batch)
         nbytes = profile.gradient_bytes  # parameters are averaged in their own dtypes
         communication = ring_allreduce_time(nbytes, n, network)
-        # the round's own passes over the parameters: timed (measure_block_round), else counted at a copy's cost
+        # the round's own passes over the parameters: timed where given, else counted at a copy's cost
         per_element = profile.update_s_per_element or block_round_passes(candidate) * profile.copy_s_per_element
         update = per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0

@@ -26,7 +26,6 @@ __all__ = [
     "CODEC_NUMEL_CAP",
     "PROBE_SIZES",
     "can_overlap",
-    "measure_block_round",
     "measure_codec",
     "measure_codecs",
     "measure_fixed_costs",
@@ -92,63 +91,6 @@ CODEC_FIELDS = (
     "cast_s_per_element",
     "copy_s_per_element",
 )
-
-
-def measure_block_round(
-    numel: int,
-    workers: int = 2,
-    *,
-    repeats: int = 3,
-    collective: bool = False,
-    group: Any = None,
-    device: torch.device | str | None = None,
-) -> float:
-    """Seconds per element of a block round's own work beside its all-reduce
-    (:meth:`bunsan.algorithms.blockwise.BlockwiseSGD._block_round`): pack the parameters into the
-    flat buffer, subtract the block's start and divide by the ``workers``, filter the change into
-    the global model (:func:`bunsan.algorithms.bmuf.update_global_model_`), compute the next start
-    (:func:`~bunsan.algorithms.bmuf.update_block_start_`, with block momentum's Nesterov start) and
-    unpack it. The same operations on tensors of ``numel`` elements (at most
-    :data:`CODEC_NUMEL_CAP`: the cost per element is flat once the five tensors outgrow the
-    last-level cache), the median of ``repeats``. On the 10.5M MLP it took 0.08-0.3 s here, most
-    of it the first touch of the tensors' pages (less where the codec's probe freed as much just before).
-
-    It prices :attr:`bunsan.algorithms.cost_model.Profile.update_s_per_element`. On a large model the
-    round's passes cost as much as its all-reduce: on the 10.5M MLP at 2 workers on 2 cores 24-38 ms
-    of a 63-89 ms round (docs/plan.md, "What a block costs beside its all-reduce"), where the
-    model counted only the all-reduce. Counted in float32 copies they are 10
-    (:func:`bunsan.algorithms.cost_model.block_round_passes`), but an in-place sum costs about what
-    a copy does (a copy also reads the lines it writes), so timing them is closer than the count.
-
-    ``collective``: every rank times them at the same moment (a barrier first) and returns the
-    slowest rank's figure, as :func:`measure_codec` does: ranks that share cores or memory
-    bandwidth run them together in a job.
-    """
-    from bunsan.algorithms.bmuf import update_block_start_, update_global_model_
-
-    device = torch.device(device if device is not None else "cpu")
-    numel = max(1, min(numel, CODEC_NUMEL_CAP))
-    # past the CPU's last-level cache (32 MB on the 2-core machine of the docs: 1M elements' five tensors
-    # fit in it and ran 3 times faster than 4M's); their values do not matter to the passes' speed
-    params = torch.full((numel,), 0.5, device=device)
-    flat, start, global_model, momentum = (params.clone() for _ in range(4))
-
-    def one_round() -> None:
-        flat.copy_(params)
-        flat.sub_(start).div_(workers)
-        update_global_model_(global_model, momentum, flat, 0.9, 1.0)
-        update_block_start_(start, global_model, momentum, 0.9, True)
-        params.copy_(start)
-
-    one_round()  # warm up: the first touch of each page costs a fault
-    if collective:
-        comm.barrier(group)
-    seconds = median_time(one_round, repeats, device) / numel
-    if collective:  # every rank the slowest rank's figure
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=comm.tensor_device(group))
-        comm.all_reduce(slowest, op="max", group=group)
-        seconds = float(slowest.item())
-    return seconds
 
 
 def measure_codec(

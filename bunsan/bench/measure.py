@@ -10,8 +10,6 @@
   sizes over the job's process group, fitted to Hockney's alpha-beta model
   (:func:`bunsan.algorithms.cost_model.network_from_timings`).
 * :func:`measure_codecs`: the codec at each bit width a candidate uses.
-* :func:`measure_block_round`: seconds per element of a block round's passes over the
-  parameters beside its all-reduce.
 * :func:`measure_fixed_costs` (collective): each candidate's step on a tiny model,
   less the local step and the model's prediction: the framework's fixed cost per step.
 
@@ -35,7 +33,6 @@ from torch import nn
 
 from bunsan.algorithms.measure import (
     PROBE_SIZES,
-    measure_block_round,
     measure_codec,
     measure_codecs,
     measure_fixed_costs,
@@ -47,7 +44,6 @@ from bunsan.algorithms.measure import (
 __all__ = [
     "PROBE_SIZES",
     "main",
-    "measure_block_round",
     "measure_codec",
     "measure_codecs",
     "measure_compute",

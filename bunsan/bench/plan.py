@@ -481,7 +481,7 @@ def _measured_profile(args: argparse.Namespace, batch: int) -> dict[str, Any]:
 
     from bunsan import models
     from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
-    from bunsan.bench.measure import measure_block_round, measure_codec, measure_codecs, measure_compute
+    from bunsan.bench.measure import measure_codec, measure_codecs, measure_compute
     from bunsan.bench.synthetic import model_inputs
     from bunsan.compression import Quantizer
 
@@ -501,7 +501,6 @@ def _measured_profile(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     x, y = torch.randn(batch, *shape).to(device), torch.randint(0, 10, (batch,)).to(device)
     measured = measure_compute(model, x, y)
     measured.update(measure_codec(measured["params"], device=device))
-    measured["update_s_per_element"] = measure_block_round(measured["params"], device=device)
     measured["codecs"] = measure_codecs(measured["params"], (8,), device=device)  # the candidates' other width
     measured["codec_per_bucket"] = coded_per_bucket(Quantizer(1), device)
     return measured
@@ -603,7 +602,6 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                     "decode_call_s",
                     "cast_s_per_element",
                     "copy_s_per_element",
-                    "update_s_per_element",
                     "tensors",
                     "chunks",
                     "codecs",

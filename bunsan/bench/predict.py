@@ -163,7 +163,6 @@ def _worker(spec: dict[str, Any]) -> int:
     from bunsan.algorithms import cost_model as cm
     from bunsan.algorithms.measure import CODEC_NUMEL_CAP, can_overlap
     from bunsan.bench.measure import (
-        measure_block_round,
         measure_codec,
         measure_codecs,
         measure_compute,
@@ -199,8 +198,6 @@ def _worker(spec: dict[str, Any]) -> int:
         measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
         # every rank at once, as the job's exchange encodes (measure_codec)
         codec: dict[str, Any] = measure_codec(measured["params"], collective=True)
-        # the block rounds' passes over the parameters, every rank at once (as Auto times them)
-        codec["update_s_per_element"] = measure_block_round(measured["params"], n, collective=True)
         codecs = measure_codecs(measured["params"], bits, collective=True)
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []

@@ -9,8 +9,9 @@ takes out the wait for the slower rank, which the all-reduce otherwise absorbs. 
 all-reduce is the block's own work on the parameters (pack, the change, the block filter, the next
 start, unpack, the optimizer's momentum reset). Printed beside: what the job measures for the cost
 model (``measure_network``: the ring all-reduce of the parameters' bytes; ``measure_codec``:
-``copy_s_per_element``, one pass over the parameters in memory; ``measure_block_round``: the
-round's own work, which prices it since 8fcef9c; both timed on every rank at once)::
+``copy_s_per_element``, one pass over the parameters in memory, timed on every rank at once),
+the round's own work as the model counts it (``cost_model.block_round_passes`` copies), and the
+same operations timed on their own, every rank at once (``time_block_round``)::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/block_round_cost.py --workers 2 \
         --model mlp_10m --batch 32 --block-steps 16
@@ -27,13 +28,57 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from bunsan import comm
+from bunsan.algorithms.bmuf import update_block_start_, update_global_model_
+from bunsan.algorithms.measure import CODEC_NUMEL_CAP, median_time
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exchange_wait import run_ranks  # noqa: E402
+from exchange_wait import run_ranks
 
 SHAPES = {"mnist1d_cnn": (1, 40), "digits_cnn": (1, 8, 8), "resnet20": (3, 32, 32), "mlp_10m": (1, 32, 32)}
+
+
+def time_block_round(
+    numel: int,
+    workers: int = 2,
+    *,
+    repeats: int = 3,
+    collective: bool = False,
+    group: Any = None,
+    device: torch.device | str | None = None,
+) -> float:
+    """Seconds per element of a block round's own work beside its all-reduce, timed: the same
+    operations as ``BlockwiseSGD._block_round`` (pack, the change divided by the workers, the block
+    filter, a Nesterov start, unpack) on tensors of ``numel`` elements (at most 4M: past the
+    last-level cache), the median of ``repeats``; ``collective``: every rank at once, the slowest
+    rank's figure. The cost model counts these passes instead (``cost_model.block_round_passes``,
+    at ``copy_s_per_element`` each); this is the check of that count."""
+
+    device = torch.device(device if device is not None else "cpu")
+    numel = max(1, min(numel, CODEC_NUMEL_CAP))
+    # past the CPU's last-level cache (32 MB on the 2-core machine of the docs: 1M elements' five tensors
+    # fit in it and ran 3 times faster than 4M's); their values do not matter to the passes' speed
+    params = torch.full((numel,), 0.5, device=device)
+    flat, start, global_model, momentum = (params.clone() for _ in range(4))
+
+    def one_round() -> None:
+        flat.copy_(params)
+        flat.sub_(start).div_(workers)
+        update_global_model_(global_model, momentum, flat, 0.9, 1.0)
+        update_block_start_(start, global_model, momentum, 0.9, True)
+        params.copy_(start)
+
+    one_round()  # warm up: the first touch of each page costs a fault
+    if collective:
+        comm.barrier(group)
+    seconds = median_time(one_round, repeats, device) / numel
+    if collective:  # every rank the slowest rank's figure
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=comm.tensor_device(group))
+        comm.all_reduce(slowest, op="max", group=group)
+        seconds = float(slowest.item())
+    return seconds
 
 
 def _body(
@@ -45,7 +90,7 @@ def _body(
     import bunsan
     from bunsan import models
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import measure_block_round, measure_codec, measure_network
+    from bunsan.algorithms.measure import measure_codec, measure_network
 
     x = torch.randn(batch, *SHAPES[model_name], generator=torch.Generator().manual_seed(rank))
     y = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(rank))
@@ -66,7 +111,13 @@ def _body(
             current["exchange"] = time.perf_counter() - began
             return out
 
-        def timed_round(*a: Any, block_round: Any = block_round, current: dict[str, float] = current, **k: Any) -> Any:
+        def timed_round(
+            *a: Any,
+            block_round: Any = block_round,
+            current: dict[str, float] = current,
+            rounds: list[dict[str, float]] = rounds,
+            **k: Any,
+        ) -> Any:
             began = time.perf_counter()
             if barrier:
                 dist.barrier()
@@ -95,7 +146,8 @@ def _body(
         "params": params,
         "allreduce_s": cm.ring_allreduce_time(params * 4, n, network),
         "copy_s": codec["copy_s_per_element"] * params,
-        "round_s": measure_block_round(params, n, collective=True) * params,
+        "round_s": time_block_round(params, n, collective=True) * params,
+        "counted_s": cm.block_round_passes(cm.Candidate("block_momentum")) * codec["copy_s_per_element"] * params,
     }
     queue.put((rank, found))
     dist.destroy_process_group()
@@ -121,8 +173,9 @@ def main() -> None:
     )
     print(
         f"the cost model's inputs: ring all-reduce of the parameters {model['allreduce_s'] * 1e3:.1f} ms; "
-        f"one pass over them {model['copy_s'] * 1e3:.1f} ms (copy_s_per_element), a round's own work "
-        f"{model['round_s'] * 1e3:.1f} ms (measure_block_round; both every rank at once)"
+        f"one pass over them {model['copy_s'] * 1e3:.1f} ms (copy_s_per_element), a round's own work counted "
+        f"{model['counted_s'] * 1e3:.1f} ms (block momentum's passes at a copy's cost), timed alone "
+        f"{model['round_s'] * 1e3:.1f} ms (both every rank at once)"
     )
     for name in ("block_momentum", "model_averaging"):
         for rank in sorted(results):

@@ -100,7 +100,7 @@ def test_one_fixed_cost_probe_per_family():
 
 def test_a_tie_between_the_block_algorithms_goes_by_the_optimizers_momentum():
     # a slow link of high latency: a block algorithm wins, and the two are predicted alike (same bytes,
-    # one fixed cost), but for block momentum's Nesterov start: half a pass over the parameters a round
+    # one fixed cost), but for block momentum's Nesterov start: a third of a pass over the parameters a round
     profile = cm.Profile(
         compute_s=0.01,
         params=1_000_000,

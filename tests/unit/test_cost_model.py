@@ -161,20 +161,20 @@ def test_block_algorithms_amortize_one_allreduce():
 
 
 def test_a_block_round_pays_its_passes_over_the_parameters():
-    # one pass over 1e6 parameters: 1 ms; a round of model averaging makes 9.5, block momentum with its
-    # Nesterov start 10, without it 9.5; a block of 10 steps: 4e-3 s of all-reduce + the passes, / 10
+    # one pass over 1e6 parameters: 1 ms; a round of model averaging makes 22/3, block momentum with its
+    # Nesterov start 23/3, without it 22/3; a block of 10 steps: 4e-3 s of all-reduce + the passes, / 10
     profile = Profile(compute_s=0.1, params=1_000_000, batch=32, copy_s_per_element=1e-9)
     net = Network(latency_s=0.0, bandwidth=1e9)
     expected = {
-        ("model_averaging", None): 0.1 + (4e-3 + 9.5e-3) / 10,
-        ("block_momentum", None): 0.1 + (4e-3 + 10e-3) / 10,
-        ("block_momentum", False): 0.1 + (4e-3 + 9.5e-3) / 10,
+        ("model_averaging", None): 0.1 + (4e-3 + 22e-3 / 3) / 10,
+        ("block_momentum", None): 0.1 + (4e-3 + 23e-3 / 3) / 10,
+        ("block_momentum", False): 0.1 + (4e-3 + 22e-3 / 3) / 10,
     }
     for (name, nesterov), step_s in expected.items():
         options = {"block_size": 320} if nesterov is None else {"block_size": 320, "nesterov": nesterov}
         assert cm.predict(profile, net, Candidate(name, options), 2).step_s == pytest.approx(step_s)
-    # the round timed (measure_block_round): 7 ms for its 1e6 elements, in place of the count at a copy's
-    # cost, for both algorithms; alone, a worker has no round
+    # the round timed (a figure given, as plan --job reads from a record that holds one): 7 ms for its 1e6
+    # elements, in place of the count at a copy's cost, for both algorithms; alone, a worker has no round
     timed = replace(profile, update_s_per_element=7e-9)
     for name in ("model_averaging", "block_momentum"):
         block = Candidate(name, {"block_size": 320})
@@ -188,9 +188,10 @@ def test_a_block_round_pays_its_passes_over_the_parameters():
     "algorithm,options", [("block_momentum", {}), ("block_momentum", {"nesterov": False}), ("model_averaging", {})]
 )
 def test_the_counted_passes_are_those_a_round_dispatches(algorithm, options):
-    """The passes the cost model prices, against the element reads and writes of the operations one
-    round of the real algorithm dispatches (one process: the all-reduce moves nothing), in float32
-    copies (a read and a write of every parameter)."""
+    """The passes the cost model prices, against the memory traffic of the operations one round of the
+    real algorithm dispatches (one process: the all-reduce moves nothing): each element read once, each
+    written twice (the line is read before it is written, or was read by the operation itself), in
+    float32 copies (3 elements moved per parameter)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -206,19 +207,16 @@ def test_the_counted_passes_are_those_a_round_dispatches(algorithm, options):
             returns = schema.returns
             if "c10d" in schema.name or (returns and returns[0].alias_info and not returns[0].alias_info.is_write):
                 return out  # a collective (counted as the network's) or a view (moves nothing)
-            name = schema.name.split("::")[1]
             values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
             writes = False
             for arg, value in zip(schema.arguments, values):
                 if isinstance(value, torch.Tensor):
                     written = arg.alias_info is not None and arg.alias_info.is_write
                     writes |= written
-                    read = not written or (name not in ("copy_", "zero_", "fill_") and arg.name != "out")
-                    self.elements += value.numel() * (int(read) + int(written))
-            if not writes:
-                self.elements += sum(
-                    t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
-                )
+                    self.elements += value.numel() * (2 if written else 1)
+            if not writes:  # a new tensor: written
+                leaves = torch.utils._pytree.tree_leaves(out)
+                self.elements += 2 * sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
             return out
 
     torch.manual_seed(0)
@@ -245,7 +243,7 @@ def test_the_counted_passes_are_those_a_round_dispatches(algorithm, options):
     assert len(rounds) == 3
     passes = cm.block_round_passes(Candidate(algorithm, options))
     # the round's own tensors (its counts, the report) add a few dozen elements
-    assert rounds[-1] / (2 * numel) == pytest.approx(passes, abs=0.01)
+    assert rounds[-1] / (3 * numel) == pytest.approx(passes, abs=0.01)
 
 
 def test_every_exchange_travels_in_the_parameters_own_dtype():
@@ -435,16 +433,6 @@ def test_async_server_on_the_compute_core_without_overlap():
     assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
     crowded = cm.predict(profile, net, Candidate("async"), 3, overlap=True, spare_core=False)
     assert crowded.step_s == pytest.approx(p.step_s)
-
-
-def test_measure_block_round_times_a_rounds_passes_per_element():
-    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, measure_block_round, measure_codec
-
-    per_element = measure_block_round(200_000, 2, repeats=3)
-    copy = measure_codec(200_000, repeats=3)["copy_s_per_element"]
-    # several passes over the parameters: more than one copy's time; the bound above is loose, for a shared machine
-    assert copy < per_element < 100 * copy
-    assert measure_block_round(10 * CODEC_NUMEL_CAP, 2, repeats=1) > 0  # timed on at most the cap, per element
 
 
 def test_measure_codecs_one_entry_per_width():
