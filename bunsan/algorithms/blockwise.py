@@ -147,8 +147,9 @@ class BlockwiseSGD(Algorithm):
         # sync_replicas()'s rounds (between steps) carry zeros, and a round acts only where no rank made
         # it from sync_replicas() (one more summed flag: a joined rank's round may meet the others' sync).
         self.report_width = 0
-        self.last_exchange_s = 0.0  # seconds the last round's all-reduces took on this rank (waits included)
-        self.last_round_s = 0.0  # seconds the whole last round took on this rank: its all-reduces and its passes
+        # seconds the whole last round took on this rank: its passes over the parameters and its all-reduces,
+        # waits included (meta's tolist() waits for every all-reduce)
+        self.last_round_s = 0.0
         self.report_values: list[float] | None = None
         self.on_report: Callable[[list[float]], None] | None = None
 
@@ -340,11 +341,9 @@ class BlockwiseSGD(Algorithm):
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
         width = self.report_width + 1 if self.report_width else 0  # the acting flag, then the report
-        started = time.perf_counter()
         total, contributors, active, changed = self._exchange(
             self._meta(samples, contribute, still_active, report), "block all-reduce"
         )
-        self.last_exchange_s = time.perf_counter() - started  # meta's tolist() waited for every all-reduce
         extras = changed[len(changed) - width :] if width else []
         changed = changed[: len(changed) - width]
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).

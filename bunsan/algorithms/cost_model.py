@@ -109,9 +109,10 @@ ASYNC_REMOTE_PASSES = 4
 # D = bm D + zeta G (2 + 3) and W += D (3), the next start as a copy of W (3), unpack it into the
 # parameters (3): 22 / 3 = 7.33. A Nesterov start (W + bm D into the start, block momentum's
 # default) reads two tensors and writes a third: 4, one more. A test counts them in the operations
-# a round dispatches. Timed, the passes of a round took 6-7.4 copies' time on the 10.5M MLP in the
-# job at 2 workers on 2 cores (24-39 ms of a 63-96 ms round: as long as its all-reduce) and 6.9
-# alone (docs/plan.md, "What a block costs beside its all-reduce").
+# a round dispatches. Timed in the job, the passes of a round on the 10.5M MLP at 2 workers on 2
+# cores took 20-39 ms of a 63-96 ms round, as long as its all-reduce: 5.9-14.2 copies, each copy
+# timed at another moment (this machine's memory bandwidth moves 2x within the hour; docs/plan.md,
+# "What a block costs beside its all-reduce").
 BLOCK_ROUND_PASSES = 22 / 3
 NESTEROV_START_PASSES = 1 / 3
 
