@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bunsan import comm
 from bunsan.algorithms.bmuf import update_block_start_, update_global_model_
 from bunsan.algorithms.measure import CODEC_NUMEL_CAP, median_time
 
@@ -40,27 +39,17 @@ from exchange_wait import run_ranks
 SHAPES = {"mnist1d_cnn": (1, 40), "digits_cnn": (1, 8, 8), "resnet20": (3, 32, 32), "mlp_10m": (1, 32, 32)}
 
 
-def time_block_round(
-    numel: int,
-    workers: int = 2,
-    *,
-    repeats: int = 3,
-    collective: bool = False,
-    group: Any = None,
-    device: torch.device | str | None = None,
-) -> float:
-    """Seconds per element of a block round's own work beside its all-reduce, timed: the same
-    operations as ``BlockwiseSGD._block_round`` (pack, the change divided by the workers, the block
-    filter, a Nesterov start, unpack) on tensors of ``numel`` elements (at most 4M: past the
-    last-level cache), the median of ``repeats``; ``collective``: every rank at once, the slowest
-    rank's figure. The cost model counts these passes instead (``cost_model.block_round_passes``,
-    at ``copy_s_per_element`` each); this is the check of that count."""
-
-    device = torch.device(device if device is not None else "cpu")
+def time_block_round(numel: int, workers: int, repeats: int = 3) -> float:
+    """Collective: seconds per element of a block round's own work beside its all-reduce, timed on
+    every rank at once (the slowest rank's figure): the same operations as
+    ``BlockwiseSGD._block_round`` (pack, the change divided by the workers, the block filter, a
+    Nesterov start, unpack) on tensors of ``numel`` elements (at most 4M: past the last-level
+    cache), the median of ``repeats``. The cost model counts these passes instead
+    (``cost_model.block_round_passes``, at ``copy_s_per_element`` each); this checks that count."""
     numel = max(1, min(numel, CODEC_NUMEL_CAP))
     # past the CPU's last-level cache (32 MB on the 2-core machine of the docs: 1M elements' five tensors
     # fit in it and ran 3 times faster than 4M's); their values do not matter to the passes' speed
-    params = torch.full((numel,), 0.5, device=device)
+    params = torch.full((numel,), 0.5)
     flat, start, global_model, momentum = (params.clone() for _ in range(4))
 
     def one_round() -> None:
@@ -71,14 +60,10 @@ def time_block_round(
         params.copy_(start)
 
     one_round()  # warm up: the first touch of each page costs a fault
-    if collective:
-        comm.barrier(group)
-    seconds = median_time(one_round, repeats, device) / numel
-    if collective:  # every rank the slowest rank's figure
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=comm.tensor_device(group))
-        comm.all_reduce(slowest, op="max", group=group)
-        seconds = float(slowest.item())
-    return seconds
+    dist.barrier()
+    slowest = torch.tensor([median_time(one_round, repeats) / numel], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
 
 
 def _body(
@@ -146,7 +131,7 @@ def _body(
         "params": params,
         "allreduce_s": cm.ring_allreduce_time(params * 4, n, network),
         "copy_s": codec["copy_s_per_element"] * params,
-        "round_s": time_block_round(params, n, collective=True) * params,
+        "round_s": time_block_round(params, n) * params,
         "counted_s": cm.block_round_passes(cm.Candidate("block_momentum")) * codec["copy_s_per_element"] * params,
     }
     queue.put((rank, found))
