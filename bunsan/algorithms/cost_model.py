@@ -85,6 +85,7 @@ __all__ = [
     "quantized_payload_bytes",
     "ring_allreduce_bytes",
     "ring_allreduce_time",
+    "shared_compute",
     "stripe_bytes",
     "striped_exchange_bytes",
     "striped_exchange_time",
@@ -170,6 +171,11 @@ class Profile:
             ``decode_call_s`` after them; a quantized candidate of those bits uses its own entry
             (8-bit encoding costs several times 1-bit's per element on CPU), any other the
             fields above.
+        ranks_per_core: the ranks of a host over its usable cores while ``compute_s`` was timed,
+            every rank computing at once (1: a core or more each). Above 1 a rank computes
+            faster while others wait: async SGD's remote workers spend their round trips off the
+            cores (:func:`shared_compute`). Synchronous steps compute and wait together, so
+            only async reads it.
         fixed_s: seconds a candidate costs beyond what the model counts (the framework's
             hooks and bookkeeping, the in-situ latency of waking the backend's threads),
             ``(label, seconds)`` per candidate label: per step, but per block for the block
@@ -197,6 +203,7 @@ class Profile:
     codec_per_bucket: bool = False
     encode_call_s: float | None = None
     decode_call_s: float | None = None
+    ranks_per_core: float = 1.0
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -204,6 +211,7 @@ class Profile:
             check_int(name, getattr(self, name), minimum=1)
         check_number("bytes_per_element", self.bytes_per_element, minimum=1.0, maximum=16.0)
         check_number("backward_fraction", self.backward_fraction, minimum=0.0, maximum=1.0)
+        check_number("ranks_per_core", self.ranks_per_core, minimum=1.0)
         for name in (
             "encode_s_per_element",
             "decode_s_per_element",
@@ -485,6 +493,38 @@ def async_step(
     return step, step - compute_s
 
 
+def shared_compute(
+    compute_s: float,
+    ranks_per_core: float,
+    busy: Callable[[float], float],
+) -> float:
+    """A rank's compute where ranks share cores and some of them wait: ``compute_s`` was timed with
+    every rank computing at once, ``ranks_per_core`` ranks to a core; alone on a core a rank computes
+    in ``compute_s / ranks_per_core``, and with a mean share ``b`` of the ranks busy on the CPU (the
+    rest waiting on the network) in ``compute_s / ranks_per_core * max(1, ranks_per_core * b)``.
+    ``busy(c)`` gives that mean share for a compute of ``c``; the fixed point is found from below
+    (the share grows with ``c``, so the rounds rise to it). With ``ranks_per_core`` 1 it is
+    ``compute_s``.
+
+    Async SGD on a shared host: on the 2-core machine of the docs, at 4 workers on 1 Gbit/s and
+    100 Mbit/s links, the 10.5M MLP's compute timed with all 4 ranks busy was 88-93 ms, but its
+    remote workers spend seconds a step on their round trips, and rank 0's worker stepped in about
+    the 40-47 ms of a rank with a core to itself (its 2-worker compute); charging it 88 ms
+    predicted its job 42-58% slow (docs/plan.md, "Async on a shared host").
+    """
+    if ranks_per_core <= 1:
+        return compute_s
+    alone = compute_s / ranks_per_core
+    compute = alone
+    for _ in range(100):
+        share = min(1.0, max(0.0, busy(compute)))
+        following = alone * max(1.0, ranks_per_core * share)
+        if abs(following - compute) <= 1e-12 * compute_s:
+            return following
+        compute = following
+    return compute
+
+
 def _option(options: dict[str, Any], name: str, default: Any) -> Any:
     value = options.get(name, default)
     return default if value is None else value
@@ -607,6 +647,13 @@ def predict(
     nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
     apply_s = profile.update_s_per_element * profile.params
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
+
+    def busy(c: float) -> float:  # the mean share of the ranks on the CPU: rank 0's worker always
+        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
+        return (1 + (n - 1) * min(1.0, (c + ASYNC_REMOTE_PASSES * pass_s / k) / remote_s)) / n
+
+    if n > 1:  # where ranks share cores, those waiting on their round trips leave them to the others
+        compute = shared_compute(compute, profile.ranks_per_core, busy)
     remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
     own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
     if not (overlap if spare_core is None else spare_core) and n > 1:  # ... the server's transfers on its core

@@ -186,6 +186,9 @@ def _worker(spec: dict[str, Any]) -> int:
     # async: the server's transfers travel through memory on loopback; they find a spare core
     # where every worker has one (cost_model.predict)
     spare_core = spec["network"] is not None or usable_cores() >= bunsan.local_size()
+    # every rank runs on this machine (loopback, or network namespaces of it): the compute below is
+    # timed with all of them busy on its cores (cost_model.shared_compute)
+    ranks_per_core = max(1.0, n / usable_cores())
     fixed = measure_fixed_costs(candidates, network, overlap=overlap, distribute=bunsan.distribute)
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
@@ -232,6 +235,7 @@ def _worker(spec: dict[str, Any]) -> int:
             chunks=measured["chunks"],
             codecs=codecs,
             fixed_s=fixed,
+            ranks_per_core=ranks_per_core,
             **codec,
         )
         for candidate, _, optimizer, before, times in trainers:
@@ -284,6 +288,8 @@ def _worker(spec: dict[str, Any]) -> int:
                     "fixed_s": profile.fixed(candidate.label),
                     "overlap": overlap,
                     "spare_core": spare_core,
+                    "ranks_per_core": ranks_per_core,
+                    "copy_s_per_element": profile.copy_s_per_element,
                     **before_split,
                 }
             )

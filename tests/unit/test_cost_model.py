@@ -2,6 +2,8 @@
 
 from dataclasses import replace
 
+import math
+
 import pytest
 
 from bunsan.algorithms import cost_model as cm
@@ -292,6 +294,41 @@ def test_async_in_process_passes_over_the_model():
     every4 = cm.predict(profile, net, Candidate("async", {"sync_period": 128}), 2)
     assert every4.step_s == pytest.approx(2 / (1 / 0.1015 + 1 / 0.121))
     assert cm.predict(profile, net, Candidate("async"), 1).step_s == pytest.approx(0.1)  # alone: no passes
+
+
+def test_shared_compute_finds_the_cores_the_waiting_ranks_leave():
+    # timed at 0.08 s with 2 ranks to a core: 0.04 s alone on one
+    assert cm.shared_compute(0.08, 2.0, lambda c: 0.5) == pytest.approx(0.04)  # half the ranks busy: a core each
+    assert cm.shared_compute(0.08, 2.0, lambda c: 0.75) == pytest.approx(0.06)
+    assert cm.shared_compute(0.08, 2.0, lambda c: 1.0) == pytest.approx(0.08)  # all busy: as timed
+    assert cm.shared_compute(0.08, 1.0, lambda c: 0.1) == 0.08  # a core each: nothing to gain
+    # a share that grows with the compute, (1 + 3 c / (c + 0.01)) / 4: c = 0.02 (1 + 3 c / (c + 0.01)),
+    # c^2 - 0.07 c - 0.0002 = 0, c = (0.07 + sqrt(0.0057)) / 2
+    found = cm.shared_compute(0.08, 2.0, lambda c: (1 + 3 * c / (c + 0.01)) / 4)
+    assert found == pytest.approx((0.07 + math.sqrt(0.0057)) / 2, rel=1e-9)
+
+
+def test_async_rank_zero_computes_alone_while_the_remotes_wait_on_the_link():
+    # 4 ranks on 2 cores, timed at 0.08 s all busy; 4e6 bytes at 1e6 B/s: 4 s a message, so the
+    # remotes take 12 s a step (rank 0's link: 3 pushes a round) and sit on the CPU 0.04 / 12 of it
+    net = Network(latency_s=0.0, bandwidth=1e6)
+    shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
+    p = cm.predict(shared, net, Candidate("async"), 4)
+    assert p.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 12))  # rank 0's worker at a core's speed
+    assert p.compute_s == pytest.approx(0.04)
+    alone = cm.predict(Profile(compute_s=0.08, params=1_000_000), net, Candidate("async"), 4)
+    assert alone.step_s == pytest.approx(4 / (1 / 0.08 + 3 / 12))
+    # on a fast link every rank computes all the time: the compute stays as timed
+    fast = cm.predict(shared, Network(latency_s=0.0, bandwidth=1e12), Candidate("async"), 4)
+    assert fast.compute_s == pytest.approx(0.08, rel=1e-3)
+    # synchronous steps compute together: the share changes nothing there
+    for candidate in (Candidate("data_parallel"), Candidate("block_momentum", {"block_size": 256})):
+        assert (
+            cm.predict(shared, net, candidate, 4).step_s
+            == cm.predict(Profile(compute_s=0.08, params=1_000_000), net, candidate, 4).step_s
+        )
+    with pytest.raises(ValueError, match="ranks_per_core"):
+        Profile(compute_s=0.08, params=10, ranks_per_core=0.5)
 
 
 def test_global_batch_divides_the_compute():
