@@ -39,6 +39,10 @@ for net in $networks; do
       # 4 workers (NP=4): which of the two the tie rule should take at momentum 0 on this model
       mlp_10m_ma)  args=(--model mlp_10m --dataset digits32_gray -np "$np" --epochs 20 --batch 64 --lr 0.1 --momentum 0)
                    algos=(data_parallel model_averaging:block_size=512 model_averaging:block_size=1024) ;;
+      # block momentum at its defaults (block_learning_rate 1, as Auto builds it; the campaign's fixed
+      # settings and the mlp_10m sweep above take 0.5) at 32 and 64 steps a block at 4 workers
+      mlp_10m_bm1) args=(--model mlp_10m --dataset digits32_gray -np "$np" --epochs 20 --batch 64 --lr 0.1 --momentum 0)
+                   algos=(data_parallel block_momentum:block_size=512 block_momentum:block_size=1024) ;;
       *) echo "unknown model $model" >&2; exit 2 ;;
     esac
     for seed in $seeds; do
