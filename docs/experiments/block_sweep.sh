@@ -43,6 +43,10 @@ for net in $networks; do
       # settings and the mlp_10m sweep above take 0.5) at 32 and 64 steps a block at 4 workers
       mlp_10m_bm1) args=(--model mlp_10m --dataset digits32_gray -np "$np" --epochs 20 --batch 64 --lr 0.1 --momentum 0)
                    algos=(data_parallel block_momentum:block_size=512 block_momentum:block_size=1024) ;;
+      # the digits CNN under model averaging: 16 / 32 / 64 steps at 2 workers, 32 / 64 / 128 at 4
+      digits_cnn_ma) args=(--model digits_cnn --dataset digits -np "$np" --epochs 30 --batch 64 --lr 0.1 --momentum 0)
+                   algos=(data_parallel model_averaging:block_size=512 model_averaging:block_size=1024
+                          model_averaging:block_size=2048) ;;
       *) echo "unknown model $model" >&2; exit 2 ;;
     esac
     for seed in $seeds; do
