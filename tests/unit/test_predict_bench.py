@@ -7,6 +7,7 @@ import pytest
 
 from bunsan.bench import predict
 from bunsan.cli import main
+from bunsan.launch.hosts import usable_cores
 
 
 def test_parse_networks():
@@ -93,6 +94,8 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     }
     for r in rows:
         assert r["predicted_s"] > 0 and r["measured_s"] > 0
+        # what async's model read: the 2 ranks over this machine's usable cores, and the copy's cost
+        assert r["ranks_per_core"] == max(1.0, 2 / usable_cores()) and r["copy_s_per_element"] > 0, r
         assert len(r["rounds_s"]) == 2 and predict.rounds_spread(r) >= 1.0
         # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
         # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
