@@ -49,6 +49,8 @@ def main(run: str) -> None:
         for row in record["rows"]:
             if row["label"] != "async":
                 continue
+            if "ranks_per_core" not in row:
+                sys.exit(f"{result}: recorded before bench predict kept ranks_per_core (47f013b); run it again")
 
             measured = row["measured_s"]
             before, shared = predicted(row, network, 1.0), predicted(row, network, row["ranks_per_core"])
@@ -64,4 +66,6 @@ def main(run: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not any(Path(sys.argv[1]).glob("*-np*/result.json")):
+        sys.exit("usage: python docs/experiments/async_shared_host.py RUN_DIR (a bench predict --out directory)")
     main(sys.argv[1])
