@@ -106,20 +106,26 @@ there reuses the network, codec and probes measured (no probe twice). On MNIST-1
 2 workers, 10 exact measuring steps act as a warm start that delayed model averaging by a
 median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (docs/plan.md).
 
-A first step long enough that every further exact step costs ten measuring budgets or more
-(1 s, from distribute() on, on the slowest rank) may decide at once: its compute is an upper
-bound of the compute per step (the first step also pays one-time costs), and where
-predictions from that bound choose a block algorithm at the block cap, a shorter step would
-choose the same (:func:`settled_by_first_step`). The 10.5M MLP at 100 Mbit/s, 2 workers,
-needs that: its exact steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to
-accuracy against the same block setting trained from the start (docs/plan.md, run 15).
-Otherwise the network and codec measured after the first step serve the later decision.
+The first step may decide at once: its time (from distribute() on, on the slowest rank) is an
+upper bound of the step's (the first step also pays one-time costs), and where predictions
+from that bound choose a block algorithm at the block cap, a shorter step would choose the
+same (:func:`settled_by_first_step`). Measuring on could then only confirm a decision it
+cannot change, with exact steps: Auto decides at step 0 where the fewest that measuring on
+takes (2) would cost ``measure_budget_s`` or more over the block's steps, and otherwise
+measures on within the budget. The 10.5M MLP at 100 Mbit/s, 2 workers, needs that: its exact
+steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to accuracy against the same
+block setting trained from the start (docs/plan.md, run 15); at 1 Gbit/s, where its exact
+steps take 0.4-0.6 s, deciding at step 0 took its time to accuracy from 1.00 to 0.73 of the
+old rule's (a first step of 1 s or more) side by side (docs/plan.md, after run 39). Exact
+measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4 of them delayed model
+averaging by no epoch, and 10 by a median of 2 (above). Otherwise the network and codec
+measured after the first step serve the later decision.
 
 That first step is timed twice: at the end of its backward, before any of its buckets leaves
 (a fresh run's first exchange waits for it), and after its exchange. At the end of backward,
 every rank measures the network and codec, and rank 0 adds the exact exchange they predict to
-the first step's compute: where that exact step reaches the same ten budgets and settles a
-block algorithm at the cap, Auto decides there, and the exchange it would make pointless is
+the first step's compute: where that exact step settles a block algorithm at the cap, as
+above, Auto decides there, and the exchange it would make pointless is
 never sent. The decided algorithm starts at step 0 from the broadcast model, whose backward
 becomes its first local step (the run equals that algorithm's from the start, bit for bit:
 tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
@@ -215,9 +221,6 @@ RETRY_SIZES = (4, 1024 * 1024, 4 * 1024 * 1024)
 BLOCK_STEPS = (2, 4, 8, 16, 32)  # local steps per block; the last is the cap (module docstring)
 MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s) ...
 MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
-# a first step (from distribute() on) of this many measure_budget_s may settle the decision by itself
-# (settled_by_first_step): each further exact step would cost ten whole measuring budgets
-FIRST_STEP_BUDGETS = 10
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 # Past the cap (module docstring): the most a doubling of the block past 32 steps cost in epochs to
 # target in bunsan's sweeps (the 10.5M MLP at 4 workers, 32 -> 64 steps: 8 -> 13 epochs), and the
@@ -487,10 +490,15 @@ def later_probes_needed(
 
 
 def settled_by_first_step(
-    candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float, batch: int
+    candidates: Sequence[cm.Candidate],
+    predictions: Sequence[cm.Prediction],
+    min_gain: float,
+    batch: int,
+    budget_s: float | None = None,
 ) -> tuple[str, str] | None:
     """Whether predictions made from the first step's time already give the decision that the true
-    step time would: ``("none", why)`` (no probe runs) where they do, else ``None``.
+    step time would, and (with ``budget_s``) measuring on would cost more than that budget: ``("none",
+    why)`` (no probe runs) where both hold, else ``None``.
 
     The first step, timed from distribute() on, includes one-time costs (allocation, a lazy
     initialization, a GPU's kernel tuning, the user's own set-up), so its compute is an upper
@@ -504,12 +512,26 @@ def settled_by_first_step(
     ``min_gain``. Any other decision can change with the compute, and measuring goes on.
     ``tests/unit/test_auto.py`` checks the claim on the cost model over a grid of model
     sizes, networks, worker counts, momenta and first steps.
+
+    Deciding then gives up only the exact steps that measuring on would take: at least
+    ``MIN_AGREEING`` more, each longer than the block's step by exact's lead over it. Where
+    those cost at least ``budget_s`` (Auto's ``measure_budget_s``, what the user lets measuring
+    cost), measuring on would spend more than the budget on a decision it cannot change.
+    Exact's lead at the upper bound is a lower bound of its lead at the true step (it only
+    grows as the compute shrinks, above), so the test errs toward measuring on. Where they
+    cost less, measuring on stays within the budget and confirms the compute on timed steps.
     """
     index, _ = choose(predictions, min_gain)
     families, why = probes_needed(candidates, predictions, min_gain, batch)
-    if candidates[index].algorithm in BLOCK_ALGORITHMS and families == "none":
-        return "none", f"{why}; settled by the first step (at any shorter step the choice is the same)"
-    return None
+    if candidates[index].algorithm not in BLOCK_ALGORITHMS or families != "none":
+        return None
+    lead_s = predictions[0].step_s - predictions[index].step_s  # exact's excess a step over the block's
+    if budget_s is not None and MIN_AGREEING * lead_s < budget_s:
+        return None
+    return "none", (
+        f"{why}; settled by the first step (at any shorter step the choice is the same; "
+        f"{MIN_AGREEING} more exact steps would cost {MIN_AGREEING * lead_s * 1e3:.0f} ms over it)"
+    )
 
 
 def same_choice(a: cm.Candidate, b: cm.Candidate) -> bool:
@@ -623,6 +645,7 @@ class Auto(Algorithm):
         self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
         # what a first-step decision measured when it could not decide yet: kept for the decision
         self._early: _EarlyMeasures | None = None
+        self._first_checked = False  # the first step was weighed at the end of its backward (_before_first_exchange)
         # the local steps' times of the first block after deciding on a block at the cap (None: not timing)
         self._block_steps_s: list[float] | None = None
 
@@ -794,9 +817,10 @@ class Auto(Algorithm):
 
     def _before_first_exchange(self) -> bool:
         """Every rank, at the end of a fresh run's first backward, before its exchange (collective): where
-        the first step's compute (from distribute() on: an upper bound) plus the exact exchange predicted on
-        the network measured now reaches ``FIRST_STEP_BUDGETS`` measuring budgets, and predictions from it
-        settle a block algorithm at the cap (:func:`settled_by_first_step`), decide now: the decided
+        predictions from the first step's compute (from distribute() on: an upper bound) plus the exact
+        exchange predicted on the network measured now settle a block algorithm at the cap, and the exact
+        steps that measuring on would take cost more than ``measure_budget_s`` over it
+        (:func:`settled_by_first_step`), decide now: the decided
         algorithm takes this backward's gradients as its first local step, and the exact exchange that the
         choice would make pointless is never sent (on the 10.5M MLP at 100 Mbit/s and 4 workers it cost
         5.8 s of a 48 s time to accuracy, docs/plan.md). Otherwise the exchange goes on; the network and
@@ -804,6 +828,7 @@ class Auto(Algorithm):
         this algorithm was replaced."""
         if self.decision is not None or self._measured != 0 or self._started is None or self.world_size < 2:
             return False
+        self._first_checked = True
         old = self.inner
         assert isinstance(old, DataParallelSGD)
         synchronize(self._device())
@@ -825,14 +850,14 @@ class Auto(Algorithm):
         return True
 
     def _first_step_s(self, now: float) -> float | None:
-        """The slowest rank's first step, from distribute() on, where it reaches ``FIRST_STEP_BUDGETS``
-        times ``measure_budget_s`` (collective: every rank gets the same answer); else ``None``."""
-        if self.measure_budget_s is None or self._started is None or self.world_size < 2:
+        """The slowest rank's first step, from distribute() on (collective: every rank gets the same
+        answer), where it was not weighed at the end of its backward already; else ``None``."""
+        if self.measure_budget_s is None or self._started is None or self.world_size < 2 or self._first_checked:
             return None
         first = torch.tensor([now - self._started], dtype=torch.float64, device=comm.tensor_device(self.group))
         comm.all_reduce(first, op="max", group=self.group)
         seconds = float(first[0])
-        return seconds if seconds >= FIRST_STEP_BUDGETS * self.measure_budget_s else None
+        return seconds
 
     def _budget_spent(self) -> bool:
         """Whether the slowest rank's timed steps add up to ``measure_budget_s`` (collective from the
@@ -955,8 +980,7 @@ class Auto(Algorithm):
         """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
         (the slowest rank's first step, from distribute() on), decide only where that settles it
         (:func:`settled_by_first_step`); ``before_exchange``: that step's time ends before its exchange,
-        and the exact step it stands for adds the exchange predicted on the network (reaching
-        ``FIRST_STEP_BUDGETS`` measuring budgets, or no decision); with ``span`` (after ``MIN_TIMED`` timed steps), only where
+        and the exact step it stands for adds the exchange predicted on the network; with ``span`` (after ``MIN_TIMED`` timed steps), only where
         the choice is the same at the fastest and the slowest of them as at their median. Where
         either does not decide, what was measured (network, codec, fixed costs) is kept for the
         decision and measuring goes on."""
@@ -1046,9 +1070,10 @@ class Auto(Algorithm):
                 if before_exchange:  # the exact step it stands for: this compute and the exchange predicted
                     exact = cm.Candidate("data_parallel", {}, "exact")
                     step_s = cm.predict(self._profile(step_s), network, exact, n, overlap=overlap).step_s
-                if not before_exchange or step_s >= FIRST_STEP_BUDGETS * (self.measure_budget_s or 0.0):
-                    plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                    settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
+                plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
+                settled = settled_by_first_step(
+                    plan[2], plan[3], self.min_gain, plan[0].batch, budget_s=self.measure_budget_s
+                )
             settled = comm.broadcast_object(settled, src=0, group=self.group)
             if settled is None:  # go on measuring; the network and codec stay measured
                 keep_measuring()

@@ -12,7 +12,9 @@ from torch import nn
 import bunsan
 from bunsan.algorithms.cost_model import Network
 
-SLOW = {"latency_s": 1e-3, "bandwidth": 1e5}  # 100 kB/s: any exchange of the model costs far more than its compute
+# 300 kB/s: any exchange of the model costs far more than its compute, yet 2 exact steps more cost under the
+# 0.1 s measuring budget: a first step that settles a block does not decide at once (settled_by_first_step)
+SLOW = {"latency_s": 1e-3, "bandwidth": 3e5}
 FAST = {"latency_s": 0.0, "bandwidth": 1e13}
 
 
@@ -68,7 +70,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
 def test_every_rank_switches_to_the_same_algorithm_and_resume_keeps_it(workers, tmp_path, capsys):
     results = workers.run(f"{__name__}:_body_decide_and_resume", network=SLOW, risk="high")
     assert results[0]["chosen"] == results[1]["chosen"]
-    assert results[0]["chosen"][0] != "exact", results[0]["chosen"]  # on 100 kB/s exact cannot be fastest
+    assert results[0]["chosen"][0] != "exact", results[0]["chosen"]  # on 300 kB/s exact cannot be fastest
     # every candidate of risk "high" was charged its own probed fixed cost
     assert {"exact", "fp16", "8-bit", "2-bit", "1-bit"} <= set(results[0]["fixed"]), results[0]["fixed"]
     assert any(label.startswith("block_momentum:") for label in results[0]["fixed"])
@@ -276,7 +278,7 @@ def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep
     # where a loaded machine wakes a sleeper 20 ms late; with 50 ms steps a CI run once took a third):
     # the decision after step 3 on both ranks, though rank 0's own steps take about a millisecond; two
     # timed steps of 50 and 80 ms differ by more than min_gain (10%): a third is timed, decision after
-    # step 4. Fast steps (far under the 1 s budget even on a loaded machine) on a 100 kB/s network: a
+    # step 4. Fast steps (far under the 1 s budget even on a loaded machine) on a 300 kB/s network: a
     # block algorithm at the fastest and at the slowest of 3 timed steps alike, decided after step 4.
     # Timed steps of about 2, 80 and 80 ms with 2 ms of exchange a step: a block algorithm is far faster
     # at 2 ms and less than 10% faster at 80 ms, so 3 steps cannot settle it and all 10 are timed (their
@@ -585,7 +587,7 @@ def test_an_inconclusive_network_probe_is_retried_larger_before_keeping_exact(wo
     assert results[0]["label"] == results[1]["label"]
 
 
-def _body_first_step(rank: int, world_size: int, network) -> dict:
+def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, budget_s: float = 0.1) -> dict:
     import time
     from unittest import mock
 
@@ -599,10 +601,10 @@ def _body_first_step(rank: int, world_size: int, network) -> dict:
 
     model = _model()
     given = Network(**network) if network is not None else None
-    auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=given, verbose=False)
+    auto = bunsan.Auto(measure_steps=6, measure_budget_s=budget_s, risk="high", network=given, verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    if rank == 1:  # the first step, from distribute() on, lasts over 1 s on rank 1 only: the slowest decides
-        time.sleep(1.2)
+    if rank == 1:  # the first step, from distribute() on, is longer on rank 1 only: the slowest decides
+        time.sleep(sleep_s)
     decided_at = None
     with mock.patch.object(auto_module, "measure_network", fast):
         for i in range(8):
@@ -629,7 +631,18 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     assert results[0]["first_step"] and results[0]["step_s"] >= 1.2
     assert results[0]["label"] == results[1]["label"] == "block_momentum:256"  # 32 steps of 8 (momentum 0)
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
-    # 100 kB/s: against 1.2 s of compute a 2-step block is within the budget, a choice a shorter step
+    # 20 kB/s: a first step of milliseconds settles it as well (the exchange, about 0.2 s, is 30 block
+    # steps' compute and more), and 2 more exact steps would cost 0.4 s over the block's, more than the
+    # 0.1 s budget: decided at once (the rule before this one waited for an exact step of 1 s)
+    slow_link = {"latency_s": 1e-3, "bandwidth": 2e4}
+    results = workers.run(f"{__name__}:_body_first_step", network=slow_link, sleep_s=0.0)
+    assert [r["decided_at"] for r in results] == [1, 1] and results[0]["first_step"]
+    # with a budget of 100 s those exact steps fit in it: measuring goes on to confirm the compute
+    results = workers.run(f"{__name__}:_body_first_step", network=slow_link, sleep_s=0.0, budget_s=100.0)
+    assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
+    assert not results[0]["first_step"]
+    assert results[0]["label"] == results[1]["label"] == "block_momentum:256"  # the same choice, later
+    # 300 kB/s: against 1.2 s of compute a 2-step block is within the budget, a choice a shorter step
     # could change: measuring goes on, and the decision comes later (after measure_steps + 1 = 7 steps,
     # or sooner where a loaded machine makes the timed steps add up to the 0.1 s budget)
     results = workers.run(f"{__name__}:_body_first_step", network=SLOW)
@@ -693,7 +706,7 @@ def test_a_first_step_that_settles_a_block_skips_its_exact_exchange(workers):
         assert auto_run["params"] == fixed_run["params"]  # the block (and its samples) began at step 0
     # the block, counting step 0's samples, ended at step 31: the replicas are equal again
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
-    # 100 kB/s: the first step does not settle it; its exchange goes on (an exact step: equal models)
+    # 300 kB/s: the first step does not settle it; its exchange goes on (an exact step: equal models)
     results = workers.run(f"{__name__}:_body_before_first_exchange", network=SLOW, reference=False)
     assert results[0]["decision"] is None and results[0]["first"] == results[1]["first"]
 
