@@ -59,6 +59,7 @@ __all__ = [
     "ALGORITHMS",
     "ASYNC_OWN_PASSES",
     "ASYNC_REMOTE_PASSES",
+    "ASYNC_SERVER_PASSES",
     "BLOCK_ROUND_PASSES",
     "NESTEROV_START_PASSES",
     "Candidate",
@@ -101,6 +102,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # DataParallelSGD(bucket_size_mb=25)
 # packs, subtracts, unpacks and copies the base (its push and pull are on the wire): 4.
 ASYNC_OWN_PASSES = 6
 ASYNC_REMOTE_PASSES = 4
+# The server's own passes for a remote worker's push (rank 0's core; between its receive and its
+# reply): it adds the update to its model and copies the model into the reply: 2.
+ASYNC_SERVER_PASSES = 2
 # Passes over the parameters in memory per round of a block algorithm
 # (bunsan.algorithms.blockwise.BlockwiseSGD._block_round), in float32 copies, counted in its code by
 # the elements each operation moves through memory: what it reads, and what it writes twice (the
@@ -645,8 +649,8 @@ def predict(
     # round trip. The step is the job's: workers / sum of each worker's steps per second.
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
     nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
-    apply_s = profile.update_s_per_element * profile.params
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
+    apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, on rank 0's core
 
     def busy(c: float) -> float:  # the mean share of the ranks on the CPU: rank 0's worker always
         remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)

@@ -284,15 +284,20 @@ def test_async_bottleneck_is_rank_zero():
 
 def test_async_in_process_passes_over_the_model():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
-    # one pass over 1e6 parameters: 1 ms; rank 0's worker makes 6 per push and pull, a remote 4
+    # one pass over 1e6 parameters: 1 ms; rank 0's worker makes 6 per push and pull, a remote 4, and
+    # the server 2 for each remote push, between receiving it and replying (in the round trip)
     profile = Profile(compute_s=0.1, params=1_000_000, copy_s_per_element=1e-9)
-    assert (cm.ASYNC_OWN_PASSES, cm.ASYNC_REMOTE_PASSES) == (6, 4)
+    assert (cm.ASYNC_OWN_PASSES, cm.ASYNC_REMOTE_PASSES, cm.ASYNC_SERVER_PASSES) == (6, 4, 2)
     assert cm.async_step(0.1, 4e6, 2, net, 1, local_s=4e-3)[0] == pytest.approx(0.184)
-    p = cm.predict(profile, net, Candidate("async"), 2)  # rank 0 at 0.106 s, the remote at 0.184 s
-    assert p.step_s == pytest.approx(2 / (1 / 0.106 + 1 / 0.184))
+    assert cm.async_step(0.1, 4e6, 2, net, 1, apply_s=2e-3, local_s=4e-3)[0] == pytest.approx(0.186)
+    p = cm.predict(profile, net, Candidate("async"), 2)  # rank 0 at 0.106 s, the remote at 0.186 s
+    assert p.step_s == pytest.approx(2 / (1 / 0.106 + 1 / 0.186))
+    # a block round's timed work per element (update_s_per_element, plan --job) is not the server's
+    timed = Profile(compute_s=0.1, params=1_000_000, copy_s_per_element=1e-9, update_s_per_element=5e-9)
+    assert cm.predict(timed, net, Candidate("async"), 2).step_s == pytest.approx(p.step_s)
     # a push every 4 steps (sync_period 128 at batch 32): the passes are amortized like the round trip
     every4 = cm.predict(profile, net, Candidate("async", {"sync_period": 128}), 2)
-    assert every4.step_s == pytest.approx(2 / (1 / 0.1015 + 1 / 0.121))
+    assert every4.step_s == pytest.approx(2 / (1 / 0.1015 + 1 / 0.1215))
     assert cm.predict(profile, net, Candidate("async"), 1).step_s == pytest.approx(0.1)  # alone: no passes
 
 
