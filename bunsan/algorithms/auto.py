@@ -123,10 +123,14 @@ measured after the first step serve the later decision.
 
 That first step is timed twice: at the end of its backward, before any of its buckets leaves
 (a fresh run's first exchange waits for it), and after its exchange. At the end of backward,
-every rank measures the network and codec, and rank 0 adds the exact exchange they predict to
-the first step's compute: where that exact step settles a block algorithm at the cap, as
-above, Auto decides there, and the exchange it would make pointless is
-never sent. The decided algorithm starts at step 0 from the broadcast model, whose backward
+every rank measures the network and the cost of a copy (a block round's passes), and rank 0
+adds the exact exchange they predict to the first step's compute: where that exact step
+settles a block algorithm at the cap, as above, Auto decides there, and the exchange it would
+make pointless is never sent. The codec prices only fp16 and the quantized exchange, so it is
+left out of that first prediction (those candidates at their fastest): a block that they
+cannot beat even so stays settled at any codec cost, and the codec is measured only where
+the choice is still open (on the 10.5M MLP at 4 workers it was about 0.7 s of 1.4 s of
+measuring; the record then says ``codec_measured: False``). The decided algorithm starts at step 0 from the broadcast model, whose backward
 becomes its first local step (the run equals that algorithm's from the start, bit for bit:
 tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
 all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/plan.md, run 17). Where it does not
@@ -187,6 +191,7 @@ from bunsan.algorithms.measure import (
     can_overlap,
     measure_codec,
     measure_codecs,
+    measure_copy,
     measure_fixed_costs,
     measure_network,
     synchronize,
@@ -962,6 +967,19 @@ class Auto(Algorithm):
         )
         return profile, compute, candidates, [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
 
+    def _numel(self) -> int:
+        return sum(p.numel() for _, p in self.named_params)
+
+    def _measure_codecs(self, device: torch.device) -> tuple[dict[str, float], tuple[tuple[int | float, ...], ...]]:
+        """Every rank at once (collective; the slowest rank's timings): the codec and, past risk "low",
+        each further width's own (8-bit encoding costs several times 1-bit's per element on CPU)."""
+        numel = self._numel()
+        codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
+        codecs: tuple[tuple[int | float, ...], ...] = ()
+        if self.risk != "low":
+            codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)
+        return codec, codecs
+
     def _local_compute(self) -> float | None:
         """Collective: the ranks' mean of their median time outside the exchange over the timed steps (their
         local compute; :func:`split_compute`), or ``None`` where any rank lacks it, or on a GPU: its
@@ -1033,6 +1051,7 @@ class Auto(Algorithm):
         deciding = comm.get_rank(self.group) == 0  # rank 0 decides; the others receive its decision below
         codec: dict[str, float] = {}
         codecs: tuple[tuple[int | float, ...], ...] = ()
+        codec_deferred = False  # only the copy measured so far (the first step's check)
         fixed: dict[str, float] = {}
         probed: set[str] = set()  # the probe families run, by this attempt or an earlier one
         earlier_probe_s = 0.0  # seconds an earlier attempt's probes took
@@ -1040,12 +1059,15 @@ class Auto(Algorithm):
             codec, codecs, network_s = early.codec, early.codecs, early.network_s
             fixed, probed, earlier_probe_s = dict(early.fixed), set(early.probed), early.probe_s
             started -= early.spent_s  # the record's time to decide counts the earlier measuring too
+        elif network is not None and first_step_s is not None:
+            # The first step can settle only a block algorithm (settled_by_first_step), and the codec
+            # prices only fp16 and the quantized exchange: predicted without it (at their fastest), a
+            # block that is settled stays settled whatever the codec costs. A copy prices the block
+            # rounds' passes; the codec waits until that prediction leaves the choice open.
+            codec = measure_copy(self._numel(), repeats=2, collective=True, group=self.group, device=device)
+            codec_deferred = True
         elif network is not None:  # the same on every rank (max-reduced timings): all measure, at once
-            numel = sum(p.numel() for _, p in self.named_params)
-            codec = measure_codec(numel, repeats=2, collective=True, group=self.group, device=device)
-            # each width its own codec: 8-bit encoding costs several times 1-bit's per element on CPU
-            if self.risk != "low":
-                codecs = measure_codecs(numel, (2, 8), repeats=2, collective=True, group=self.group, device=device)
+            codec, codecs = self._measure_codecs(device)
         probe_s = earlier_probe_s
 
         def keep_measuring() -> None:
@@ -1075,6 +1097,21 @@ class Auto(Algorithm):
                     plan[2], plan[3], self.min_gain, plan[0].batch, budget_s=self.measure_budget_s
                 )
             settled = comm.broadcast_object(settled, src=0, group=self.group)
+            if settled is None and codec_deferred:  # every rank: the codec may settle it, and the decision needs it
+                codec, codecs = self._measure_codecs(device)
+                codec_deferred = False
+                if deciding:
+                    assert network is not None  # the codec is deferred only where the network was measured
+                    plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
+                    settled = settled_by_first_step(
+                        plan[2], plan[3], self.min_gain, plan[0].batch, budget_s=self.measure_budget_s
+                    )
+                settled = comm.broadcast_object(settled, src=0, group=self.group)
+            elif settled is not None and codec_deferred:
+                settled = (
+                    settled[0],
+                    f"{settled[1]}; the codec not measured: without it fp16 and the quantized exchange are still slower",
+                )
             if settled is None:  # go on measuring; the network and codec stay measured
                 keep_measuring()
                 return
@@ -1218,6 +1255,7 @@ class Auto(Algorithm):
                         "half_bandwidth": network.half_bandwidth,
                         **codec,
                         "codecs": [list(c) for c in codecs],
+                        **({"codec_measured": False} if codec_deferred else {}),
                         "overlap": overlap,
                         "fixed_s": {c.label: profile.fixed(c.label) for c in candidates},
                         "params": profile.params,

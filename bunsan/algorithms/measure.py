@@ -28,6 +28,7 @@ __all__ = [
     "can_overlap",
     "measure_codec",
     "measure_codecs",
+    "measure_copy",
     "measure_fixed_costs",
     "measure_network",
     "median_time",
@@ -213,6 +214,35 @@ def measure_codec(
         found = dict(zip(CODEC_FIELDS, slowest.tolist()))
         found["codec_call_s"] = (found["encode_call_s"] + found["decode_call_s"]) / 2  # of the slowest calls
     return found
+
+
+def measure_copy(
+    numel: int,
+    *,
+    repeats: int = 3,
+    collective: bool = False,
+    group: Any = None,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """``{"copy_s_per_element": s}``: one float32 copy of ``numel`` values (capped as
+    :func:`measure_codec` caps them), per element, the slowest rank's where ``collective``: the one
+    figure of :func:`measure_codec` that prices exact SGD and the block algorithms too (a block
+    round's passes over the parameters), for a prediction that leaves the codec out."""
+    device = torch.device(device if device is not None else "cpu")
+    numel = max(1, min(numel, CODEC_NUMEL_CAP))
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    out = torch.empty_like(x)
+    out.copy_(x)  # warm: the first touch of fresh pages is not a copy's cost
+    if collective:
+        comm.barrier(group)
+    found = torch.tensor(
+        [median_time(lambda: out.copy_(x), repeats, device) / numel],
+        dtype=torch.float64,
+        device=comm.tensor_device(group) if collective else "cpu",
+    )
+    if collective:
+        comm.all_reduce(found, op="max", group=group)
+    return {"copy_s_per_element": float(found[0])}
 
 
 def measure_network(

@@ -383,6 +383,11 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         f"{profile['params']:,} parameters; network {network['bandwidth'] * 8 / 1e9:.3f} Gbit/s, "
         f"latency {network['latency_s'] * 1e6:.1f} us"
     )
+    if measured.get("codec_measured") is False:  # decided at its first step, where the codec could not matter
+        summary += (
+            "; its codec was not measured (its first step settled a block algorithm without it): "
+            "fp16 and the quantized rows are priced without codec time"
+        )
     return profile, network, summary
 
 

@@ -594,10 +594,16 @@ def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, 
     from bunsan.algorithms import auto as auto_module
 
     probes: list[int] = []
+    codecs: list[int] = []
+    measure_codec = auto_module.measure_codec
 
     def fast(group, **kwargs):  # the job's own network, as measured: fast (no real probe, no noise)
         probes.append(auto._measured)  # the step after which it was measured
         return Network(**FAST)
+
+    def counted(*args, **kwargs):
+        codecs.append(auto._measured)
+        return measure_codec(*args, **kwargs)
 
     model = _model()
     given = Network(**network) if network is not None else None
@@ -606,7 +612,10 @@ def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, 
     if rank == 1:  # the first step, from distribute() on, is longer on rank 1 only: the slowest decides
         time.sleep(sleep_s)
     decided_at = None
-    with mock.patch.object(auto_module, "measure_network", fast):
+    with (
+        mock.patch.object(auto_module, "measure_network", fast),
+        mock.patch.object(auto_module, "measure_codec", counted),
+    ):
         for i in range(8):
             _train(model, optimizer, rank, 1, start=i)
             if auto.decision is not None and decided_at is None:
@@ -618,6 +627,9 @@ def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, 
         "first_step": auto.decision["measured"].get("first_step", False),
         "step_s": auto.decision["measured"]["exact_step_s"],
         "network_probes": probes,
+        "codec_probes": codecs,
+        "why": auto.decision["measured"].get("probes", ["", ""])[1],
+        "codec_measured": auto.decision["measured"].get("codec_measured", True),
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
 
@@ -637,6 +649,10 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     slow_link = {"latency_s": 1e-3, "bandwidth": 2e4}
     results = workers.run(f"{__name__}:_body_first_step", network=slow_link, sleep_s=0.0)
     assert [r["decided_at"] for r in results] == [1, 1] and results[0]["first_step"]
+    # the codec, which prices only fp16 and the quantized exchange, was never measured: without its cost
+    # they are still slower than the block
+    assert [r["codec_probes"] for r in results] == [[], []] and not results[0]["codec_measured"]
+    assert "codec not measured" in results[0]["why"]
     # with a budget of 100 s those exact steps fit in it: measuring goes on to confirm the compute
     results = workers.run(f"{__name__}:_body_first_step", network=slow_link, sleep_s=0.0, budget_s=100.0)
     assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
@@ -648,6 +664,8 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
     results = workers.run(f"{__name__}:_body_first_step", network=SLOW)
     assert results[0]["decided_at"] == results[1]["decided_at"] and 2 <= results[0]["decided_at"] <= 7
     assert not results[0]["first_step"] and results[0]["step_s"] < 1.0
+    # the first step left the choice open: the codec was measured there, once, for the later decision
+    assert [r["codec_probes"] for r in results] == [[0], [0]] and results[0]["codec_measured"]
     assert results[0]["label"] == results[1]["label"]
     # the job's own network, measured once after the first step, serves the later decision
     results = workers.run(f"{__name__}:_body_first_step", network=None)

@@ -331,17 +331,16 @@ def test_only_a_block_at_the_cap_without_probes_is_settled_by_the_first_step():
     assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
 
 
-def _decided_at(step_s, params, batch, network, workers, momentum):
-    """The pipeline of Auto's decision without probes, from a step time: its chosen label and whether settled."""
+def _decided_at(step_s, params, batch, network, workers, momentum, codec=True):
+    """The pipeline of Auto's decision without probes, from a step time: its chosen label, whether settled
+    and exact's lead over the choice; ``codec=False``: the codec's costs left out (Auto's first step)."""
+    costs = dict(encode_s_per_element=2e-9, decode_s_per_element=1e-9, cast_s_per_element=5e-10, codec_call_s=2e-5)
     draft = cm.Profile(
         compute_s=step_s,
         params=params,
         batch=batch,
-        encode_s_per_element=2e-9,
-        decode_s_per_element=1e-9,
-        cast_s_per_element=5e-10,
         update_s_per_element=1e-9,
-        codec_call_s=2e-5,
+        **(costs if codec else {}),
     )
     compute = auto.infer_compute(step_s, draft, network, workers)
     profile = cm.Profile(**{**vars(draft), "compute_s": compute})
@@ -355,7 +354,7 @@ def _decided_at(step_s, params, batch, network, workers, momentum):
 def test_a_decision_settled_by_a_long_first_step_holds_at_every_shorter_step():
     # The claim of settled_by_first_step, on the cost model itself: where the first step's time (an upper
     # bound of the step's) settles the decision, every step time below it leads to the same choice.
-    settled = unsettled = 0
+    settled = unsettled = lower = 0
     for params in (100_000, 2_600_000, 10_500_000):
         for bandwidth in (1.25e7, 1.25e8, 1.25e9):  # 100 Mbit/s, 1 Gbit/s, 10 Gbit/s
             for workers in (2, 4, 16):
@@ -363,6 +362,12 @@ def test_a_decision_settled_by_a_long_first_step_holds_at_every_shorter_step():
                     network = cm.Network(5e-5, bandwidth)
                     for first_s in (1.0, 4.0, 30.0):
                         label, found, lead = _decided_at(first_s, params, 32, network, workers, momentum)
+                        # settled without the codec's costs (the first step's check before measuring it):
+                        # settled with them too, on the same choice (they price only fp16 and quantized)
+                        bare, bare_found, _ = _decided_at(first_s, params, 32, network, workers, momentum, codec=False)
+                        if bare_found is not None:
+                            assert found is not None and bare == label, (params, bandwidth, workers, momentum)
+                            lower += 1
                         if found is None:
                             unsettled += 1
                             continue
@@ -377,6 +382,7 @@ def test_a_decision_settled_by_a_long_first_step_holds_at_every_shorter_step():
                             # least what the bound predicts (the budget test errs toward measuring on)
                             assert shorter_lead >= lead * (1 - 1e-9), case
     assert settled >= 10 and unsettled >= 10, (settled, unsettled)  # the grid holds both cases
+    assert lower >= 10, lower  # and settled without the codec's costs
 
 
 @pytest.mark.parametrize(

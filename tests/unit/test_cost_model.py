@@ -5,6 +5,7 @@ from dataclasses import replace
 import math
 
 import pytest
+import torch
 
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.cost_model import Candidate, Network, Profile
@@ -487,6 +488,24 @@ def test_measure_codecs_one_entry_per_width():
         assert profile.codec(bits) == (encode, decode, encode_call, decode_call)
         assert encode >= 0 and decode >= 0 and encode_call > 0 and decode_call > 0
         assert call == pytest.approx((encode_call + decode_call) / 2)  # the mean, for older readers
+
+
+def test_measure_copy_times_one_float32_copy_per_element():
+    import time
+
+    from bunsan.algorithms.measure import measure_copy
+
+    found = measure_copy(1_000_000, repeats=3)
+    assert set(found) == {"copy_s_per_element"}
+    # against the same copy timed here: within a factor that only a broken timing leaves (not a copy of
+    # the capped size, or of something else)
+    x, out = torch.randn(1_000_000), torch.empty(1_000_000)
+    out.copy_(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        out.copy_(x)
+    per_element = (time.perf_counter() - start) / 5 / 1_000_000
+    assert per_element / 20 < found["copy_s_per_element"] < per_element * 20
 
 
 def test_a_token_bucket_passes_its_burst_after_an_idle_compute():

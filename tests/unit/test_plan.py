@@ -301,6 +301,19 @@ def test_job_prices_the_block_rounds_and_copies_its_auto_timed(tmp_path, capsys)
             assert q.step_s > r.step_s, p["label"]
 
 
+def test_job_says_where_its_codec_was_not_measured(tmp_path, capsys):
+    # Auto decided at its first step without measuring the codec: the plan says how it prices those rows
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2", "--png", str(tmp_path / "p.png")]
+    for flag, said in ((False, True), (None, False)):
+        decision = _auto_decision()
+        if flag is not None:
+            decision["measured"]["codec_measured"] = flag
+        (tmp_path / "decision.json").write_text(json.dumps(decision))
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("its codec was not measured" in out) == said, out
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [
