@@ -130,9 +130,9 @@ make pointless is never sent. The codec prices only fp16 and the quantized excha
 left out of that first prediction (those candidates at their fastest): a block that they
 cannot beat even so stays settled at any codec cost, and the codec is measured only where
 the choice is still open (on the 10.5M MLP at 4 workers it was about 0.7 s of 1.4 s of
-measuring; the record then says ``codec_measured: False``). The decided algorithm starts at step 0 from the broadcast model, whose backward
-becomes its first local step (the run equals that algorithm's from the start, bit for bit:
-tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
+measuring; the record then says ``codec_measured: False``). The decided algorithm starts at
+step 0 from the broadcast model, whose backward becomes its first local step (the run equals
+that algorithm's from the start, bit for bit: tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
 all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/plan.md, run 17). Where it does not
 settle, the exchange goes on, and the network and codec measured serve the later decision; the
 first step's time leaves their measuring out. The price is one exchange not overlapped with
