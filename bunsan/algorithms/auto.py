@@ -58,14 +58,20 @@ times the first block's local steps (median, end to end) and the exchange that e
 counts carry them (no collective of their own, so a rank that has joined takes part
 alike), and every rank lengthens the block from their means by the same rule
 (:func:`lengthened_block`): doubled while a doubling cuts the time per step by more than
-1.625 times, up to 256 steps. 1.625 is the most a doubling past 32 steps cost in epochs
-to target in bunsan's sweeps (the 10.5M MLP at 4 workers, 32 to 64 steps: 8 to 13
-epochs; the digits CNN at 4 workers, 64 to 128: 9 to 14), and 256 the longest block they
-measured; so the time to target falls where the block doubles even if the epochs grow
-that much, which happens only where the exchange a step exceeds 3.33 times the compute.
-None of bunsan's measured jobs is that far: the most exchange-bound, the 10.5M MLP at
-100 Mbit/s and 4 workers, timed 5.7 s a block against a 65 ms local step (4 processes on
-2 cores), 2.7 times at 32 steps, and kept its blocks (docs/plan.md, run 17). The first
+the most a doubling past 32 steps cost that algorithm, as Auto builds it, in epochs to target in
+bunsan's sweeps (:data:`EPOCH_GROWTH`), up to 256 steps, the longest block they measured. Block
+momentum (``block_learning_rate`` 1): 14/9, the digits CNN at 4 workers, 64 to 128 steps, 9 to
+14 epochs (every other doubling of it 1.0-1.4: the digits CNN at 2 workers, 32 to 64, 8 to 11;
+the 10.5M MLP at 4 workers, 32 to 64, 8, 11, 8 to 11, 11, 10 by seed). Model averaging: 15/13,
+the digits CNN at 4 workers, 32 to 64 steps, 13 to 15 epochs (the MLP's took as many epochs or
+fewer, MNIST-1D's 26-29 at every length). So the time to target falls where the block
+doubles even if the epochs grow that much, which happens only where the exchange a step
+exceeds 2.5 times the compute for block momentum and 0.36 times for model averaging,
+whose epochs barely grow with its blocks. Until 2026-11-28 one factor served both, 1.625
+(the MLP's worst doubling under block momentum at ``block_learning_rate`` 0.5, which Auto
+never builds): it kept the 10.5M MLP at 100 Mbit/s and 4 workers at 32 steps with the
+exchange 3.15 times its 58 ms local step, and MNIST-1D's model averaging at 32 steps
+where its 64-step blocks were 3-15% faster to target (docs/plan.md). The first
 step cannot decide this (its compute is only an upper bound), nor the exact steps on a
 slow link (each costs a whole exchange); the first block times the steps the job will
 take. The check and its figures go into the decision (``block_check``), so a resumed run
@@ -227,10 +233,12 @@ BLOCK_STEPS = (2, 4, 8, 16, 32)  # local steps per block; the last is the cap (m
 MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (measure_budget_s) ...
 MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
-# Past the cap (module docstring): the most a doubling of the block past 32 steps cost in epochs to
-# target in bunsan's sweeps (the 10.5M MLP at 4 workers, 32 -> 64 steps: 8 -> 13 epochs), and the
-# longest block they measured
-EPOCH_GROWTH = 1.625
+# Past the cap (module docstring): by block algorithm as Auto builds it, the most a doubling of the
+# block past 32 steps cost in epochs to target in bunsan's sweeps (docs/plan.md): block momentum at
+# block_learning_rate 1, the digits CNN at 4 workers, 64 -> 128 steps, 9 -> 14 epochs (median of
+# seeds 0-2); model averaging, the digits CNN at 4 workers, 32 -> 64 steps, 13 -> 15. And the
+# longest block they measured.
+EPOCH_GROWTH = {"block_momentum": 14 / 9, "model_averaging": 15 / 13}
 MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # block algorithms predicted within this share of each other are a tie (choose): it goes by momentum
@@ -329,15 +337,18 @@ def _block_size(profile: cm.Profile, network: cm.Network, workers: int, name: st
     return BLOCK_STEPS[-1] * profile.batch
 
 
-def lengthened_block(steps: int, compute_s: float, exchange_s: float) -> int:
+def lengthened_block(steps: int, compute_s: float, exchange_s: float, growth: float) -> int:
     """Steps per block past the cap, from a block of ``steps`` that ran: doubled while a doubling cuts
     the time per step (``compute_s`` a local step, plus ``exchange_s`` a block amortized over its
-    steps) by more than :data:`EPOCH_GROWTH`, the most a doubling cost in epochs to target in
-    bunsan's sweeps, up to :data:`MAX_BLOCK_STEPS`. Where it doubles, the time to target falls even
-    if the epochs grow that much. With ``e`` the exchange per step, a doubling pays where
-    ``1.625 * (c + e/2) < c + e``, i.e. ``e > 3.33 c``: only where the exchange dominates the step."""
+    steps) by more than ``growth``, the most a doubling cost the algorithm in epochs to target in
+    bunsan's sweeps (:data:`EPOCH_GROWTH`), up to :data:`MAX_BLOCK_STEPS`. Where it doubles, the
+    time to target falls even if the epochs grow that much. With ``c`` the local step and ``e`` the
+    exchange per step, a doubling pays where ``growth * (c + e/2) < c + e``, i.e. where
+    ``e > c (growth - 1) / (1 - growth/2)``: 2.5 c for block momentum (growth 14/9), 0.36 c for
+    model averaging (15/13)."""
+    check_number("growth", growth, minimum=1.0, hint="the factor a doubling may cost in epochs to target")
     k = steps
-    while k < MAX_BLOCK_STEPS and EPOCH_GROWTH * (compute_s + exchange_s / (2 * k)) < compute_s + exchange_s / k:
+    while k < MAX_BLOCK_STEPS and growth * (compute_s + exchange_s / (2 * k)) < compute_s + exchange_s / k:
         k *= 2
     return k
 
@@ -789,13 +800,15 @@ class Auto(Algorithm):
         compute_s, exchange_s = local_s / reporters, exchange_s / reporters
         batch = int(decision["measured"]["batch"])
         steps = int(decision["options"]["block_size"]) // batch
-        longer = lengthened_block(steps, compute_s, exchange_s)
+        growth = EPOCH_GROWTH[decision["algorithm"]]
+        longer = lengthened_block(steps, compute_s, exchange_s, growth)
         inner.report_width, inner.report_values, inner.on_report = 0, None, None
         self._block_steps_s = None
         decision["block_check"] = {
             "local_step_s": compute_s,
             "exchange_s": exchange_s,
             "steps": steps,
+            "epoch_growth": growth,
             "lengthened_to": longer,
             "at_block": inner.blocks,
         }

@@ -50,7 +50,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     resumed_model.load_state_dict(model.state_dict())
     resumed = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**FAST), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
     )
     resumed_optimizer.load_state_dict(state)
     assert resumed.decision == auto.decision
@@ -109,7 +109,7 @@ def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
     resumed_model.load_state_dict(weights)
     resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
     )
     resumed_optimizer.load_state_dict(state)
     _train(resumed_model, resumed_optimizer, rank, 1, start=2)
@@ -147,7 +147,7 @@ def _body_decide_again_on_resume(rank: int, world_size: int, how: str) -> dict:
         measure_steps=3, risk="high", network=Network(**FAST), fixed_costs=False, verbose=False, on_resume=on_resume
     )
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -762,7 +762,7 @@ def test_a_rank_whose_first_backward_reaches_no_parameter_meets_the_first_step_d
 
 
 # -- past the cap: the first block's own times lengthen the block where the exchange dominates ---------
-def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
+def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float, momentum: float = 0.0) -> dict:
     import time
     from unittest import mock
 
@@ -784,7 +784,7 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
     auto = bunsan.Auto(
         measure_steps=3, measure_budget_s=None, risk="high", network=network, fixed_costs=False, verbose=False
     )
-    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum), auto)
     with mock.patch.object(BlockwiseSGD, "_exchange", slow):
         for i in range(4):
             step(model, optimizer, i)
@@ -798,7 +798,7 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
     resumed_model = _model()
     resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**FAST), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
     )
     resumed_optimizer.load_state_dict(state)
     return {
@@ -811,24 +811,32 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float) -> dict:
     }
 
 
-@pytest.mark.parametrize("exchange_sleep_s", [1.0, 0.0])
-def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(workers, exchange_sleep_s):
-    from bunsan.algorithms.auto import lengthened_block
+@pytest.mark.parametrize(
+    ("exchange_sleep_s", "momentum", "algorithm"),
+    [(1.0, 0.0, "block_momentum"), (0.0, 0.0, "block_momentum"), (1.0, 0.9, "model_averaging")],
+)
+def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
+    workers, exchange_sleep_s, momentum, algorithm
+):
+    from bunsan.algorithms.auto import EPOCH_GROWTH, lengthened_block
 
-    results = workers.run(f"{__name__}:_body_lengthen", exchange_sleep_s=exchange_sleep_s)
-    assert results[0]["decided"] == results[1]["decided"] == ("block_momentum", 256)  # 32 steps of 8: the cap
+    results = workers.run(f"{__name__}:_body_lengthen", exchange_sleep_s=exchange_sleep_s, momentum=momentum)
+    # 32 steps of 8: the cap; the tie between the block algorithms goes by the optimizer's momentum
+    assert results[0]["decided"] == results[1]["decided"] == (algorithm, 256)
     check = results[0]["check"]
     assert check is not None and check == results[1]["check"], results  # the same sums on every rank
     assert check["steps"] == 32 and check["at_block"] == 2  # the second block's round carried the first's times
     # the recorded times give the recorded length, by the rule
-    assert check["lengthened_to"] == lengthened_block(32, check["local_step_s"], check["exchange_s"])
-    if exchange_sleep_s:  # 1 s a block against ~3 ms a step: 31 ms of exchange a step, 10 times (3.33 needed)
+    growth = {"block_momentum": 14 / 9, "model_averaging": 15 / 13}[algorithm]
+    assert check["epoch_growth"] == EPOCH_GROWTH[algorithm] == growth  # the algorithm's own factor
+    assert check["lengthened_to"] == lengthened_block(32, check["local_step_s"], check["exchange_s"], growth)
+    if exchange_sleep_s:  # 1 s a block against ~3 ms a step: 31 ms of exchange a step, 10 times (2.5 needed)
         assert check["exchange_s"] >= 0.9 and check["lengthened_to"] > 32, check
-    else:  # loopback's exchange of 5 kB (under 1 ms a block): far under 3.33 times a 3 ms step
+    else:  # loopback's exchange of 5 kB (under 1 ms a block): far under 2.5 times a 3 ms step
         assert check["lengthened_to"] == 32, check
     size = check["lengthened_to"] * 8
     assert [r["block_size"] for r in results] == [size, size]
-    assert results[0]["label"] == results[1]["label"] == f"block_momentum:{size}"
+    assert results[0]["label"] == results[1]["label"] == f"{algorithm}:{size}"
     # a resumed run builds the lengthened block and does not time its blocks again
     assert [r["resumed"] for r in results] == [(size, True, 0)] * 2
     torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
