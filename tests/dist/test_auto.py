@@ -50,7 +50,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     resumed_model.load_state_dict(model.state_dict())
     resumed = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**FAST), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
     )
     resumed_optimizer.load_state_dict(state)
     assert resumed.decision == auto.decision
@@ -109,7 +109,7 @@ def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
     resumed_model.load_state_dict(weights)
     resumed = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
     )
     resumed_optimizer.load_state_dict(state)
     _train(resumed_model, resumed_optimizer, rank, 1, start=2)
@@ -147,7 +147,7 @@ def _body_decide_again_on_resume(rank: int, world_size: int, how: str) -> dict:
         measure_steps=3, risk="high", network=Network(**FAST), fixed_costs=False, verbose=False, on_resume=on_resume
     )
     resumed_model, resumed_optimizer = bunsan.distribute(
-        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05, momentum=momentum), resumed
+        resumed_model, torch.optim.SGD(resumed_model.parameters(), lr=0.05), resumed
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
