@@ -30,6 +30,7 @@ test-all: lint
 # ruff (lint and format) and mypy, versions pinned in the test extra; configured in pyproject.toml.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check bunsan
+	$(VENV)/bin/ruff check --select F tests examples  # pyflakes: undefined names, unused imports
 	$(VENV)/bin/ruff format --check bunsan tests examples
 	$(VENV)/bin/mypy
 

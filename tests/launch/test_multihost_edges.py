@@ -10,10 +10,8 @@ Slow (sshd, two hosts, torch on both): run sparingly.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
