@@ -70,8 +70,10 @@ exceeds 2.5 times the compute for block momentum and 0.36 times for model averag
 whose epochs barely grow with its blocks. Until 2026-11-28 one factor served both, 1.625
 (the MLP's worst doubling under block momentum at ``block_learning_rate`` 0.5, which Auto
 never builds): it kept the 10.5M MLP at 100 Mbit/s and 4 workers at 32 steps with the
-exchange 3.15 times its 58 ms local step, and MNIST-1D's model averaging at 32 steps
-where its 64-step blocks were 3-15% faster to target (docs/plan.md). The first
+exchange 3.15 times its 58 ms local step (1.32 of the best setting's time to accuracy; 1.16
+with its blocks lengthened to 64 steps by this rule), and MNIST-1D's model averaging at 32
+steps at 4 workers, where this rule lengthens 12 of 18 runs to 64 and shortens their whole
+runs without moving their time to accuracy (docs/plan.md, runs 45-47). The first
 step cannot decide this (its compute is only an upper bound), nor the exact steps on a
 slow link (each costs a whole exchange); the first block times the steps the job will
 take. The check and its figures go into the decision (``block_check``), so a resumed run
