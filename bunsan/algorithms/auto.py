@@ -355,6 +355,19 @@ def lengthened_block(steps: int, compute_s: float, exchange_s: float, growth: fl
     return k
 
 
+def block_from_timed(steps: int, floor_steps: int, compute_s: float, exchange_s: float, growth: float) -> int:
+    """Steps per block from a first block of ``steps`` (the cap) that ran, after a decision made at the
+    first step with its block under the cap: the block-size rule on the timed figures (the smallest
+    of :data:`BLOCK_STEPS` whose round, ``exchange_s``, amortized costs at most ``BLOCK_BUDGET`` of a
+    local step, ``compute_s``), never under ``floor_steps`` (the block the first step's compute, an
+    upper bound, gave: a shorter step can only lengthen it); where the rule keeps the cap, past it by
+    :func:`lengthened_block`. The decision on timed exact steps puts the same rule to their compute."""
+    for k in BLOCK_STEPS:
+        if k >= floor_steps and k < steps and exchange_s / k <= BLOCK_BUDGET * compute_s:
+            return k
+    return lengthened_block(steps, compute_s, exchange_s, growth)
+
+
 def candidates_for(
     risk: str,
     profile: cm.Profile,
@@ -512,43 +525,50 @@ def settled_by_first_step(
     predictions: Sequence[cm.Prediction],
     min_gain: float,
     batch: int,
-    budget_s: float | None = None,
 ) -> tuple[str, str] | None:
-    """Whether predictions made from the first step's time already give the decision that the true
-    step time would, and (with ``budget_s``) measuring on would cost more than that budget: ``("none",
-    why)`` (no probe runs) where both hold, else ``None``.
+    """Whether predictions made from the first step's time already give the algorithm that the true
+    step time would: ``("none", why)`` (no probe runs) where they do, else ``None``.
 
     The first step, timed from distribute() on, includes one-time costs (allocation, a lazy
     initialization, a GPU's kernel tuning, the user's own set-up), so its compute is an upper
-    bound of the compute per step. Only one decision is certain at every compute below a bound:
-    a block algorithm at the block cap that :func:`probes_needed` would run no probe for. As the
-    compute shrinks, the block's amortized exchange stays the same while it covers a larger
-    share of a shorter step, so the block-size rule stays at the cap; every per-step candidate's
-    exposed exchange can only grow, as less compute hides it; and exact's lead over the block
-    (its exposed exchange less the block's amortized one) only grows while the step it is
-    measured against shrinks, so the block stays fastest and its gain over exact stays above
-    ``min_gain``. Any other decision can change with the compute, and measuring goes on.
-    ``tests/unit/test_auto.py`` checks the claim on the cost model over a grid of model
-    sizes, networks, worker counts, momenta and first steps.
+    bound of the compute per step. Only one choice is certain at every compute below a bound: a
+    block algorithm that beats exact and fp16 by ``min_gain`` without the fixed-cost probes
+    (:func:`probes_needed`: the probes can only favour it). As the compute shrinks, the
+    block-size rule's block can only lengthen (its amortized exchange covers a larger share of a
+    shorter step); every per-step candidate's exposed exchange can only grow, as less compute
+    hides it; and exact's lead over the block (its exposed exchange less the block's amortized
+    one) only grows while the step it is measured against shrinks, so a block algorithm stays
+    fastest and its gain over exact stays above ``min_gain``. Any other choice can change with
+    the compute, and measuring goes on. ``tests/unit/test_auto.py`` checks the claim on the cost
+    model over a grid of model sizes, networks, worker counts, momenta and first steps.
 
-    Deciding then gives up only the exact steps that measuring on would take: at least
-    ``MIN_AGREEING`` more, each longer than the block's step by exact's lead over it. Where
-    those cost at least ``budget_s`` (Auto's ``measure_budget_s``, what the user lets measuring
-    cost), measuring on would spend more than the budget on a decision it cannot change.
-    Exact's lead at the upper bound is a lower bound of its lead at the true step (it only
-    grows as the compute shrinks, above), so the test errs toward measuring on. Where they
-    cost less, measuring on stays within the budget and confirms the compute on timed steps.
+    The block's length is not settled where the bound puts it under the cap (at the true, shorter
+    step it lies between that block and the cap): Auto then decides at the cap and its first block's
+    timed local steps and round set the length by the same 5% rule (:func:`block_from_timed`,
+    never under the bound's block). Measuring on would confirm the choice with exact steps only:
+    on MNIST-1D's CNN at 4 workers (2 cores) its 4 exact steps and a second decision cost 0.25 s of
+    a 3.7 s time to accuracy and shifted model averaging's crossing 1.5-2.5 epochs later (docs/plan.md,
+    runs 45-47); until 2026-11-28 Auto decided here only where the bound put the block at the cap
+    and 2 more exact steps would cost ``measure_budget_s`` over it.
     """
     index, _ = choose(predictions, min_gain)
-    families, why = probes_needed(candidates, predictions, min_gain, batch)
-    if candidates[index].algorithm not in BLOCK_ALGORITHMS or families != "none":
+    families, _ = probes_needed(candidates, predictions, min_gain, batch)
+    chosen = candidates[index]
+    # probes_needed names "exact+block" for a block algorithm under the cap that beats exact and fp16
+    # by min_gain (those probes could only lengthen its block), "none" for one at the cap
+    if chosen.algorithm not in BLOCK_ALGORITHMS or families not in ("none", "exact+block"):
         return None
+    cap = BLOCK_STEPS[-1]
     lead_s = predictions[0].step_s - predictions[index].step_s  # exact's excess a step over the block's
-    if budget_s is not None and MIN_AGREEING * lead_s < budget_s:
-        return None
+    block = (
+        f"at the {cap}-step cap"
+        if int(chosen.options["block_size"]) >= cap * batch
+        else f"its block as long or longer (decided at the {cap}-step cap; the first block's timed steps set it)"
+    )
     return "none", (
-        f"{why}; settled by the first step (at any shorter step the choice is the same; "
-        f"{MIN_AGREEING} more exact steps would cost {MIN_AGREEING * lead_s * 1e3:.0f} ms over it)"
+        f"{chosen.label} beats exact and fp16 by {100 * min_gain:.0f}% or more without the probes, {block}; "
+        f"settled by the first step (at any shorter step a block algorithm stays the choice; exact is "
+        f"{lead_s * 1e3:.0f} ms a step slower at the first step's compute)"
     )
 
 
@@ -791,8 +811,10 @@ class Auto(Algorithm):
 
     def _lengthen(self, report: list[float]) -> None:
         """Every rank, at a round: from the ranks' mean local step and block exchange, lengthen the
-        block past the cap where the exchange dominates (:func:`lengthened_block`); the same on every
-        rank, as the sums are. A round that carries no report (none timed yet) leaves it for the next."""
+        block past the cap where the exchange dominates (:func:`lengthened_block`), or, after a decision
+        at the first step whose bound put the block under the cap, set it by the block-size rule on
+        these figures (:func:`block_from_timed`); the same on every rank, as the sums are. A round that
+        carries no report (none timed yet) leaves it for the next."""
         reporters, local_s, exchange_s = report
         if reporters <= 0:
             return
@@ -804,6 +826,8 @@ class Auto(Algorithm):
         steps = int(decision["options"]["block_size"]) // batch
         growth = EPOCH_GROWTH[decision["algorithm"]]
         longer = lengthened_block(steps, compute_s, exchange_s, growth)
+        floor = decision["measured"].get("first_step_block_steps")  # decided at the first step, under the cap
+        after = longer if floor is None else block_from_timed(steps, int(floor), compute_s, exchange_s, growth)
         inner.report_width, inner.report_values, inner.on_report = 0, None, None
         self._block_steps_s = None
         decision["block_check"] = {
@@ -812,10 +836,11 @@ class Auto(Algorithm):
             "steps": steps,
             "epoch_growth": growth,
             "lengthened_to": longer,
+            **({"first_step_block_steps": int(floor), "steps_after": after} if floor is not None else {}),
             "at_block": inner.blocks,
         }
-        if longer > steps:
-            size = longer * batch
+        if after != steps:
+            size = after * batch
             inner.block_size = size
             decision["options"] = {**decision["options"], "block_size": size}
             decision["label"] = f"{decision['algorithm']}:{size}"
@@ -824,8 +849,10 @@ class Auto(Algorithm):
                 f"[bunsan] Auto after block {inner.blocks}: a local step {compute_s * 1e3:.2f} ms, the exchange "
                 f"{exchange_s * 1e3:.1f} ms a block: "
                 + (
-                    f"blocks of {longer} steps from now on (were {steps}; the exchange dominates)"
-                    if longer > steps
+                    f"blocks of {after} steps from now on (were {steps}; the exchange dominates)"
+                    if after > steps
+                    else f"blocks of {after} steps from now on (were {steps}; the exchange within 5% of the compute)"
+                    if after < steps
                     else f"blocks stay at {steps} steps"
                 ),
                 flush=True,
@@ -1108,9 +1135,7 @@ class Auto(Algorithm):
                     exact = cm.Candidate("data_parallel", {}, "exact")
                     step_s = cm.predict(self._profile(step_s), network, exact, n, overlap=overlap).step_s
                 plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                settled = settled_by_first_step(
-                    plan[2], plan[3], self.min_gain, plan[0].batch, budget_s=self.measure_budget_s
-                )
+                settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
             settled = comm.broadcast_object(settled, src=0, group=self.group)
             if settled is None and codec_deferred:  # every rank: the codec may settle it, and the decision needs it
                 codec, codecs = self._measure_codecs(device)
@@ -1118,9 +1143,7 @@ class Auto(Algorithm):
                 if deciding:
                     assert network is not None  # the codec is deferred only where the network was measured
                     plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
-                    settled = settled_by_first_step(
-                        plan[2], plan[3], self.min_gain, plan[0].batch, budget_s=self.measure_budget_s
-                    )
+                    settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
                 settled = comm.broadcast_object(settled, src=0, group=self.group)
             elif settled is not None and codec_deferred:
                 settled = (
@@ -1239,6 +1262,20 @@ class Auto(Algorithm):
                 plan = self._predict(step_s, network, n, overlap, fixed, codec, codecs, local_s)
             profile, compute, candidates, predictions = plan
             index, why = choose(predictions, self.min_gain)
+            floor_steps: int | None = None
+            cap_size = BLOCK_STEPS[-1] * profile.batch
+            if first_step_s is not None and int(candidates[index].options.get("block_size", cap_size)) < cap_size:
+                # settled_by_first_step: a block algorithm at any shorter step, its block as long or longer:
+                # the cap now, and the first block's timed steps set the length (block_from_timed)
+                floor_steps = int(candidates[index].options["block_size"]) // profile.batch
+                candidates = [
+                    cm.Candidate(c.algorithm, {**c.options, "block_size": cap_size}, f"{c.algorithm}:{cap_size}")
+                    if c.algorithm in BLOCK_ALGORITHMS
+                    else c
+                    for c in candidates
+                ]
+                predictions = [cm.predict(profile, network, c, n, overlap=overlap) for c in candidates]
+                index, why = choose(predictions, self.min_gain)
             agree = True
             for other in spread:  # the span check: the same choice at the fastest and slowest timed step
                 o = self._predict(other, network, n, overlap, fixed, codec, codecs, local_s)
@@ -1259,6 +1296,7 @@ class Auto(Algorithm):
                     "measured": {
                         "exact_step_s": step_s,
                         **({"first_step": True} if first_step_s is not None else {}),
+                        **({"first_step_block_steps": floor_steps} if floor_steps is not None else {}),
                         **({"first_step_before_exchange_s": first_step_s} if before_exchange else {}),
                         **({"step_span_s": list(spread)} if spread else {}),
                         "compute_s": compute,
