@@ -116,24 +116,31 @@ median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (
 
 The first step may decide at once: its time (from distribute() on, on the slowest rank) is an
 upper bound of the step's (the first step also pays one-time costs), and where predictions
-from that bound choose a block algorithm at the block cap, a shorter step would choose the
-same (:func:`settled_by_first_step`). Measuring on could then only confirm a decision it
-cannot change, with exact steps: Auto decides at step 0 where the fewest that measuring on
-takes (2) would cost ``measure_budget_s`` or more over the block's steps, and otherwise
-measures on within the budget. The 10.5M MLP at 100 Mbit/s, 2 workers, needs that: its exact
-steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to accuracy against the same
-block setting trained from the start (docs/plan.md, run 15); at 1 Gbit/s, where its exact
-steps take 0.4-0.6 s, deciding at step 0 took its time to accuracy from 1.00 to 0.73 of the
-old rule's (a first step of 1 s or more) side by side (docs/plan.md, after run 39). Exact
-measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4 of them delayed model
-averaging by no epoch, and 10 by a median of 2 (above). Otherwise the network and codec
-measured after the first step serve the later decision.
+from that bound choose a block algorithm that beats exact and fp16 by ``min_gain`` without
+the fixed-cost probes, a shorter step would choose a block algorithm too, its block as long or
+longer (:func:`settled_by_first_step`). Measuring on could then only confirm the algorithm with
+exact steps, so Auto decides at step 0. Where the bound's block is at the 32-step cap, so is the
+true one; where it is shorter, Auto decides at the cap and the first block's timed local steps
+and round set the length by the same 5% rule (:func:`block_from_timed`, never under the bound's
+block; past the cap as below). The 10.5M MLP at 100 Mbit/s, 2 workers, needs the early decision
+most: its exact steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to accuracy
+against the same block setting trained from the start (docs/plan.md, run 15); at 1 Gbit/s, where
+its exact steps take 0.4-0.6 s, deciding at step 0 took its time to accuracy from 1.00 to 0.73 of
+the rule before (a first step of 1 s or more) side by side (docs/plan.md, after run 39). From
+53c86f5 to 2026-11-28 Auto decided at step 0 only where the bound's block was at the cap and 2
+more exact steps would cost ``measure_budget_s`` (0.1 s) over it; that left MNIST-1D's CNN at 4
+workers measuring 4 exact steps and deciding twice (0.2 s and more of a 3.7 s time to accuracy)
+at the seeds where the first step had already settled model averaging (1-2 of 6 at 100 Mbit/s
+and 1 Gbit/s, docs/plan.md, run 48: its bound's gain sits near ``min_gain``). Exact measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4
+of them delayed model averaging by no epoch at 2 workers, 10 by a median of 2 (above), and at 4
+workers its crossing came 1.5-2.5 epochs after the same setting trained from step 0 (runs 45-47).
+Otherwise the network and codec measured after the first step serve the later decision.
 
 That first step is timed twice: at the end of its backward, before any of its buckets leaves
 (a fresh run's first exchange waits for it), and after its exchange. At the end of backward,
 every rank measures the network and the cost of a copy (a block round's passes), and rank 0
 adds the exact exchange they predict to the first step's compute: where that exact step
-settles a block algorithm at the cap, as above, Auto decides there, and the exchange it would
+settles a block algorithm, as above, Auto decides there, and the exchange it would
 make pointless is never sent. The codec prices only fp16 and the quantized exchange, so it is
 left out of that first prediction (those candidates at their fastest): a block that they
 cannot beat even so stays settled at any codec cost, and the codec is measured only where
@@ -865,8 +872,7 @@ class Auto(Algorithm):
     def _before_first_exchange(self) -> bool:
         """Every rank, at the end of a fresh run's first backward, before its exchange (collective): where
         predictions from the first step's compute (from distribute() on: an upper bound) plus the exact
-        exchange predicted on the network measured now settle a block algorithm at the cap, and the exact
-        steps that measuring on would take cost more than ``measure_budget_s`` over it
+        exchange predicted on the network measured now settle a block algorithm
         (:func:`settled_by_first_step`), decide now: the decided
         algorithm takes this backward's gradients as its first local step, and the exact exchange that the
         choice would make pointless is never sent (on the 10.5M MLP at 100 Mbit/s and 4 workers it cost
