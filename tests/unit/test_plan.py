@@ -314,6 +314,30 @@ def test_job_says_where_its_codec_was_not_measured(tmp_path, capsys):
         assert ("its codec was not measured" in out) == said, out
 
 
+def test_job_decided_at_its_first_step_takes_the_compute_its_block_check_timed(tmp_path, capsys):
+    # a first-step decision predicted from that step's time (an upper bound); where its block check ran,
+    # the local step it timed is the job's compute, and the plan says which it used
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2", "--png", str(tmp_path / "p.png")]
+    decision = _auto_decision()
+    bound = decision["measured"]["compute_s"]
+    decision["measured"]["first_step"] = True
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "an upper bound" in out and f"compute {bound * 1e3:.2f} ms" in out, out
+    decision["block_check"] = {"local_step_s": bound / 20, "exchange_s": 0.01, "steps": 32}
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"compute {bound / 20 * 1e3:.2f} ms" in out and "its block check's local step" in out, out
+    # a decision on timed steps keeps its own compute, check or not
+    del decision["measured"]["first_step"]
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"compute {bound * 1e3:.2f} ms" in out and "upper bound" not in out, out
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [
