@@ -248,6 +248,9 @@ BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the c
 # seeds 0-2); model averaging, the digits CNN at 4 workers, 32 -> 64 steps, 13 -> 15. And the
 # longest block they measured.
 EPOCH_GROWTH = {"block_momentum": 14 / 9, "model_averaging": 15 / 13}
+# The second step's compute, one sample, counts as a bound at this multiple: over 79 span checks of
+# bunsan's campaigns (docs/plan.md) the median of 3 timed exact steps was at most 1.86 times the fastest
+SECOND_STEP_MARGIN = 2.0
 MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # block algorithms predicted within this share of each other are a tie (choose): it goes by momentum
@@ -690,7 +693,10 @@ class Auto(Algorithm):
         self._started: float | None = None  # perf_counter when distribute() attached the optimizer (step 0's start)
         # what a first-step decision measured when it could not decide yet: kept for the decision
         self._early: _EarlyMeasures | None = None
-        self._first_checked = False  # the first step was weighed at the end of its backward (_before_first_exchange)
+        self._first_checked = False  # the first step was weighed at the end of its backward (_before_exchange_check)
+        # the second step is weighed at the end of its backward too where the first's bound left the choice open
+        # (tests of the measuring after it turn this off)
+        self._second_check = True
         # the local steps' times of the first block after deciding on a block at the cap (None: not timing)
         self._block_steps_s: list[float] | None = None
 
@@ -726,7 +732,7 @@ class Auto(Algorithm):
             and self.warm_start == 0
             and self.world_size > 1
         ):
-            self.inner.before_exchange = self._before_first_exchange  # at the end of the first backward
+            self.inner.before_exchange = self._before_exchange_check  # at the end of the first backward
         self._started = time.perf_counter()  # distribute()'s last act: the first step starts after it
 
     def count_samples(self, n: int) -> None:
@@ -774,6 +780,15 @@ class Auto(Algorithm):
                 self._decide(span=True)  # decides only where the fastest and slowest timed step agree
             elif first and (first_s := self._first_step_s(now)) is not None:
                 self._decide(first_step_s=first_s)
+            if (
+                first
+                and self.decision is None
+                and self._first_checked
+                and self._early is not None
+                and self._second_check
+                and isinstance(self.inner, DataParallelSGD)
+            ):  # the same on every rank: the first step's check ran and measured the network, undecided
+                self.inner.before_exchange = self._before_exchange_check  # at the end of the second backward
             if self.decision is None or self._block_steps_s is not None:
                 self._last_end = time.perf_counter()  # the check's all-reduce not counted in the next step
 
@@ -869,7 +884,7 @@ class Auto(Algorithm):
         """Where the model's parameters are: where its steps, its exchange and its codec run."""
         return self.named_params[0][1].device if self.named_params else torch.device("cpu")
 
-    def _before_first_exchange(self) -> bool:
+    def _before_exchange_check(self) -> bool:
         """Every rank, at the end of a fresh run's first backward, before its exchange (collective): where
         predictions from the first step's compute (from distribute() on: an upper bound) plus the exact
         exchange predicted on the network measured now settle a block algorithm
@@ -877,20 +892,39 @@ class Auto(Algorithm):
         algorithm takes this backward's gradients as its first local step, and the exact exchange that the
         choice would make pointless is never sent (on the 10.5M MLP at 100 Mbit/s and 4 workers it cost
         5.8 s of a 48 s time to accuracy, docs/plan.md). Otherwise the exchange goes on; the network and
-        codec stay measured for the decision, and their time is not counted in the first step. True where
-        this algorithm was replaced."""
-        if self.decision is not None or self._measured != 0 or self._started is None or self.world_size < 2:
+        codec stay measured for the decision, and their time is not counted in the first step.
+
+        Where that first check measured the network and left the choice open, the second backward is
+        weighed the same way before its exchange: its compute (from the end of the first step, the
+        slowest rank's) is one sample of the steady step's, not a bound, so it is taken at
+        :data:`SECOND_STEP_MARGIN` times (the spread of bunsan's timed exact steps), with the network
+        and codec measured at the first. On MNIST-1D's CNN at 4 workers the first step's bound, 20
+        times the steady compute, settled model averaging at 1-2 seeds of 6, and the rest measured 4
+        exact steps and decided twice (docs/plan.md, run 48). True where this algorithm was replaced."""
+        step = self._measured
+        if self.decision is not None or self._started is None or self.world_size < 2 or step > 1:
+            return False
+        if step == 1 and (self._early is None or self._last_end is None):
             return False
         self._first_checked = True
         old = self.inner
         assert isinstance(old, DataParallelSGD)
         synchronize(self._device())
         began = time.perf_counter()
-        first = torch.tensor([began - self._started], dtype=torch.float64, device=comm.tensor_device(self.group))
+        since = self._started if step == 0 else self._last_end
+        assert since is not None
+        first = torch.tensor([began - since], dtype=torch.float64, device=comm.tensor_device(self.group))
         comm.all_reduce(first, op="max", group=self.group)
-        self._decide(first_step_s=float(first[0]), before_exchange=True)
-        if self.decision is None:
-            self._started += time.perf_counter() - began  # the first step's time leaves this measuring out
+        seconds = float(first[0])
+        if step == 0:
+            self._decide(first_step_s=seconds, before_exchange=True)
+        else:
+            self._decide(first_step_s=SECOND_STEP_MARGIN * seconds, before_exchange=True, second_step_s=seconds)
+        if self.decision is None:  # the step's time leaves this measuring out
+            if step == 0:
+                self._started += time.perf_counter() - began
+            else:
+                self._last_end = since + (time.perf_counter() - began)
             return False
         # this backward's samples, taken by its first gradient hook, are the decided algorithm's first step's
         # (and any counted or noted on a rank whose backward reached no parameter)
@@ -1042,11 +1076,18 @@ class Auto(Algorithm):
         total, ranks = figures.tolist()
         return total / ranks if round(ranks) == self.world_size else None
 
-    def _decide(self, first_step_s: float | None = None, span: bool = False, before_exchange: bool = False) -> None:
+    def _decide(
+        self,
+        first_step_s: float | None = None,
+        span: bool = False,
+        before_exchange: bool = False,
+        second_step_s: float | None = None,
+    ) -> None:
         """Measure, predict, decide on rank 0 and apply everywhere (collective). With ``first_step_s``
         (the slowest rank's first step, from distribute() on), decide only where that settles it
         (:func:`settled_by_first_step`); ``before_exchange``: that step's time ends before its exchange,
-        and the exact step it stands for adds the exchange predicted on the network; with ``span`` (after ``MIN_TIMED`` timed steps), only where
+        and the exact step it stands for adds the exchange predicted on the network (``second_step_s``: the
+        second step's own compute, of which ``first_step_s`` is the margin's multiple); with ``span`` (after ``MIN_TIMED`` timed steps), only where
         the choice is the same at the fastest and the slowest of them as at their median. Where
         either does not decide, what was measured (network, codec, fixed costs) is kept for the
         decision and measuring goes on."""
@@ -1301,9 +1342,18 @@ class Auto(Algorithm):
                     "workers": n,
                     "measured": {
                         "exact_step_s": step_s,
-                        **({"first_step": True} if first_step_s is not None else {}),
+                        **({"first_step": True} if first_step_s is not None and second_step_s is None else {}),
+                        **(
+                            {"second_step_before_exchange_s": second_step_s, "bound_margin": SECOND_STEP_MARGIN}
+                            if second_step_s is not None
+                            else {}
+                        ),
                         **({"first_step_block_steps": floor_steps} if floor_steps is not None else {}),
-                        **({"first_step_before_exchange_s": first_step_s} if before_exchange else {}),
+                        **(
+                            {"first_step_before_exchange_s": first_step_s}
+                            if before_exchange and second_step_s is None
+                            else {}
+                        ),
                         **({"step_span_s": list(spread)} if spread else {}),
                         "compute_s": compute,
                         **({"local_step_s": local_s} if local_s is not None else {}),
@@ -1420,6 +1470,9 @@ def format_decision(decision: dict[str, Any]) -> str:
             f"first step before its exchange {m['first_step_before_exchange_s'] * 1e3:.2f} ms (from distribute() on), "
             f"as an exact step {m['exact_step_s'] * 1e3:.2f} ms"
             if "first_step_before_exchange_s" in m
+            else f"second step before its exchange {m['second_step_before_exchange_s'] * 1e3:.2f} ms, taken at "
+            f"{m['bound_margin']:g} times as a bound, as an exact step {m['exact_step_s'] * 1e3:.2f} ms"
+            if "second_step_before_exchange_s" in m
             else f"{'first step (from distribute() on)' if m.get('first_step') else 'exact step'} "
             f"{m['exact_step_s'] * 1e3:.2f} ms"
         )

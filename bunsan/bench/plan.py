@@ -348,8 +348,10 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     compute_s = float(measured["compute_s"])
     check = decision.get("block_check") or {}
     # a decision at the first step predicted from that step's time, an upper bound of the compute (20
-    # times the steady one on MNIST-1D's CNN); its block check, where it ran, timed the local steps
-    from_check = bool(measured.get("first_step")) and check.get("local_step_s") is not None
+    # times the steady one on MNIST-1D's CNN), or at the second from twice its time; its block check,
+    # where it ran, timed the local steps
+    bound = bool(measured.get("first_step")) or "second_step_before_exchange_s" in measured
+    from_check = bound and check.get("local_step_s") is not None
     if from_check:
         compute_s = float(check["local_step_s"])
     profile: dict[str, Any] = {
@@ -391,12 +393,18 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         f"latency {network['latency_s'] * 1e6:.1f} us"
     )
     if from_check:
+        which = "first step" if measured.get("first_step") else "second step"
         summary += (
-            f" (its block check's local step: the decision, at its first step, predicted from "
-            f"{float(measured['compute_s']) * 1e3:.2f} ms, that step's time)"
+            f" (its block check's local step: the decision, at its {which}, predicted from "
+            f"{float(measured['compute_s']) * 1e3:.2f} ms, from that step's time)"
         )
     elif measured.get("first_step"):
         summary += " (from its first step's time, an upper bound: the job decided there and timed no step)"
+    elif bound:
+        summary += (
+            f" (from its second step's time taken {float(measured.get('bound_margin', 2.0)):g} times, a bound: "
+            "the job decided there and timed no whole step)"
+        )
     if measured.get("codec_measured") is False:  # decided at its first step, where the codec could not matter
         summary += (
             "; its codec was not measured (its first step settled a block algorithm without it): "

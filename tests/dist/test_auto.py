@@ -16,15 +16,17 @@ from bunsan.algorithms.cost_model import Network
 SLOW = {"latency_s": 1e-3, "bandwidth": 3e5}
 FAST = {"latency_s": 0.0, "bandwidth": 1e13}
 # A first step whose time (an upper bound of the compute) already picks a block algorithm decides at once
-# (settled_by_first_step). Tests of the measuring after it lengthen the first step on rank 1 (a user's
-# set-up after distribute()): at this bound SLOW's exchange is under min_gain of the step, exact is kept
-# there and the choice is left to the timed steps.
+# (settled_by_first_step), and so does a second step whose time, doubled, does. Tests of the measuring
+# after them lengthen the first step on rank 1 (a user's set-up after distribute()): at this bound SLOW's
+# exchange is under min_gain of the step, exact is kept there; and they turn the second step's check off
+# (its own tests are below), so that the choice is left to the timed steps.
 OPEN_FIRST_S = 0.4
 
 
-def _open_first_step(rank: int) -> None:
+def _open_first_step(rank: int, auto) -> None:
     import time
 
+    auto._second_check = False
     if rank == 1:
         time.sleep(OPEN_FIRST_S)
 
@@ -47,7 +49,7 @@ def _body_decide_and_resume(rank: int, world_size: int, network: dict, risk: str
     model = _model()
     auto = bunsan.Auto(measure_steps=3, risk=risk, network=Network(**network), fixed_costs=fixed_costs, verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    _open_first_step(rank)
+    _open_first_step(rank, auto)
     _train(model, optimizer, rank, 3)
     assert auto.decision is None  # still measuring: 3 timed steps need 4 ends
     _train(model, optimizer, rank, 5, start=3)
@@ -115,7 +117,7 @@ def _body_resume_before_the_decision(rank: int, world_size: int) -> list:
     model = _model()
     auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**SLOW), verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    _open_first_step(rank)
+    _open_first_step(rank, auto)
     _train(model, optimizer, rank, 2)
     state, weights = optimizer.state_dict(), model.state_dict()
     resumed_model = _model()
@@ -248,7 +250,7 @@ def _body_budget(rank: int, world_size: int, budget, sleep_s: float, network: di
         measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**network), verbose=False
     )
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    _open_first_step(rank)
+    _open_first_step(rank, auto)
     decided_at = None
     with mock.patch.object(auto_module, "measure_fixed_costs", counting):
         for i in range(12):
@@ -982,14 +984,15 @@ def _dropout_model() -> nn.Module:
 
 def _user_loop(model, optimizer, rank, world_size, loop, steps, on_step=None):
     """nanoGPT's accumulation (the first micro-batch under no_sync), AMP with GradScaler and
-    clipping as in the PyTorch AMP recipe, or AdamW with clipping, on this rank's half of a
-    global batch of 16."""
+    clipping as in the PyTorch AMP recipe, AdamW with clipping, or SGD whose gradients are zeroed
+    in place (``zero_grad(set_to_none=False)``, "keep_grads"), on this rank's half of a global
+    batch of 16."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if loop == "amp_clip" else None
     for i in range(steps):
         g = torch.Generator().manual_seed(i)
         x, y = torch.randn(16, 16, generator=g), torch.randint(0, 4, (16,), generator=g)
         x, y = x[rank::world_size], y[rank::world_size]
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=loop != "keep_grads")
         if loop == "accumulate":
             with optimizer.no_sync():
                 (F.cross_entropy(model(x[:4]), y[:4]) / 2).backward()
@@ -1021,7 +1024,7 @@ def _body_decision_in_user_loops(rank: int, world_size: int, loop: str) -> dict:
     model = _dropout_model()
     auto = bunsan.Auto(measure_steps=2, risk="high", network=Network(**SLOW), verbose=False)
     model, optimizer = bunsan.distribute(model, optimizer_for(model), auto)
-    _open_first_step(rank)
+    _open_first_step(rank, auto)
     _user_loop(model, optimizer, rank, world_size, loop, 9)
     assert auto.decision is not None and auto.decision["step"] == 3
     optimizer.sync_replicas()
@@ -1148,3 +1151,98 @@ def test_a_first_step_decision_inside_a_users_loop_trains_as_the_decided_algorit
     for auto_run, fixed_run in zip(results, reference, strict=True):
         assert auto_run["params"] == fixed_run["params"]
         assert auto_run["rng"] == fixed_run["rng"]
+
+
+# -- the second step: where the first step's bound leaves the choice open, its time, doubled ----------------
+def _body_second_step(rank: int, world_size: int, second_sleep_s: float) -> dict:
+    import time
+
+    model = _model()
+    auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**SLOW), verbose=False)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
+    decided_at = None
+    for i in range(8):
+        if rank == 1 and i < 2:  # the first step's bound leaves SLOW's exchange under min_gain; the second's too where asked
+            time.sleep(OPEN_FIRST_S if i == 0 else second_sleep_s)
+        _train(model, optimizer, rank, 1, start=i)
+        if auto.decision is not None and decided_at is None:
+            decided_at = i + 1
+    optimizer.sync_replicas()
+    m = auto.decision["measured"]
+    return {
+        "decided_at": decided_at,
+        "step": auto.decision["step"],
+        "label": auto.decision["label"],
+        "second_s": m.get("second_step_before_exchange_s"),
+        "margin": m.get("bound_margin"),
+        "first_step": m.get("first_step", False),
+        "exact_step_s": m["exact_step_s"],
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+    }
+
+
+def test_a_second_step_decides_where_twice_its_time_settles_a_block(workers):
+    # SLOW (300 kB/s): exact's exchange, about 17 ms, is under min_gain of the 0.4 s first step, which keeps
+    # exact; the second step, milliseconds before its exchange and taken at twice that, settles a block
+    # algorithm at the cap: decided at the second step's end of backward on both ranks
+    results = workers.run(f"{__name__}:_body_second_step", second_sleep_s=0.0)
+    assert [r["decided_at"] for r in results] == [2, 2] and [r["step"] for r in results] == [1, 1], results
+    assert results[0]["label"] == results[1]["label"] == "block_momentum:256"
+    r = results[0]
+    assert r["margin"] == 2.0 and not r["first_step"] and 0 < r["second_s"] < 0.2
+    assert r["exact_step_s"] > 2 * r["second_s"]  # twice the compute, and the exact exchange predicted on it
+    torch.testing.assert_close(torch.tensor(results[0]["params"]), torch.tensor(results[1]["params"]))
+    # a second step of 0.4 s on rank 1 leaves it open as well: measuring goes on to timed steps
+    results = workers.run(f"{__name__}:_body_second_step", second_sleep_s=OPEN_FIRST_S)
+    assert results[0]["decided_at"] == results[1]["decided_at"] and 3 <= results[0]["decided_at"] <= 7, results
+    assert results[0]["second_s"] is None and results[0]["label"] == results[1]["label"]
+
+
+def _body_second_step_decision_in_user_loops(rank: int, world_size: int, loop: str, decision: dict | None) -> dict:
+    import copy
+    import time
+
+    def optimizer_for(model):
+        if loop == "clip_adamw":
+            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model = _dropout_model()
+    if decision is None:  # Auto on SLOW, its first step's bound left open on rank 1: the second step decides
+        auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**SLOW), verbose=False)
+    else:  # exact SGD handed that decision after its first step, without measuring
+        auto = bunsan.Auto(measure_steps=100, measure_budget_s=None, verbose=False)
+    model, optimizer = bunsan.distribute(model, optimizer_for(model), auto)
+    made: dict = {}
+
+    def on_step(step: int) -> None:
+        if decision is not None and step == 1:
+            auto._apply(copy.deepcopy(decision))
+        elif decision is None and auto.decision is not None and not made:
+            made.update(copy.deepcopy(auto.decision))  # as decided, before its block check adds to it
+
+    if rank == 1 and decision is None:
+        time.sleep(OPEN_FIRST_S)
+    _user_loop(model, optimizer, rank, world_size, loop, 34, on_step=on_step)  # past the first block's round
+    return {
+        "decision": made or None,
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "rng": torch.rand(3).tolist(),
+    }
+
+
+@pytest.mark.parametrize("loop", ["accumulate", "amp_clip", "clip_adamw", "keep_grads"])
+def test_a_second_step_decision_inside_a_users_loop_trains_as_that_decision_handed_after_one_step(workers, loop):
+    """The decision before the second exchange inside accumulation under no_sync, GradScaler with
+    unscale_ and clipping, AdamW with clipping, and gradients zeroed in place (bucket views after the
+    first exchange, which the exchange must not divide before the decision): the run is exact SGD for
+    one step, then the decided algorithm, bit for bit, on every rank (its samples, its block, the RNG)."""
+    results = workers.run(f"{__name__}:_body_second_step_decision_in_user_loops", loop=loop, decision=None)
+    decision = results[0]["decision"]
+    assert decision is not None and decision == results[1]["decision"], results
+    assert decision["step"] == 1 and decision["algorithm"] in ("block_momentum", "model_averaging"), decision
+    assert "second_step_before_exchange_s" in decision["measured"]
+    handed = workers.run(f"{__name__}:_body_second_step_decision_in_user_loops", loop=loop, decision=decision)
+    for auto_run, handed_run in zip(results, handed, strict=True):
+        assert auto_run["params"] == handed_run["params"]
+        assert auto_run["rng"] == handed_run["rng"]

@@ -278,6 +278,13 @@ def test_the_printed_table_says_which_probes_ran_and_why():
         "workers: first step before its exchange 7.20 ms (from distribute() on), as an exact step 59.90 ms (compute"
         in auto.format_decision(decision)
     )
+    # the second step before its exchange: its own time and the margin it was taken at
+    del decision["measured"]["first_step"], decision["measured"]["first_step_before_exchange_s"]
+    decision["measured"].update(second_step_before_exchange_s=0.0036, bound_margin=2.0)
+    assert (
+        "workers: second step before its exchange 3.60 ms, taken at 2 times as a bound, as an exact step 59.90 ms"
+        in auto.format_decision(decision)
+    )
 
 
 def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):

@@ -330,8 +330,21 @@ def test_job_decided_at_its_first_step_takes_the_compute_its_block_check_timed(t
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"compute {bound / 20 * 1e3:.2f} ms" in out and "its block check's local step" in out, out
-    # a decision on timed steps keeps its own compute, check or not
+    # decided at the second step, from twice its time: a bound too, the check's local step where it ran
     del decision["measured"]["first_step"]
+    decision["measured"].update(second_step_before_exchange_s=bound / 2, bound_margin=2.0)
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"compute {bound / 20 * 1e3:.2f} ms" in out and "at its second step" in out, out
+    del decision["block_check"]
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"compute {bound * 1e3:.2f} ms" in out and "second step's time taken 2 times, a bound" in out, out
+    # a decision on timed steps keeps its own compute, check or not
+    del decision["measured"]["second_step_before_exchange_s"], decision["measured"]["bound_margin"]
+    decision["block_check"] = {"local_step_s": bound / 20, "exchange_s": 0.01, "steps": 32}
     (tmp_path / "decision.json").write_text(json.dumps(decision))
     assert main(argv) == 0
     out = capsys.readouterr().out

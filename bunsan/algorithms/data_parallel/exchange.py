@@ -88,7 +88,11 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
                 self._launch_in_order()
             return
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params):
+        # Under a before_exchange hook nothing leaves before it has run, nor is filled: a gradient that is
+        # a bucket's view (the reduced buffer of the last round, kept by zero_grad(set_to_none=False))
+        # would be divided in place, and an algorithm that replaces this one there takes p.grad as it is.
+        # The exchange fills what the hook leaves to it.
+        if len(bucket.ready) == len(bucket.params) and self.before_exchange is None:
             self._fill(bucket)
             self._launch_in_order()
 
