@@ -134,7 +134,12 @@ at the seeds where the first step had already settled model averaging (1-2 of 6 
 and 1 Gbit/s, docs/plan.md, run 48: its bound's gain sits near ``min_gain``). Exact measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4
 of them delayed model averaging by no epoch at 2 workers, 10 by a median of 2 (above), and at 4
 workers its crossing came 1.5-2.5 epochs after the same setting trained from step 0 (runs 45-47).
-Otherwise the network and codec measured after the first step serve the later decision.
+Where the first step leaves the choice open, the second decides the same way, before its exchange:
+its time (from the end of the first step, the slowest rank's) is one sample of the steady step's
+and counts as a bound at :data:`SECOND_STEP_MARGIN` (2) times, the spread of bunsan's timed exact
+steps (over 79 span checks of the campaigns the median of 3 was at most 1.86 times the fastest).
+The run is then exact SGD for one step and the decided algorithm after it. Where neither settles
+it, the network and codec measured at the first step serve the later decision.
 
 That first step is timed twice: at the end of its backward, before any of its buckets leaves
 (a fresh run's first exchange waits for it), and after its exchange. At the end of backward,
@@ -220,6 +225,7 @@ __all__ = [
     "Auto",
     "candidates_for",
     "choose",
+    "codec_can_settle",
     "infer_compute",
     "later_probes_needed",
     "lengthened_block",
@@ -278,6 +284,7 @@ class _EarlyMeasures(NamedTuple):
     fixed: tuple[tuple[str, float], ...] = ()
     probed: frozenset[str] = frozenset()
     probe_s: float = 0.0  # seconds those probes took
+    codec_deferred: bool = False  # only the copy measured: the codec waits for a decision it can change
 
 
 def _delegated(name: str) -> Any:
@@ -579,6 +586,25 @@ def settled_by_first_step(
         f"{chosen.label} beats exact and fp16 by {100 * min_gain:.0f}% or more without the probes, {block}; "
         f"settled by the first step (at any shorter step a block algorithm stays the choice; exact is "
         f"{lead_s * 1e3:.0f} ms a step slower at the first step's compute)"
+    )
+
+
+def codec_can_settle(
+    candidates: Sequence[cm.Candidate],
+    predictions: Sequence[cm.Prediction],
+    min_gain: float,
+    batch: int,
+) -> bool:
+    """Whether measuring the codec could make a first step's predictions, made without it, settle a block
+    algorithm (:func:`settled_by_first_step`): only where they would settle it without fp16 and the
+    quantized exchange, the two the codec prices (its cost can only slow them). Where exact itself
+    is within ``min_gain`` of the block, no codec cost can change that, and the codec is left to the
+    decision that prices every candidate: on MNIST-1D's CNN at 4 workers (2 cores) it took about 0.08 s
+    of a 0.2 s decision at the second step (docs/plan.md)."""
+    kept = [i for i, c in enumerate(candidates) if probe_family(c) not in ("fp16", "quantized")]
+    return (
+        settled_by_first_step([candidates[i] for i in kept], [predictions[i] for i in kept], min_gain, batch)
+        is not None
     )
 
 
@@ -1148,6 +1174,10 @@ class Auto(Algorithm):
             codec, codecs, network_s = early.codec, early.codecs, early.network_s
             fixed, probed, earlier_probe_s = dict(early.fixed), set(early.probed), early.probe_s
             started -= early.spent_s  # the record's time to decide counts the earlier measuring too
+            codec_deferred = early.codec_deferred
+            if codec_deferred and first_step_s is None:  # the timed steps' decision prices every candidate
+                codec, codecs = self._measure_codecs(device)
+                codec_deferred = False
         elif network is not None and first_step_s is not None:
             # The first step can settle only a block algorithm (settled_by_first_step), and the codec
             # prices only fp16 and the quantized exchange: predicted without it (at their fastest), a
@@ -1171,20 +1201,27 @@ class Auto(Algorithm):
                     tuple(fixed.items()),
                     frozenset(probed),
                     probe_s,
+                    codec_deferred,
                 )
 
         plan: tuple[Any, ...] | None = None
         probing: tuple[str, str] | None = None
         if first_step_s is not None:
             settled: tuple[str, str] | None = None
+            codec_matters = False  # whether the codec's cost could settle what its absence leaves open
             if deciding and network is not None:
                 if before_exchange:  # the exact step it stands for: this compute and the exchange predicted
                     exact = cm.Candidate("data_parallel", {}, "exact")
                     step_s = cm.predict(self._profile(step_s), network, exact, n, overlap=overlap).step_s
                 plan = self._predict(step_s, network, n, overlap, {}, codec, codecs)
                 settled = settled_by_first_step(plan[2], plan[3], self.min_gain, plan[0].batch)
-            settled = comm.broadcast_object(settled, src=0, group=self.group)
-            if settled is None and codec_deferred:  # every rank: the codec may settle it, and the decision needs it
+                codec_matters = (
+                    settled is None
+                    and codec_deferred
+                    and codec_can_settle(plan[2], plan[3], self.min_gain, plan[0].batch)
+                )
+            settled, codec_matters = comm.broadcast_object((settled, codec_matters), src=0, group=self.group)
+            if settled is None and codec_matters:  # every rank: the codec may settle it
                 codec, codecs = self._measure_codecs(device)
                 codec_deferred = False
                 if deciding:
@@ -1197,8 +1234,8 @@ class Auto(Algorithm):
                     settled[0],
                     f"{settled[1]}; the codec not measured: without it fp16 and the quantized exchange are still slower",
                 )
-            if settled is None:  # go on measuring; the network and codec stay measured
-                keep_measuring()
+            if settled is None:  # go on measuring; the network and codec stay measured (the codec, where it
+                keep_measuring()  # could not settle this, by the decision that needs it)
                 return
             probing = settled
         probe_started = time.perf_counter() - earlier_probe_s

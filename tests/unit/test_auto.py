@@ -341,6 +341,28 @@ def test_a_block_algorithm_without_probes_is_settled_by_the_first_step_at_or_und
     assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
 
 
+def test_the_codec_is_measured_at_a_first_step_only_where_it_could_settle_the_block():
+    batch, per_step = 32, PER_STEP
+    block = ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0060)
+    # 1-bit, priced without its codec, fastest: its codec cost could leave the block fastest
+    rows = [*per_step, ("1-bit", "data_parallel", {"bits": 1}, 0.0040), block]
+    assert auto.settled_by_first_step(*_predicted(rows), 0.1, batch) is None
+    assert auto.codec_can_settle(*_predicted(rows), 0.1, batch)
+    # fp16 within min_gain of the block: the codec could slow it out of that margin
+    rows = [per_step[0], ("fp16", "data_parallel", {"compression": "fp16"}, 0.0065), block]
+    assert auto.codec_can_settle(*_predicted(rows), 0.1, batch)
+    # exact within min_gain of the block (MNIST-1D's first step at 4 workers): no codec cost changes that
+    rows = [
+        ("exact", "data_parallel", {}, 0.0065),
+        ("1-bit", "data_parallel", {"bits": 1}, 0.0040),
+        ("model_averaging:1024", "model_averaging", {"block_size": 1024}, 0.0061),
+    ]
+    assert not auto.codec_can_settle(*_predicted(rows), 0.1, batch)
+    # exact fastest: nothing to settle
+    rows = [("exact", "data_parallel", {}, 0.0050), ("fp16", "data_parallel", {"compression": "fp16"}, 0.0065)]
+    assert not auto.codec_can_settle(*_predicted(rows), 0.1, batch)
+
+
 @pytest.mark.parametrize(
     ("steps", "floor", "compute_s", "exchange_s", "growth", "expected"),
     [
