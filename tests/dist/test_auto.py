@@ -987,6 +987,13 @@ def _dropout_model() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 4))
 
 
+def _loop_optimizer(model: nn.Module, loop: str) -> torch.optim.Optimizer:
+    """The optimizer of a loop of :func:`_user_loop`: AdamW for "clip_adamw", else SGD with momentum 0.9."""
+    if loop == "clip_adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def _user_loop(model, optimizer, rank, world_size, loop, steps, on_step=None):
     """nanoGPT's accumulation (the first micro-batch under no_sync), AMP with GradScaler and
     clipping as in the PyTorch AMP recipe, AdamW with clipping, or SGD whose gradients are zeroed
@@ -1020,15 +1027,10 @@ def _user_loop(model, optimizer, rank, world_size, loop, steps, on_step=None):
 
 
 def _body_decision_in_user_loops(rank: int, world_size: int, loop: str) -> dict:
-    def optimizer_for(model):
-        if loop == "clip_adamw":
-            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
     # Auto measures 2 timed steps and decides after the 3rd, on a network too slow for exact
     model = _dropout_model()
     auto = bunsan.Auto(measure_steps=2, risk="high", network=Network(**SLOW), verbose=False)
-    model, optimizer = bunsan.distribute(model, optimizer_for(model), auto)
+    model, optimizer = bunsan.distribute(model, _loop_optimizer(model, loop), auto)
     _open_first_step(rank, auto)
     _user_loop(model, optimizer, rank, world_size, loop, 9)
     assert auto.decision is not None and auto.decision["step"] == 3
@@ -1038,7 +1040,7 @@ def _body_decision_in_user_loops(rank: int, world_size: int, loop: str) -> dict:
     # the same loop handed the same decision at the same step, without measuring or deciding
     handed = _dropout_model()
     manual = bunsan.Auto(measure_steps=100, verbose=False)
-    handed, handed_optimizer = bunsan.distribute(handed, optimizer_for(handed), manual)
+    handed, handed_optimizer = bunsan.distribute(handed, _loop_optimizer(handed, loop), manual)
     _user_loop(
         handed,
         handed_optimizer,
@@ -1115,11 +1117,6 @@ def _body_first_step_decision_in_user_loops(rank: int, world_size: int, loop: st
 
     from bunsan.algorithms.auto import _CHOICES
 
-    def optimizer_for(model):
-        if loop == "clip_adamw":
-            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
     model = _dropout_model()
     if options is None:  # Auto, on a link so slow that a first step of over 1 s settles a block at the cap
         algorithm = bunsan.Auto(
@@ -1127,7 +1124,7 @@ def _body_first_step_decision_in_user_loops(rank: int, world_size: int, loop: st
         )
     else:  # the decided algorithm with the decided settings, from the first step on
         algorithm = _CHOICES[options.pop("algorithm")](**options)
-    model, optimizer = bunsan.distribute(model, optimizer_for(model), algorithm)
+    model, optimizer = bunsan.distribute(model, _loop_optimizer(model, loop), algorithm)
     if rank == 1 and options is None:
         time.sleep(1.2)
     _user_loop(model, optimizer, rank, world_size, loop, 34)  # past the first 32-step block's round
@@ -1167,7 +1164,9 @@ def _body_second_step(rank: int, world_size: int, second_sleep_s: float) -> dict
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     decided_at = None
     for i in range(8):
-        if rank == 1 and i < 2:  # the first step's bound leaves SLOW's exchange under min_gain; the second's too where asked
+        if (
+            rank == 1 and i < 2
+        ):  # the first step's bound leaves SLOW's exchange under min_gain; the second's too where asked
             time.sleep(OPEN_FIRST_S if i == 0 else second_sleep_s)
         _train(model, optimizer, rank, 1, start=i)
         if auto.decision is not None and decided_at is None:
@@ -1207,17 +1206,12 @@ def _body_second_step_decision_in_user_loops(rank: int, world_size: int, loop: s
     import copy
     import time
 
-    def optimizer_for(model):
-        if loop == "clip_adamw":
-            return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
     model = _dropout_model()
     if decision is None:  # Auto on SLOW, its first step's bound left open on rank 1: the second step decides
         auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**SLOW), verbose=False)
     else:  # exact SGD handed that decision after its first step, without measuring
         auto = bunsan.Auto(measure_steps=100, measure_budget_s=None, verbose=False)
-    model, optimizer = bunsan.distribute(model, optimizer_for(model), auto)
+    model, optimizer = bunsan.distribute(model, _loop_optimizer(model, loop), auto)
     made: dict = {}
 
     def on_step(step: int) -> None:
