@@ -1202,11 +1202,24 @@ def test_a_second_step_decides_where_twice_its_time_settles_a_block(workers):
     assert results[0]["second_s"] is None and results[0]["label"] == results[1]["label"]
 
 
+class _NormedWithUnused(nn.Module):
+    """Batch norm's running statistics (buffers) and a head the forward never uses (its gradient stays None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 4))
+        self.unused = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def _body_second_step_decision_in_user_loops(rank: int, world_size: int, loop: str, decision: dict | None) -> dict:
     import copy
     import time
 
-    model = _dropout_model()
+    model = _NormedWithUnused() if loop == "norm_unused" else _dropout_model()
     if decision is None:  # Auto on SLOW, its first step's bound left open on rank 1: the second step decides
         auto = bunsan.Auto(measure_steps=6, measure_budget_s=0.1, risk="high", network=Network(**SLOW), verbose=False)
     else:  # exact SGD handed that decision after its first step, without measuring
@@ -1226,16 +1239,20 @@ def _body_second_step_decision_in_user_loops(rank: int, world_size: int, loop: s
     return {
         "decision": made or None,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        "buffers": torch.cat([b.detach().double().reshape(-1) for b in model.buffers()]).tolist()
+        if loop == "norm_unused"
+        else [],
         "rng": torch.rand(3).tolist(),
     }
 
 
-@pytest.mark.parametrize("loop", ["accumulate", "amp_clip", "clip_adamw", "keep_grads"])
+@pytest.mark.parametrize("loop", ["accumulate", "amp_clip", "clip_adamw", "keep_grads", "norm_unused"])
 def test_a_second_step_decision_inside_a_users_loop_trains_as_that_decision_handed_after_one_step(workers, loop):
     """The decision before the second exchange inside accumulation under no_sync, GradScaler with
-    unscale_ and clipping, AdamW with clipping, and gradients zeroed in place (bucket views after the
-    first exchange, which the exchange must not divide before the decision): the run is exact SGD for
-    one step, then the decided algorithm, bit for bit, on every rank (its samples, its block, the RNG)."""
+    unscale_ and clipping, AdamW with clipping, gradients zeroed in place (bucket views after the
+    first exchange, which the exchange must not divide before the decision), and a model with batch
+    norm and an unused parameter: the run is exact SGD for one step, then the decided algorithm, bit
+    for bit, on every rank (its samples, its block, its buffers, the RNG)."""
     results = workers.run(f"{__name__}:_body_second_step_decision_in_user_loops", loop=loop, decision=None)
     decision = results[0]["decision"]
     assert decision is not None and decision == results[1]["decision"], results
@@ -1244,4 +1261,5 @@ def test_a_second_step_decision_inside_a_users_loop_trains_as_that_decision_hand
     handed = workers.run(f"{__name__}:_body_second_step_decision_in_user_loops", loop=loop, decision=decision)
     for auto_run, handed_run in zip(results, handed, strict=True):
         assert auto_run["params"] == handed_run["params"]
+        assert auto_run["buffers"] == handed_run["buffers"]
         assert auto_run["rng"] == handed_run["rng"]
