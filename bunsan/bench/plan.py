@@ -405,9 +405,10 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             f" (from its second step's time taken {float(measured.get('bound_margin', 2.0)):g} times, a bound: "
             "the job decided there and timed no whole step)"
         )
-    if measured.get("codec_measured") is False:  # decided at its first step, where the codec could not matter
+    if measured.get("codec_measured") is False:  # decided at its first or second step, the codec unneeded
+        which = "second" if "second_step_before_exchange_s" in measured else "first"
         summary += (
-            "; its codec was not measured (its first step settled a block algorithm without it): "
+            f"; its codec was not measured (its {which} step settled a block algorithm without it): "
             "fp16 and the quantized rows are priced without codec time"
         )
     return profile, network, summary

@@ -312,6 +312,13 @@ def test_job_says_where_its_codec_was_not_measured(tmp_path, capsys):
         assert main(argv) == 0
         out = capsys.readouterr().out
         assert ("its codec was not measured" in out) == said, out
+    # decided at the second step without it: the plan names that step
+    decision = _auto_decision()
+    decision["measured"].update(codec_measured=False, second_step_before_exchange_s=0.004, bound_margin=2.0)
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "its second step settled a block algorithm without it" in out, out
 
 
 def test_job_decided_at_its_first_step_takes_the_compute_its_block_check_timed(tmp_path, capsys):
