@@ -5,20 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.records import compare_config
+
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "tta_aa.py"
 MA, COPY = "model_averaging:block_size=1024", "model_averaging:block_size=1024,warm_start=0"
 
 
 def _config(label, curve, ends, run_dir):
-    return {
-        "label": label,
-        "workers": 4,
-        "status": "ok",
-        "test_error": curve[-1],
-        "test_error_curve": curve,
-        "epoch_end_s": ends,
-        "dir": str(run_dir),
-    }
+    return compare_config(label, curve, ends, run_dir, workers=4)
 
 
 def _record(tmp_path, seed, ma_s, copy_s, auto_s, exact=(1.0, 2.0, 3.0)):

@@ -5,24 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.records import compare_config as _config
+
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "tta_overhead.py"
 
 
 def _run(tmp_path, *options):
     command = [sys.executable, str(SCRIPT), str(tmp_path / "*" / "compare.json"), *options]
     return subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
-
-
-def _config(label, curve, ends, run_dir):
-    return {
-        "label": label,
-        "workers": 2,
-        "status": "ok",
-        "test_error": curve[-1],
-        "test_error_curve": curve,
-        "epoch_end_s": ends,
-        "dir": str(run_dir),
-    }
 
 
 def test_ratio_first_epoch_excess_and_ratio_without_it(tmp_path):
