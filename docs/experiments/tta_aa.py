@@ -69,15 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         autos.append((path, auto_view))
         copies.append((path, copy_view))
         network = document.get("arguments", {}).get("network") or "loopback"
-        for row_of in tta_rows(document["configs"], args.reference, args.points):
-            if row_of["label"] == args.of:
-                mate = next(
-                    r
-                    for r in tta_rows(document["configs"], args.reference, args.points)
-                    if r["label"] == args.copy and r["workers"] == row_of["workers"]
-                )
-                if row_of["tta_s"] and mate["tta_s"]:
-                    twins.setdefault((network, row_of["workers"]), []).append(mate["tta_s"] / row_of["tta_s"])
+        times = {
+            (r["label"], r["workers"]): r["tta_s"] for r in tta_rows(document["configs"], args.reference, args.points)
+        }
+        for (label, workers), twin_s in times.items():
+            copy_s = times.get((args.copy, workers))
+            if label == args.of and twin_s and copy_s:
+                twins.setdefault((network, workers), []).append(copy_s / twin_s)
     by_key = {}
     for kind, records in (("auto", autos), ("copy", copies)):
         for row in campaign_rows(records, args.reference, args.points):
