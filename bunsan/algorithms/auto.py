@@ -91,6 +91,21 @@ CNN at 4 workers (SGD, no momentum) Auto's block momentum with blocks of 16 step
 after 30; time-to-accuracy campaign, docs/plan.md), so below 0.5 it goes to block
 momentum.
 
+Where the timed steps keep exact and a block algorithm is predicted faster than exact by at least
+``min_gain`` less :data:`TRIAL_WINDOW` (10 points: from 0% at the default), the block algorithm the
+tie rule would take goes on trial (:func:`trial_candidate`): blocks of :data:`TRIAL_STEPS` (8) local
+steps, whose timed local steps and round (as the first block past the cap is timed, below) ride on the
+second round; there every rank keeps it, its block at the cap or past it by :func:`lengthened_block`,
+where a step at that block beats exact's measured step by ``min_gain`` (:func:`trial_verdict`), and
+otherwise returns to exact, the local optimizers' states averaged as the round averaged the models (a
+rank that has joined keeps the block: the hand-over needs every rank). The prediction's compute comes
+from exact steps, whose exchange shares the cores: on ResNet-20 at 2 workers on 1 Gbit/s (2 shared
+cores) Auto kept exact predicting block momentum 4.0-9.1% faster, while the block algorithms' epochs ran
+9-13% shorter and reached the target in 5 epochs to exact's 6 (time to accuracy 1.29 of the best
+setting; docs/plan.md, run 60). A trial costs 16 steps of short blocks, about as fast as exact where it
+returns. The record keeps it (``decision["trial"]``: the candidate, its predicted gain, the timed local
+step, round, gain and outcome); a run resumed before the verdict starts the trial over.
+
 Measuring stops early once the slowest rank's timed steps add up to
 ``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where the job's time of
 each (the slowest rank's, step by step: a synchronous step ends when its slowest rank
@@ -189,6 +204,7 @@ public attributes are read from the inner algorithm.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 import warnings
@@ -232,6 +248,8 @@ __all__ = [
     "probe_family",
     "probes_needed",
     "same_choice",
+    "trial_candidate",
+    "trial_verdict",
 ]
 
 RISKS = ("low", "medium", "high")
@@ -261,6 +279,13 @@ MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
 # block algorithms predicted within this share of each other are a tie (choose): it goes by momentum
 BLOCK_TIE = 0.01
+# The trial (Auto._end_trial): where exact is kept and a block algorithm is predicted faster by at least
+# min_gain less this share, blocks of TRIAL_STEPS local steps run until the round after the first one,
+# whose timed local steps and round keep the block algorithm or return to exact. On ResNet-20 at 2 workers
+# on 1 Gbit/s the block algorithms were predicted 4.0-9.1% faster than exact where their epochs ran 9-13%
+# shorter (docs/plan.md, run 60): the compute measured in exact steps overstated a local step by 5-10%.
+TRIAL_WINDOW = 0.1
+TRIAL_STEPS = 8
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
 # then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
 # probes of risk="high" took 0.13 s instead of 0.20 at 2 workers and 0.49 s instead of 0.79 at 4
@@ -647,6 +672,89 @@ def choose(predictions: Sequence[cm.Prediction], min_gain: float) -> tuple[int, 
     return best, f"predicted {100 * gain:.1f}% faster than exact (>= min_gain {100 * min_gain:.0f}%)"
 
 
+def trial_candidate(
+    candidates: Sequence[cm.Candidate], predictions: Sequence[cm.Prediction], min_gain: float
+) -> int | None:
+    """The block algorithm worth a trial (its index), or ``None``: where :func:`choose` keeps exact and the
+    block algorithm it would take (the tie rule's) is predicted faster than exact by ``min_gain`` less
+    :data:`TRIAL_WINDOW` or more. The compute behind the prediction is measured in exact steps, whose
+    exchange shares the cores with it; a local step can run shorter (run 60, docs/plan.md: 4.0-9.1%
+    predicted, 9-13% shorter epochs measured), and only timing local steps tells by how much."""
+    index, _ = choose(predictions, min_gain)
+    blocks = [i for i, c in enumerate(candidates) if c.algorithm in BLOCK_ALGORITHMS]
+    if index != 0 or not blocks:
+        return None
+    fastest = min(predictions[i].step_s for i in blocks)
+    best = next(i for i in blocks if predictions[i].step_s <= (1 + BLOCK_TIE) * fastest)
+    gain = predictions[0].step_s / predictions[best].step_s - 1
+    return best if min_gain - TRIAL_WINDOW <= gain < min_gain else None
+
+
+def trial_verdict(
+    exact_step_s: float, local_step_s: float, round_s: float, min_gain: float, growth: float
+) -> tuple[bool, int, float, float]:
+    """``(keep, steps, block_step_s, gain)`` of a trial: the block at the 32-step cap, past it where the
+    timed figures lengthen it (:func:`lengthened_block`), the time of a step at that block (a local step
+    and the round amortized over the block) and its gain over exact's measured step; kept where that gain
+    is at least ``min_gain``, the bar :func:`choose` sets. Every other candidate was predicted under that
+    bar when exact was kept, so a block that clears it is also faster than they were predicted.
+
+    The cap, not the block-size rule's shorter block (its exchange within 5% of the compute): a trial
+    runs where the gain is near the bar, and a block shorter than the cap gives up to 5% of the step to
+    its exchange. In bunsan's block-length sweep (docs/plan.md) 32-step blocks reached the target sooner
+    than 16-step ones in all 8 rows, their epochs to target as few (8-10 on the digits CNN from 8 to 32
+    steps, 26-29 on MNIST-1D). On ResNet-20 at 2 workers on 1 Gbit/s (run 60) a round of about 10 ms
+    against a 115 ms local step puts the rule's block at 2 steps, 5 ms a step, half the gain there."""
+    steps = lengthened_block(BLOCK_STEPS[-1], local_step_s, round_s, growth)
+    block_step_s = local_step_s + round_s / steps
+    gain = exact_step_s / max(block_step_s, 1e-12) - 1
+    return gain >= min_gain, steps, block_step_s, gain
+
+
+@torch.no_grad()
+def _average_optimizer_state(
+    optimizer: torch.optim.Optimizer | None, params: Sequence[Tensor], group: ProcessGroup | None
+) -> None:
+    """Collective: every rank's optimizer state tensors of ``params`` (SGD's momentum, Adam's moments)
+    become their mean over the ranks that hold them; a rank that lacks one (a parameter its local steps
+    never reached) takes the mean too. Scalars (Adam's step count) stay: every rank took as many steps."""
+    if optimizer is None:
+        return
+    index = {id(p): i for i, p in enumerate(params)}
+    mine = sorted(
+        (index[id(p)], key, tuple(value.shape), str(value.dtype))
+        for p, state in optimizer.state.items()
+        if id(p) in index
+        for key, value in state.items()
+        if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0
+    )
+    everyone = comm.all_gather_object(mine, group=group)
+    holders: dict[tuple[int, str, tuple[int, ...], str], int] = {}
+    for entries in everyone:
+        for entry in set(entries):
+            holders[entry] = holders.get(entry, 0) + 1
+    by_dtype: dict[str, list[tuple[int, str, tuple[int, ...], str]]] = {}
+    for entry in sorted(holders):
+        by_dtype.setdefault(entry[3], []).append(entry)
+    for entries in by_dtype.values():
+        tensors = []
+        for i, key, shape, _ in entries:
+            held = optimizer.state[params[i]].get(key)
+            fits = torch.is_tensor(held) and tuple(held.shape) == shape
+            tensors.append(held.reshape(-1) if fits else torch.zeros(shape, device=params[i].device).reshape(-1))
+        flat = torch.cat([t.to(tensors[0].dtype) for t in tensors])
+        comm.all_reduce(flat, group=group)
+        offset = 0
+        for (i, key, shape, _), t in zip(entries, tensors):
+            mean = flat[offset : offset + t.numel()].view(shape) / holders[(i, key, shape, _)]
+            offset += t.numel()
+            held = optimizer.state[params[i]].get(key)
+            if torch.is_tensor(held) and tuple(held.shape) == shape:
+                held.copy_(mean)
+            else:
+                optimizer.state[params[i]][key] = mean.clone()
+
+
 class Auto(Algorithm):
     """Exact SGD while measuring, then the algorithm the cost model predicts fastest, on every rank.
 
@@ -851,6 +959,12 @@ class Auto(Algorithm):
             or self.world_size < 2
         ):
             return
+        if "trial" in decision:  # a trial under way (a resumed one starts over)
+            if "outcome" not in decision["trial"]:
+                self._block_steps_s = []
+                self._last_end = None
+                inner.report_width, inner.report_values, inner.on_report = 3, None, self._end_trial
+            return
         batch = int(decision.get("measured", {}).get("batch", 0))  # a decision made by hand may lack it
         if batch <= 0 or int(decision["options"]["block_size"]) < BLOCK_STEPS[-1] * batch:
             return
@@ -858,7 +972,7 @@ class Auto(Algorithm):
         self._last_end = None
         inner.report_width, inner.report_values, inner.on_report = 3, None, self._lengthen
 
-    def _lengthen(self, report: list[float]) -> None:
+    def _lengthen(self, report: list[float], active: int) -> None:
         """Every rank, at a round: from the ranks' mean local step and block exchange, lengthen the
         block past the cap where the exchange dominates (:func:`lengthened_block`), or, after a decision
         at the first step whose bound put the block under the cap, set it by the block-size rule on
@@ -1422,6 +1536,9 @@ class Auto(Algorithm):
                 )
                 if probing is not None:
                     decision["measured"]["probes"] = list(probing)
+                tried = trial_candidate(candidates, predictions, self.min_gain) if first_step_s is None else None
+                if tried is not None:
+                    self._start_trial(decision, candidates[tried], predictions, tried)
                 if self.verbose:
                     print(format_decision(decision), flush=True)
         decision = comm.broadcast_object(decision, src=0, group=self.group)
@@ -1433,10 +1550,16 @@ class Auto(Algorithm):
     def _apply(self, decision: dict[str, Any]) -> None:
         """Replace the exact algorithm by the decided one (the same on every rank, at the same step)."""
         self.decision = decision
-        if decision["algorithm"] == "data_parallel" and not decision["options"]:
+        exact = decision["algorithm"] == "data_parallel" and not decision["options"]
+        if exact and type(self.inner) is DataParallelSGD and self.inner.bits == 32 and not self.inner.compression:
             return  # exact it stays
+        self._build(decision["algorithm"], decision["options"])
+        self._arm_lengthening()
+
+    def _build(self, algorithm: str, options: dict[str, Any]) -> None:
+        """Every rank: the inner algorithm becomes ``algorithm(**options)``, with the counters kept."""
         old = self.inner
-        new = _CHOICES[decision["algorithm"]](group=self.group, **decision["options"])
+        new = _CHOICES[algorithm](group=self.group, **options)
         if isinstance(old, DataParallelSGD):
             old.remove_hooks()  # the exact algorithm's gradient hooks must stop firing
         new.step, new.samples, new.local_samples = old.step, old.samples, old.local_samples
@@ -1445,14 +1568,96 @@ class Auto(Algorithm):
         if self.optimizer is not None:
             new.attach_optimizer(self.optimizer)
         self.inner = new
-        self._arm_lengthening()
+
+    def _start_trial(
+        self, decision: dict[str, Any], candidate: cm.Candidate, predictions: Sequence[cm.Prediction], index: int
+    ) -> None:
+        """Rank 0: turn a decision that keeps exact into a trial of ``candidate`` (:func:`trial_candidate`)
+        in blocks of :data:`TRIAL_STEPS` steps; the candidate and its prediction go into ``decision["trial"]``."""
+        batch = int(decision["measured"]["batch"])
+        size = TRIAL_STEPS * batch
+        gain = predictions[0].step_s / predictions[index].step_s - 1
+        decision["trial"] = {
+            "of": candidate.label,
+            "predicted_gain": gain,
+            "steps": TRIAL_STEPS,
+            "exact_step_s": decision["measured"]["exact_step_s"],
+        }
+        decision["why"] = (
+            f"{decision['why']}; a trial: {candidate.label} predicted {100 * gain:.1f}% faster, within "
+            f"{100 * TRIAL_WINDOW:.0f} points under min_gain: blocks of {TRIAL_STEPS} steps, whose timed local "
+            "steps and round keep it or return to exact"
+        )
+        decision.update(
+            algorithm=candidate.algorithm,
+            options={**candidate.options, "block_size": size},
+            label=f"{candidate.algorithm}:{size}",
+        )
+
+    def _end_trial(self, report: list[float], active: int) -> None:
+        """Every rank, at the round after a trial's first block (which carries its timed local steps and
+        round, :meth:`_time_block_step`): keep the block algorithm, its block by the block-size rule on the
+        timed figures, or return to exact (:func:`trial_verdict`); the same on every rank, as the sums are.
+        The return averages the local optimizers' states (momentum, Adam's moments), which the block's local
+        steps made differ, as the round averaged the parameters: exact steps then keep every replica equal.
+        It needs every rank training: where one has joined (its data ended), the block algorithm stays."""
+        reporters, local_s, exchange_s = report
+        if reporters <= 0:
+            return
+        inner = self.inner
+        decision = self.decision
+        assert isinstance(inner, BlockwiseSGD) and decision is not None and "trial" in decision
+        compute_s, exchange_s = local_s / reporters, exchange_s / reporters
+        batch = int(decision["measured"]["batch"])
+        trial = decision["trial"]
+        growth = EPOCH_GROWTH[decision["algorithm"]]
+        keep, steps, block_step_s, gain = trial_verdict(
+            float(trial["exact_step_s"]), compute_s, exchange_s, self.min_gain, growth
+        )
+        inner.report_width, inner.report_values, inner.on_report = 0, None, None
+        self._block_steps_s = None
+        joined = not keep and active < self.world_size
+        trial.update(
+            local_step_s=compute_s,
+            exchange_s=exchange_s,
+            block_step_s=block_step_s,
+            steps_after=steps,
+            gain=gain,
+            kept=keep or joined,
+            at_block=inner.blocks,
+            **({"joined": True} if joined else {}),
+        )
+        if keep or joined:
+            size = steps * batch
+            inner.block_size = size
+            decision["options"] = {**decision["options"], "block_size": size}
+            decision["label"] = f"{decision['algorithm']}:{size}"
+            outcome = (
+                f"{decision['label']} kept: {100 * gain:.1f}% faster than exact"
+                if keep
+                else f"{decision['label']} kept, {100 * gain:.1f}% faster than exact: a rank has joined"
+            )
+        else:
+            _average_optimizer_state(self.optimizer, [p for _, p in self.named_params], self.group)
+            decision.update(algorithm="data_parallel", options={}, label="exact")
+            self._build("data_parallel", {})
+            outcome = f"back to exact: {100 * gain:.1f}% faster than exact (< min_gain {100 * self.min_gain:.0f}%)"
+        trial["outcome"] = outcome
+        if self.verbose and comm.get_rank(self.group) == 0:
+            print(
+                f"[bunsan] Auto's trial after block {trial['at_block']}: a local step {compute_s * 1e3:.2f} ms, "
+                f"the round {exchange_s * 1e3:.1f} ms, {block_step_s * 1e3:.2f} ms a step in blocks of {steps} "
+                f"against exact's {float(trial['exact_step_s']) * 1e3:.2f} ms: {outcome}",
+                flush=True,
+            )
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "algorithm": self.name,
             "world_size": self.world_size,
-            "decision": self.decision,
+            # a copy: a trial's verdict and the block check change the live decision after a checkpoint
+            "decision": copy.deepcopy(self.decision),
             "measured_steps": self._measured,
             "durations": list(self._durations),
             "locals": list(self._locals),

@@ -151,7 +151,8 @@ class BlockwiseSGD(Algorithm):
         # waits included (meta's tolist() waits for every all-reduce)
         self.last_round_s = 0.0
         self.report_values: list[float] | None = None
-        self.on_report: Callable[[list[float]], None] | None = None
+        # called with the report's sums and the number of ranks still training after the round
+        self.on_report: Callable[[list[float], int], None] | None = None
 
     # -- the filter, chosen by subclasses -----------------------------------------
     def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
@@ -366,7 +367,7 @@ class BlockwiseSGD(Algorithm):
             reset_momentum_buffers(self.optimizer)
         self.last_round_s = time.perf_counter() - began
         if extras and extras[0] == n and self.on_report is not None:  # no rank's round was a sync_replicas()
-            self.on_report(extras[1:])  # may change block_size and the report itself, alike on every rank
+            self.on_report(extras[1:], active)  # may change block_size and the report itself, alike on every rank
         return active
 
     def _end_warm_start(self) -> None:

@@ -405,6 +405,13 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             f" (from its second step's time taken {float(measured.get('bound_margin', 2.0)):g} times, a bound: "
             "the job decided there and timed no whole step)"
         )
+    trial = decision.get("trial") or {}
+    if trial.get("local_step_s") is not None:  # Auto kept exact and tried a block algorithm near the bar
+        summary += (
+            f"; its trial of {trial.get('of', '?')} timed a local step of {float(trial['local_step_s']) * 1e3:.2f} ms "
+            f"and a round of {float(trial['exchange_s']) * 1e3:.1f} ms ({trial.get('outcome', '?')}); the compute "
+            "above is the exact steps', which per-step algorithms pay"
+        )
     if measured.get("codec_measured") is False:  # decided at its first or second step, the codec unneeded
         which = "second" if "second_step_before_exchange_s" in measured else "first"
         summary += (

@@ -524,3 +524,46 @@ def test_the_network_probe_refuses_a_job_size_that_is_not_a_positive_int(bad):
 
     with pytest.raises((TypeError, ValueError), match="enough_bytes"):
         measure_network(enough_bytes=bad)  # refused before any collective: no process group needed
+
+
+def test_a_trial_is_asked_only_where_exact_is_kept_and_a_block_is_within_the_window():
+    def rows(block_s, fp16_s=0.0095):
+        return _predicted(
+            [
+                ("exact", "data_parallel", {}, 0.0100),
+                ("fp16", "data_parallel", {"compression": "fp16"}, fp16_s),
+                ("model_averaging:1024", "model_averaging", {"block_size": 1024}, block_s),
+                ("block_momentum:1024", "block_momentum", {"block_size": 1024}, block_s * 1.005),
+            ]
+        )
+
+    # 5% faster than exact: under min_gain (10%), within the window (down to 0%): a trial of the tie's winner
+    assert auto.trial_candidate(*rows(0.0100 / 1.05), 0.1) == 2
+    # exactly as fast as exact: the window's lower end (min_gain - TRIAL_WINDOW = 0) still asks for one
+    assert auto.trial_candidate(*rows(0.0100), 0.1) == 2
+    assert auto.trial_candidate(*rows(0.0100 * 1.02), 0.1) is None  # slower than exact: no trial
+    assert auto.trial_candidate(*rows(0.0100 / 1.2), 0.1) is None  # 20% faster: chosen outright, no trial
+    # exact kept with fp16 predicted fastest: the block's own gain decides
+    assert auto.trial_candidate(*rows(0.0100 / 1.04, fp16_s=0.0093), 0.1) == 2
+    # risk "medium": no block candidate, no trial
+    candidates, predictions = rows(0.0100 / 1.05)
+    assert auto.trial_candidate(candidates[:2], predictions[:2], 0.1) is None
+    # a larger min_gain moves the window with it
+    assert auto.trial_candidate(*rows(0.0100 / 1.05), 0.3) is None
+    assert auto.trial_candidate(*rows(0.0100 / 1.25), 0.3) == 2
+
+
+def test_a_trials_verdict_is_its_timed_step_at_the_cap_against_exacts_measured_step():
+    growth = auto.EPOCH_GROWTH["model_averaging"]
+    # 10 ms local steps, a 4 ms round: at the 32-step cap 10.125 ms a step (the 5% rule would take 8 steps)
+    keep, steps, block_s, gain = auto.trial_verdict(0.0111, 0.010, 0.004, 0.1, growth)
+    assert steps == 32 and block_s == pytest.approx(0.010125)
+    assert gain == pytest.approx(0.0111 / 0.010125 - 1) and not keep  # 9.6% faster: under min_gain
+    keep, steps, block_s, gain = auto.trial_verdict(0.0112, 0.010, 0.004, 0.1, growth)
+    assert keep and steps == 32 and gain == pytest.approx(0.0112 / 0.010125 - 1)  # 10.6%
+    # a round that dominates: the block past the cap, by the lengthening rule
+    keep, steps, block_s, gain = auto.trial_verdict(0.2, 0.010, 1.0, 0.1, growth)
+    assert steps == auto.lengthened_block(32, 0.010, 1.0, growth) > 32
+    assert block_s == pytest.approx(0.010 + 1.0 / steps) and keep
+    keep, *_ = auto.trial_verdict(0.010, 0.0099, 0.0001, 0.1, growth)
+    assert not keep  # 1% faster: back to exact

@@ -358,6 +358,22 @@ def test_job_decided_at_its_first_step_takes_the_compute_its_block_check_timed(t
     assert f"compute {bound * 1e3:.2f} ms" in out and "upper bound" not in out, out
 
 
+def test_job_whose_auto_ran_a_trial_says_what_the_trial_timed(tmp_path, capsys):
+    argv = ["plan", "--job", str(tmp_path / "decision.json"), "--workers", "2", "--png", str(tmp_path / "p.png")]
+    decision = _auto_decision()
+    compute = decision["measured"]["compute_s"]
+    decision["trial"] = {"of": "model_averaging:1024", "steps": 8, "exact_step_s": 0.13}
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    assert "trial" not in capsys.readouterr().out  # under way: nothing timed yet
+    decision["trial"].update(local_step_s=0.115, exchange_s=0.01, outcome="back to exact: 7.0% faster than exact")
+    (tmp_path / "decision.json").write_text(json.dumps(decision))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "its trial of model_averaging:1024 timed a local step of 115.00 ms and a round of 10.0 ms" in out, out
+    assert "back to exact" in out and f"compute {compute * 1e3:.2f} ms" in out, out
+
+
 @pytest.mark.parametrize(
     ("what", "message"),
     [
