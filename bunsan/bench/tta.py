@@ -145,12 +145,16 @@ def auto_choice(stdout: Path) -> str:
         lines = stdout.read_text(errors="replace").splitlines()
     except OSError:
         return "?"
+    chosen = "?"
     for line in lines:
-        if "exact kept" in line:
+        if "network measurement was inconclusive" in line:
             return "exact (network inconclusive)"
         if line.rstrip().endswith("<- chosen"):
-            return line.removeprefix("[bunsan]").split()[0]
-    return "?"
+            chosen = line.removeprefix("[bunsan]").split()[0]
+        elif "Auto's trial after block" in line:  # exact kept, a block algorithm tried: the trial's outcome
+            outcome = line.rsplit(" ms: ", 1)[-1]
+            chosen = "exact (after a trial)" if outcome.startswith("back to exact") else f"{outcome.split()[0]} (trial)"
+    return chosen
 
 
 def _median(values: Sequence[float | None]) -> float | None:

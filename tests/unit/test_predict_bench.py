@@ -334,3 +334,30 @@ def test_held_out_ratio_picks_the_best_on_the_other_seeds(tmp_path, capsys):
     assert "within 1.10x of the setting picked on the other seeds (held out, median over the seeds): 1 of 1" in out
     assert main(["bench", "tta", str(records[0][0])]) == 0  # one seed: no held-out column figure, no line
     assert "held out" not in capsys.readouterr().out
+
+
+def test_bench_tta_reads_what_auto_chose_from_its_printed_table(tmp_path):
+    from bunsan.bench.tta import auto_choice
+
+    def choice(*lines):
+        (tmp_path / "stdout.txt").write_text("\n".join(lines) + "\n")
+        return auto_choice(tmp_path / "stdout.txt")
+
+    row = "[bunsan]   {:<28} {:9.2f} ms/step predicted{}"
+    table = [row.format("exact", 10.0, "  <- chosen"), row.format("model_averaging:256", 9.5, "")]
+    # exact kept, and the probes' reason says "exact kept without them": not an inconclusive network
+    probes = (
+        "[bunsan]   fixed-cost probes: exact, block: exact kept without them (model_averaging:64 less than 10% faster)"
+    )
+    assert choice(*table, probes) == "exact"
+    assert choice("[bunsan] Auto at step 4: the network measurement was inconclusive (...): exact kept") == (
+        "exact (network inconclusive)"
+    )
+    trial = "[bunsan] Auto's trial after block 2: a local step 111.21 ms, the round 33.0 ms, 112.24 ms a step in blocks of 32 against exact's 123.49 ms: "
+    assert choice(*table[1:], probes, trial + "block_momentum:1024 kept: 10.0% faster than exact") == (
+        "block_momentum:1024 (trial)"
+    )
+    assert (
+        choice(*table[1:], trial + "back to exact: 7.0% faster than exact (< min_gain 10%)") == "exact (after a trial)"
+    )
+    assert choice("nothing printed") == "?"
