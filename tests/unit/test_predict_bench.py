@@ -212,7 +212,9 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
     assert "within 1.70x of the best fixed setting's time to target: 1 of 2" in out
     assert "whole run within 1.70x of that setting's whole run (the same epochs): 1 of 2" in out
     assert "3 / 2" in out and "1.07" in out
-    (paths[1].parent / "np2-auto" / "stdout.txt").write_text("[bunsan] Auto at step 11: ... exact kept\n")
+    (paths[1].parent / "np2-auto" / "stdout.txt").write_text(
+        "[bunsan] Auto at step 11: the network measurement was inconclusive (times did not grow with size): exact kept\n"
+    )
     assert tta.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
         "exact (network inconclusive)"
     )
