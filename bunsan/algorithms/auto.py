@@ -104,7 +104,9 @@ cores) Auto kept exact predicting block momentum 4.0-9.1% faster, while the bloc
 9-13% shorter and reached the target in 5 epochs to exact's 6 (time to accuracy 1.29 of the best
 setting; docs/plan.md, run 60). A trial costs 16 steps of short blocks, about as fast as exact where it
 returns. The record keeps it (``decision["trial"]``: the candidate, its predicted gain, the timed local
-step, round, gain and outcome); a run resumed before the verdict starts the trial over.
+step, round, gain and outcome); a run resumed before the verdict starts the trial over. Rounds made
+by ``sync_replicas()`` (an evaluation's) carry no report: a loop that calls it every step never
+reaches the verdict (nor the block check past the cap), and its blocks stay at 8 steps.
 
 Measuring stops early once the slowest rank's timed steps add up to
 ``measure_budget_s`` (0.1 s), after at least 3 of them, or 2 where the job's time of
