@@ -1005,10 +1005,7 @@ class Auto(Algorithm):
             "at_block": inner.blocks,
         }
         if after != steps:
-            size = after * batch
-            inner.block_size = size
-            decision["options"] = {**decision["options"], "block_size": size}
-            decision["label"] = f"{decision['algorithm']}:{size}"
+            self._set_block(after * batch)
         if self.verbose and comm.get_rank(self.group) == 0:
             print(
                 f"[bunsan] Auto after block {inner.blocks}: a local step {compute_s * 1e3:.2f} ms, the exchange "
@@ -1022,6 +1019,14 @@ class Auto(Algorithm):
                 ),
                 flush=True,
             )
+
+    def _set_block(self, size: int) -> None:
+        """Every rank: the block algorithm's blocks hold ``size`` samples from now on, and the decision says so."""
+        decision = self.decision
+        assert isinstance(self.inner, BlockwiseSGD) and decision is not None
+        self.inner.block_size = size
+        decision["options"] = {**decision["options"], "block_size": size}
+        decision["label"] = f"{decision['algorithm']}:{size}"
 
     def _device(self) -> torch.device:
         """Where the model's parameters are: where its steps, its exchange and its codec run."""
@@ -1630,10 +1635,7 @@ class Auto(Algorithm):
             **({"joined": True} if joined else {}),
         )
         if keep or joined:
-            size = steps * batch
-            inner.block_size = size
-            decision["options"] = {**decision["options"], "block_size": size}
-            decision["label"] = f"{decision['algorithm']}:{size}"
+            self._set_block(steps * batch)
             outcome = (
                 f"{decision['label']} kept: {100 * gain:.1f}% faster than exact"
                 if keep
