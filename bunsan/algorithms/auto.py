@@ -717,44 +717,51 @@ def trial_verdict(
 def _average_optimizer_state(
     optimizer: torch.optim.Optimizer | None, params: Sequence[Tensor], group: ProcessGroup | None
 ) -> None:
-    """Collective: every rank's optimizer state tensors of ``params`` (SGD's momentum, Adam's moments)
-    become their mean over the ranks that hold them; a rank that lacks one (a parameter its local steps
-    never reached) takes the mean too. Scalars (Adam's step count) stay: every rank took as many steps."""
+    """Collective: every rank's floating-point optimizer state tensors of ``params`` (SGD's momentum,
+    Adam's moments and its step count) become their mean over the ranks that hold them, and a rank
+    that lacks one (a parameter its local steps never reached: a layer only some ranks' forward uses)
+    takes that mean too, so that the exact steps after it update every replica alike (without the
+    step count a rank's Adam would start that parameter's moments over). Where ranks stepped a
+    parameter unequally often, the step count is their mean, and its bias correction follows it."""
     if optimizer is None:
         return
     index = {id(p): i for i, p in enumerate(params)}
     mine = sorted(
-        (index[id(p)], key, tuple(value.shape), str(value.dtype))
+        (index[id(p)], key, tuple(value.shape), str(value.dtype), str(value.device))
         for p, state in optimizer.state.items()
         if id(p) in index
         for key, value in state.items()
-        if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0
+        if torch.is_tensor(value) and value.is_floating_point()
     )
-    everyone = comm.all_gather_object(mine, group=group)
-    holders: dict[tuple[int, str, tuple[int, ...], str], int] = {}
-    for entries in everyone:
+    holders: dict[tuple[int, str, tuple[int, ...], str, str], int] = {}
+    for entries in comm.all_gather_object(mine, group=group):
         for entry in set(entries):
             holders[entry] = holders.get(entry, 0) + 1
-    by_dtype: dict[str, list[tuple[int, str, tuple[int, ...], str]]] = {}
+    by_dtype: dict[str, list[tuple[int, str, tuple[int, ...], str, str]]] = {}
     for entry in sorted(holders):
         by_dtype.setdefault(entry[3], []).append(entry)
-    for entries in by_dtype.values():
-        tensors = []
-        for i, key, shape, _ in entries:
-            held = optimizer.state[params[i]].get(key)
-            fits = torch.is_tensor(held) and tuple(held.shape) == shape
-            tensors.append(held.reshape(-1) if fits else torch.zeros(shape, device=params[i].device).reshape(-1))
-        flat = torch.cat([t.to(tensors[0].dtype) for t in tensors])
+    device = comm.tensor_device(group)  # where the backend moves tensors (a CPU step count on NCCL too)
+    for name, entries in by_dtype.items():
+        held = [optimizer.state[params[i]].get(key) for i, key, *_ in entries]
+        fits = [torch.is_tensor(h) and tuple(h.shape) == shape for h, (_, _, shape, *_) in zip(held, entries)]
+        dtype = getattr(torch, name.removeprefix("torch."))  # the same on every rank, held or not
+        flat = torch.cat(
+            [
+                (h.reshape(-1) if ok else torch.zeros(shape).reshape(-1)).to(device=device, dtype=dtype)
+                for h, ok, (_, _, shape, *_) in zip(held, fits, entries)
+            ]
+        )
         comm.all_reduce(flat, group=group)
         offset = 0
-        for (i, key, shape, _), t in zip(entries, tensors):
-            mean = flat[offset : offset + t.numel()].view(shape) / holders[(i, key, shape, _)]
-            offset += t.numel()
-            held = optimizer.state[params[i]].get(key)
-            if torch.is_tensor(held) and tuple(held.shape) == shape:
-                held.copy_(mean)
+        for h, ok, entry in zip(held, fits, entries):
+            i, key, shape, _, where = entry
+            numel = int(torch.Size(shape).numel())
+            mean = flat[offset : offset + numel].view(shape) / holders[entry]
+            offset += numel
+            if ok:
+                h.copy_(mean)
             else:
-                optimizer.state[params[i]][key] = mean.clone()
+                optimizer.state[params[i]][key] = mean.to(torch.device(where)).clone()
 
 
 class Auto(Algorithm):

@@ -1278,7 +1278,27 @@ def test_a_second_step_decision_inside_a_users_loop_trains_as_that_decision_hand
 
 
 # -- the trial: exact kept with a block algorithm near the bar, blocks of 8 steps timed ---------------------
-def _body_trial(rank: int, world_size: int, loop: str, outcome: str) -> dict:
+class _UnevenModel(nn.Module):
+    """Batch-norm buffers, a frozen layer, and a layer only rank 0's forward uses: its optimizer state
+    exists on rank 0 alone after the trial's local steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn = nn.Linear(16, 32), nn.BatchNorm1d(32)
+        self.frozen, self.rank0, self.out = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        h = self.frozen(torch.relu(self.bn(self.inp(x))))
+        if dist.get_rank() == 0:
+            h = h + self.rank0(h)
+        return self.out(h)
+
+
+def _body_trial(rank: int, world_size: int, loop: str, outcome: str, uneven: bool = False) -> dict:
     import time
     from unittest import mock
 
@@ -1298,7 +1318,7 @@ def _body_trial(rank: int, world_size: int, loop: str, outcome: str) -> dict:
         elif outcome == "return" and step < 20:
             time.sleep(0.06)
 
-    model = _dropout_model()
+    model = _UnevenModel() if uneven else _dropout_model()
     auto = bunsan.Auto(
         measure_steps=3, measure_budget_s=None, risk="high", network=Network(**FAST), fixed_costs=False, verbose=False
     )
@@ -1313,6 +1333,7 @@ def _body_trial(rank: int, world_size: int, loop: str, outcome: str) -> dict:
     ]
     # no sync_replicas() yet: after a return to exact the replicas must agree by themselves
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    buffers = torch.cat([b.detach().reshape(-1).float() for b in model.buffers()]).tolist() if uneven else []
     optimizer.sync_replicas()  # a kept block's partial block counts its samples here
     return {
         "started": started[0],
@@ -1323,23 +1344,26 @@ def _body_trial(rank: int, world_size: int, loop: str, outcome: str) -> dict:
         "steps": auto.step,
         "samples": auto.samples,
         "params": params,
+        "buffers": buffers,
         "state": state,
         "synced": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
 
 
 @pytest.mark.parametrize(
-    ("loop", "outcome"),
+    ("loop", "outcome", "uneven"),
     [
-        ("keep_grads", "return"),
-        ("accumulate", "return"),
-        ("amp_clip", "return"),
-        ("clip_adamw", "return"),
-        ("amp_clip", "keep"),
-        ("clip_adamw", "keep"),
+        ("keep_grads", "return", False),
+        ("accumulate", "return", False),
+        ("amp_clip", "return", False),
+        ("clip_adamw", "return", False),
+        ("amp_clip", "keep", False),
+        ("clip_adamw", "keep", False),
+        ("keep_grads", "return", True),
+        ("clip_adamw", "return", True),
     ],
 )
-def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(workers, loop, outcome):
+def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(workers, loop, outcome, uneven):
     """Where exact is kept with a block algorithm near the bar, blocks of 8 steps run on trial, and the
     round after the first carries their timed local steps and round: a block algorithm that clears
     min_gain stays (its block by the rule), one that does not hands back to exact with the local
@@ -1347,7 +1371,7 @@ def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(work
     no_sync accumulation), after which the exact steps keep every replica equal without a sync."""
     from bunsan.algorithms.auto import EPOCH_GROWTH, TRIAL_STEPS, trial_verdict
 
-    results = workers.run(f"{__name__}:_body_trial", loop=loop, outcome=outcome)
+    results = workers.run(f"{__name__}:_body_trial", loop=loop, outcome=outcome, uneven=uneven)
     label, trial, block_size = results[0]["started"]
     assert results[1]["started"] == results[0]["started"]
     algorithm = label.split(":")[0]
@@ -1370,6 +1394,8 @@ def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(work
         # six exact steps after the hand-over, no sync: equal parameters and optimizer states
         assert results[0]["params"] == results[1]["params"]
         assert results[0]["state"] == results[1]["state"]
+        # batch-norm buffers, a frozen layer and a layer only rank 0 uses (its state: rank 0's, on both)
+        assert results[0]["buffers"] == results[1]["buffers"]
     else:
         assert trial["kept"] and trial["gain"] > 1.0, trial  # 50 ms against a few
         size = trial["steps_after"] * 8
