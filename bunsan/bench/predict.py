@@ -21,7 +21,9 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
    of forward + backward + SGD update with no communication, ``--compute-steps``
    in all, timed one by one on every rank) and ``--steps`` steps of every
-   algorithm, so that the machine's noise hits all alike. The compute is the mean
+   algorithm, so that the machine's noise hits all alike; a round of short steps
+   takes a multiple of them that lasts ``--round-s`` (:func:`round_steps`, from a
+   warm step of each, the slowest rank's). The compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
@@ -40,6 +42,7 @@ the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -69,6 +72,7 @@ __all__ = [
     "main",
     "parse_networks",
     "plot_predict",
+    "round_steps",
     "run",
     "table_rows",
 ]
@@ -132,6 +136,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps timed without communication for the compute profile, spread over the rounds; default %(default)s",
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per algorithm; default %(default)s")
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        default=1.0,
+        help="shortest timed round, seconds: a round of short steps takes more steps, a multiple of --steps "
+        "(the compute's: of its share of --compute-steps); 0 for exactly --steps; default %(default)s",
+    )
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
     parser.add_argument("--out", default="runs/predict", help="directory of outputs; default %(default)s")
 
@@ -146,6 +157,22 @@ def _build(name: str) -> tuple[Any, tuple[int, ...]]:
         return BENCH_MODELS[name]()
     kwargs, shape = model_inputs(name, None, 10)
     return models.create(name, **kwargs), shape
+
+
+def round_steps(step_s: float, steps: int, round_s: float) -> int:
+    """Steps in one timed round: the fewest multiple of ``steps`` that lasts ``round_s`` at ``step_s`` a step.
+
+    ``steps`` itself where its steps already last ``round_s`` (or ``round_s`` is 0). A multiple,
+    so that a block algorithm's round holds whole blocks (``--steps`` 8 is one block of 256
+    samples at 32 a step). Rounds of a few milliseconds (8 steps of a 2 ms CNN) move 1.2-1.7x
+    from one to the next on this shared machine (``rounds max/min`` at 2ed9dff), where the
+    scheduler's pauses are a large share of a round; a second-long round averages them.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    if round_s <= 0 or step_s <= 0 or steps * step_s >= round_s:
+        return steps
+    return steps * math.ceil(round_s / (steps * step_s))
 
 
 def _algorithm(candidate: Any) -> Any:
@@ -205,22 +232,29 @@ def _worker(spec: dict[str, Any]) -> int:
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
         trainers: list[tuple[Any, Any, Any, dict[str, Any], list[float]]] = []
+        guesses = [time_steps(model, local, [(x, y)])]  # a step of the compute alone, warm
         for candidate in candidates:
             torch.manual_seed(0)
             copy, _ = _build(name)
             sgd = torch.optim.SGD(copy.parameters(), lr=1e-3 / (n if candidate.algorithm == "async" else 1))
             copy, optimizer = bunsan.distribute(copy, sgd, _algorithm(candidate))
-            time_steps(copy, optimizer, [(x, y)] * 2)  # warm up (buffers, first-step allocations)
+            time_steps(copy, optimizer, [(x, y)])  # warm up (buffers, first-step allocations)
+            guesses.append(time_steps(copy, optimizer, [(x, y)]))  # a warm step: the round's length
             trainers.append((candidate, copy, optimizer, optimizer.algorithm.stats(), []))
+        # Every rank takes the same number of steps (the block algorithms' rounds are collective):
+        # the slowest rank's guess sets it.
+        slowest = torch.tensor(guesses, dtype=torch.float64)
+        comm.all_reduce(slowest, op="max")
+        per_round = round_steps(float(slowest[0]), max(1, spec["compute_steps"] // spec["rounds"]), spec["round_s"])
+        steps = [round_steps(float(s), spec["steps"], spec["round_s"]) for s in slowest[1:]]
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
-        per_round = max(1, spec["compute_steps"] // spec["rounds"])
         for _ in range(spec["rounds"]):
             comm.barrier()
             local_times += [time_steps(model, local, [(x, y)]) for _ in range(per_round)]
-            for _, copy, optimizer, _, times in trainers:
+            for (_, copy, optimizer, _, times), count in zip(trainers, steps, strict=True):
                 comm.barrier()
-                times.append(time_steps(copy, optimizer, [(x, y)] * spec["steps"]))
+                times.append(time_steps(copy, optimizer, [(x, y)] * count))
         mine = torch.tensor(local_times, dtype=torch.float64)
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)
@@ -238,7 +272,7 @@ def _worker(spec: dict[str, Any]) -> int:
             ranks_per_core=ranks_per_core,
             **codec,
         )
-        for candidate, _, optimizer, before, times in trainers:
+        for (candidate, _, optimizer, before, times), count in zip(trainers, steps, strict=True):
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
@@ -278,6 +312,8 @@ def _worker(spec: dict[str, Any]) -> int:
                     "measured_s": measured_s,
                     "error": predicted.step_s / measured_s - 1,
                     "rounds_s": rounds_s,
+                    "round_steps": count,
+                    "compute_round_steps": per_round,
                     "predicted_bytes": predicted.bytes_per_step,
                     "measured_bytes": sent,
                     "compute_s": profile.compute_s,
@@ -392,6 +428,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             ("--rounds", args.rounds, 1),
             ("--compute-steps", args.compute_steps, 1),
         )
+        if not args.round_s >= 0:
+            raise ValueError(f"--round-s must be 0 or more seconds, got {args.round_s}")
         if any(w < 2 for w in workers):
             raise ValueError("-np: predictions are checked at 2 or more workers")
         if any(networks):
@@ -417,6 +455,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "block_size": args.block_size,
                 "steps": args.steps,
                 "rounds": args.rounds,
+                "round_s": args.round_s,
                 "network": network,
                 "timeout_s": min(args.timeout_s, 300.0),
                 "result": str(result),

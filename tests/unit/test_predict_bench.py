@@ -44,12 +44,25 @@ def test_table_and_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_round_steps_lengthen_short_rounds_by_whole_multiples():
+    # 8 steps of 2 ms are 16 ms: 63 times 8 steps last 1.008 s, 62 times 0.992 s
+    assert predict.round_steps(0.002, 8, 1.0) == 504
+    # steps that already fill the round, a round of 0 s, or no guess: exactly --steps
+    assert predict.round_steps(0.2, 8, 1.0) == 8 and predict.round_steps(0.125, 8, 1.0) == 8
+    assert predict.round_steps(0.002, 8, 0.0) == 8 and predict.round_steps(0.0, 8, 1.0) == 8
+    assert predict.round_steps(0.1, 3, 1.0) == 12  # 9 steps are 0.9 s: one more multiple
+    with pytest.raises(ValueError, match="steps"):
+        predict.round_steps(0.01, 0, 1.0)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--models", "vgg"], "--models"),
         (["-np", "1"], "2 or more workers"),
         (["--steps", "0"], "--steps"),
+        (["--round-s", "-1"], "--round-s"),
+        (["--round-s", "nan"], "--round-s"),
         (["--networks", "rate=1gbit,delay=5ms"], "netem"),
     ],
 )
@@ -77,6 +90,8 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
             "3",
             "--block-size",
             "64",
+            "--round-s",
+            "0.05",
             "--out",
             str(tmp_path),
         ]
@@ -97,6 +112,10 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         # what async's model read: the 2 ranks over this machine's usable cores, and the copy's cost
         assert r["ranks_per_core"] == max(1.0, 2 / usable_cores()) and r["copy_s_per_element"] > 0, r
         assert len(r["rounds_s"]) == 2 and predict.rounds_spread(r) >= 1.0
+        # rounds of whole multiples of --steps (a block of 64 samples is 2 steps of 32), at least 50 ms
+        # of this model's 1-5 ms steps; the compute's of its share of --compute-steps (3 // 2 rounds = 1)
+        assert r["round_steps"] % 2 == 0 and r["round_steps"] >= 2 and r["compute_round_steps"] >= 1, r
+        assert r["round_steps"] * r["measured_s"] > 0.02, r
         # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
         # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
         # step's counts and each tensor's flag: 10 float32 = 40 bytes a step for this 8-tensor model, in
