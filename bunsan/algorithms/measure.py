@@ -24,6 +24,7 @@ from bunsan.algorithms.network_model import Network, network_from_timings, ring_
 __all__ = [
     "CODEC_FIELDS",
     "CODEC_NUMEL_CAP",
+    "FIXED_COST_BATCH",
     "PROBE_SIZES",
     "can_overlap",
     "measure_codec",
@@ -393,6 +394,9 @@ def can_overlap(
     return usable_cores() >= 2 * local_workers
 
 
+FIXED_COST_BATCH = 32  # samples a step of measure_fixed_costs's tiny model (its blocks' steps follow)
+
+
 def measure_fixed_costs(
     candidates: Sequence[Any],
     network: Network,
@@ -434,8 +438,8 @@ def measure_fixed_costs(
     if overlap is None:
         local_workers = runtime.local_size()
         overlap = can_overlap(device, local_workers, over_memory=local_workers == runtime.size())
-    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0)).to(device)
-    y = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1)).to(device)
+    x = torch.randn(FIXED_COST_BATCH, 4, generator=torch.Generator().manual_seed(0)).to(device)
+    y = torch.randint(0, 2, (FIXED_COST_BATCH,), generator=torch.Generator().manual_seed(1)).to(device)
 
     def timed(model: Any, optimizer: Any) -> float:
         def run(count: int = steps) -> None:
@@ -466,7 +470,7 @@ def measure_fixed_costs(
             optimizer.join()
             slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
             comm.all_reduce(slowest, op="max", group=group)
-            profile = cm.Profile(compute_s=local_s, params=10, batch=32, tensors=2, chunks=2)
+            profile = cm.Profile(compute_s=local_s, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2)
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
             excess = float(slowest[0]) - predicted.step_s
             if candidate.algorithm in ("block_momentum", "model_averaging"):  # per block: its steps

@@ -23,7 +23,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    in all, timed one by one on every rank) and ``--steps`` steps of every
    algorithm, so that the machine's noise hits all alike; a round of short steps
    takes a multiple of them that lasts ``--round-s`` (:func:`round_steps`, from a
-   warm step of each, the slowest rank's). The compute is the mean
+   warm step of each, the slowest rank's). Each round starts with what every
+   algorithm's step costs beyond the model's arithmetic, timed on a tiny model
+   (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
+   the profile's ``fixed_s``). The compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`); the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
@@ -159,6 +162,9 @@ def _build(name: str) -> tuple[Any, tuple[int, ...]]:
     return models.create(name, **kwargs), shape
 
 
+FIXED_STEPS = 16  # a timed run of the tiny model's steps (measure_fixed_costs), rounded up to whole blocks
+
+
 def round_steps(step_s: float, steps: int, round_s: float) -> int:
     """Steps in one timed round: the fewest multiple of ``steps`` that lasts ``round_s`` at ``step_s`` a step.
 
@@ -188,7 +194,7 @@ def _worker(spec: dict[str, Any]) -> int:
     import bunsan
     from bunsan import comm
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, can_overlap
+    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, FIXED_COST_BATCH, can_overlap
     from bunsan.bench.measure import (
         measure_codec,
         measure_codecs,
@@ -216,7 +222,6 @@ def _worker(spec: dict[str, Any]) -> int:
     # every rank runs on this machine (loopback, or network namespaces of it): the compute below is
     # timed with all of them busy on its cores (cost_model.shared_compute)
     ranks_per_core = max(1.0, n / usable_cores())
-    fixed = measure_fixed_costs(candidates, network, overlap=overlap, distribute=bunsan.distribute)
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
     for name in spec["models"]:
@@ -249,8 +254,27 @@ def _worker(spec: dict[str, Any]) -> int:
         steps = [round_steps(float(s), spec["steps"], spec["round_s"]) for s in slowest[1:]]
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
+        fixed_rounds: list[dict[str, float]] = []
+        block = cm.block_steps(spec["block_size"], FIXED_COST_BATCH)  # the tiny model's runs hold whole blocks
+        fixed_steps = block * math.ceil(FIXED_STEPS / block)
         for _ in range(spec["rounds"]):
             comm.barrier()
+            # what a step costs beyond the model's arithmetic, on a tiny model, in every round as the
+            # rest (taken once at the job's start, exact's moved from 0.8 to 2.8 ms a step at 1 Gbit/s
+            # and 2 workers between two runs, model averaging's from 15 to 6 ms a block at 4: the
+            # small CNNs' rows rest on it); the median of the rounds
+            fixed_rounds.append(
+                dict(
+                    measure_fixed_costs(
+                        candidates,
+                        network,
+                        overlap=overlap,
+                        distribute=bunsan.distribute,
+                        steps=fixed_steps,
+                        warmup=block,
+                    )
+                )
+            )
             local_times += [time_steps(model, local, [(x, y)]) for _ in range(per_round)]
             for (_, copy, optimizer, _, times), count in zip(trainers, steps, strict=True):
                 comm.barrier()
@@ -259,6 +283,7 @@ def _worker(spec: dict[str, Any]) -> int:
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)
         compute_s, straggler_s = cm.compute_with_stragglers(everyone.view(n, -1).tolist())
+        fixed = tuple((c.label, statistics.median(f[c.label] for f in fixed_rounds)) for c in candidates)
         profile = cm.Profile(
             compute_s=compute_s,
             straggler_s=straggler_s,
@@ -322,6 +347,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "params": profile.params,
                     "straggler_s": profile.straggler_s,
                     "fixed_s": profile.fixed(candidate.label),
+                    "fixed_rounds_s": [f[candidate.label] for f in fixed_rounds],
                     "overlap": overlap,
                     "spare_core": spare_core,
                     "ranks_per_core": ranks_per_core,

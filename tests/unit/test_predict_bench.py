@@ -116,6 +116,8 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         # of this model's 1-5 ms steps; the compute's of its share of --compute-steps (3 // 2 rounds = 1)
         assert r["round_steps"] % 2 == 0 and r["round_steps"] >= 2 and r["compute_round_steps"] >= 1, r
         assert r["round_steps"] * r["measured_s"] > 0.02, r
+        # the fixed costs timed in every round; the profile takes their median (of 2: the mean)
+        assert len(r["fixed_rounds_s"]) == 2 and r["fixed_s"] == pytest.approx(sum(r["fixed_rounds_s"]) / 2), r
         # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
         # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
         # step's counts and each tensor's flag: 10 float32 = 40 bytes a step for this 8-tensor model, in
