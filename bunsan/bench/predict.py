@@ -27,10 +27,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    algorithm's step costs beyond the model's arithmetic, timed on a tiny model
    (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
    the profile's ``fixed_s``). The compute is the mean
-   of the local steps, the straggler wait the mean excess of the slowest rank in
-   as many more compute steps that every rank starts together (:func:`synced_straggler`;
-   each row also prices the wait of the steps run free,
-   :func:`bunsan.algorithms.cost_model.compute_with_stragglers`); the measured step is the job's, ``N / sum(1 /
+   of the local steps, the straggler wait the mean excess of the slowest rank
+   (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`; each row also
+   prices the wait of as many more compute steps that every rank starts together,
+   :func:`synced_straggler`); the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
    0 never waits); the bytes are the last rank's own count (``stats()``).
 
@@ -174,10 +174,15 @@ def synced_straggler(times: Sequence[Sequence[float]], compute_s: float) -> floa
     ``compute_s`` (the mean step of every rank computing on its own); 0 where it is less.
 
     Where ranks share cores (4 on the 2 of the docs), a rank that ends its step early leaves its
-    core to the others, so the slowest ends well before the slowest of steps run free: ResNet-20's
-    free-running steps put the slowest 70-85 ms past a 220-280 ms mean (``runs/predict-16``),
-    and the model, adding that to every synchronous step, predicted exact 11-20% slow at 4
-    workers on every network (+38% for the digits CNN at 1 Gbit/s, twice over).
+    core to the others, so the slowest ends well before the slowest of steps run free: at 4
+    workers ResNet-20's slowest came 33-36 ms past a 215-219 ms mean started together, 107-119 ms
+    run free; the digits CNN's 0.3-0.5 ms against 6-7. Priced with it, 6 rows at 4 workers came
+    within 20% (ResNet-20's exact and fp16, +21% to +26% -> -4% to -6%; the digits CNN's exact at 1
+    Gbit/s, +28% -> 0%; MNIST-1D's exact and block momentum at 100 Mbit/s), but 18 left it: the
+    two small CNNs' fp16 and quantized rows at 4 workers on every network and their exact on
+    loopback (-20% to -29%), the 10.5M MLP's 1-bit (-20% to -25%); 138 of 168 against 150
+    (6d73f2c, docs/plan.md "Checking the predictions"). The bench prices its rows with the wait
+    of steps run free and records this one beside it.
     """
     if not times or not times[0] or any(len(t) != len(times[0]) for t in times):
         raise ValueError("need the same number of step times (at least one) from every worker")
@@ -308,8 +313,8 @@ def _worker(spec: dict[str, Any]) -> int:
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)
         free, synced = everyone.view(n, -1).split([len(local_times), len(synced_times)], dim=1)
-        compute_s, free_straggler_s = cm.compute_with_stragglers(free.tolist())
-        straggler_s = synced_straggler(synced.tolist(), compute_s)
+        compute_s, straggler_s = cm.compute_with_stragglers(free.tolist())
+        synced_straggler_s = synced_straggler(synced.tolist(), compute_s)
         fixed = tuple((c.label, statistics.median(f[c.label] for f in fixed_rounds)) for c in candidates)
         profile = cm.Profile(
             compute_s=compute_s,
@@ -354,9 +359,9 @@ def _worker(spec: dict[str, Any]) -> int:
                 if "bits" in candidate.options
                 else {}
             )
-            # and as the model priced it with the straggler of steps run free (before they were started together)
-            free_wait = cm.predict(
-                replace(profile, straggler_s=free_straggler_s),
+            # and priced with the wait of the compute steps started together (synced_straggler)
+            synced_wait = cm.predict(
+                replace(profile, straggler_s=synced_straggler_s),
                 network,
                 candidate,
                 n,
@@ -382,8 +387,8 @@ def _worker(spec: dict[str, Any]) -> int:
                     "codec_s": predicted.codec_s,
                     "params": profile.params,
                     "straggler_s": profile.straggler_s,
-                    "free_straggler_s": free_straggler_s,
-                    "predicted_free_straggler_s": free_wait,
+                    "synced_straggler_s": synced_straggler_s,
+                    "predicted_synced_straggler_s": synced_wait,
                     "fixed_s": profile.fixed(candidate.label),
                     "fixed_rounds_s": [f[candidate.label] for f in fixed_rounds],
                     "overlap": overlap,
@@ -552,12 +557,12 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 f"quantized rows: {split_in} of {len(coded)} within 20%; with every codec call at the mean of an "
                 f"encode and a decode (the model before the two were timed apart): {mean_in}"
             )
-        synced = [r for r in rows if "predicted_free_straggler_s" in r]
+        synced = [r for r in rows if "predicted_synced_straggler_s" in r]
         if synced:
-            free_in = sum(abs(r["predicted_free_straggler_s"] / r["measured_s"] - 1) <= 0.20 for r in synced)
+            synced_in = sum(abs(r["predicted_synced_straggler_s"] / r["measured_s"] - 1) <= 0.20 for r in synced)
             say(
-                f"with the straggler of compute steps run free instead of started together (the model's wait "
-                f"before): {free_in} of {len(synced)} within 20%"
+                f"with the straggler of compute steps started together instead of run free: {synced_in} of "
+                f"{len(synced)} within 20%"
             )
         spreads = [(r, rounds_spread(r)) for r in rows]
         loose = [(r, v) for r, v in spreads if v is not None and v > 1.2]

@@ -117,8 +117,8 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         # the compute's of its share of --compute-steps (3 // 2 rounds = 1)
         assert r["round_steps"] % 2 == 0 and r["round_steps"] > 2 and r["compute_round_steps"] > 1, r
         # the fixed costs timed in every round; the profile takes their median (of 2: the mean)
-        # the wait of steps started together, and the row priced with that of steps run free
-        assert r["straggler_s"] >= 0 and r["free_straggler_s"] >= 0 and r["predicted_free_straggler_s"] > 0, r
+        # the wait of steps run free, and the row priced with that of steps started together
+        assert r["straggler_s"] >= 0 and r["synced_straggler_s"] >= 0 and r["predicted_synced_straggler_s"] > 0, r
         assert len(r["fixed_rounds_s"]) == 2 and r["fixed_s"] == pytest.approx(sum(r["fixed_rounds_s"]) / 2), r
         # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
         # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
@@ -134,7 +134,7 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         if "predicted_mean_call_s" in r:
             assert r["predicted_mean_call_s"] > 0 and r["predicted_mean_call_s"] != r["predicted_s"]
     out = capsys.readouterr().out
-    assert "quantized rows: " in out and "with the straggler of compute steps run free" in out
+    assert "quantized rows: " in out and "with the straggler of compute steps started together" in out
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
