@@ -184,11 +184,10 @@ def synced_straggler(times: Sequence[Sequence[float]], compute_s: float) -> floa
     (6d73f2c, docs/plan.md "Checking the predictions"). The bench prices its rows with the wait
     of steps run free and records this one beside it.
     """
-    if not times or not times[0] or any(len(t) != len(times[0]) for t in times):
-        raise ValueError("need the same number of step times (at least one) from every worker")
-    steps = len(times[0])
-    slowest = sum(max(t[i] for t in times) for i in range(steps)) / steps
-    return max(0.0, slowest - compute_s)
+    from bunsan.algorithms.cost_model import compute_with_stragglers
+
+    mean, excess = compute_with_stragglers(times)  # the slowest rank's mean step is mean + excess
+    return max(0.0, mean + excess - compute_s)
 
 
 def round_steps(step_s: float, steps: int, round_s: float) -> int:
@@ -497,8 +496,8 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             ("--rounds", args.rounds, 1),
             ("--compute-steps", args.compute_steps, 1),
         )
-        if not args.round_s >= 0:
-            raise ValueError(f"--round-s must be 0 or more seconds, got {args.round_s}")
+        if not (math.isfinite(args.round_s) and args.round_s >= 0):
+            raise ValueError(f"--round-s must be a finite number of seconds, 0 or more, got {args.round_s}")
         if any(w < 2 for w in workers):
             raise ValueError("-np: predictions are checked at 2 or more workers")
         if any(networks):

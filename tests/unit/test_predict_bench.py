@@ -63,6 +63,7 @@ def test_round_steps_lengthen_short_rounds_by_whole_multiples():
         (["--steps", "0"], "--steps"),
         (["--round-s", "-1"], "--round-s"),
         (["--round-s", "nan"], "--round-s"),
+        (["--round-s", "inf"], "--round-s"),
         (["--networks", "rate=1gbit,delay=5ms"], "netem"),
     ],
 )
