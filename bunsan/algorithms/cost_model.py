@@ -68,6 +68,8 @@ __all__ = [
     "Profile",
     "allgather_time",
     "alltoall_time",
+    "async_fixed_labels",
+    "async_rank_steps",
     "async_step",
     "block_round_passes",
     "block_steps",
@@ -647,7 +649,34 @@ def predict(
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)
     # async: rank 0's own worker reaches the server in-process and never waits; the others pay the
     # round trip. The step is the job's: workers / sum of each worker's steps per second.
+    compute, own, remote = async_rank_steps(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
+    if n > 1:  # each side's measured fixed cost: rank 0's worker's and a remote worker's (async_fixed_labels)
+        own_label, remote_label = async_fixed_labels(candidate.label)
+        own += profile.fixed(own_label)
+        remote += profile.fixed(remote_label)
+    step = n / (1 / own + (n - 1) / remote)
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
+    sent = 0.0 if n == 1 else profile.gradient_bytes / k  # a remote worker's push
+    return Prediction(candidate.label, n, compute, step, remote - compute, step - compute, 0.0, sent)
+
+
+def async_rank_steps(
+    profile: Profile,
+    network: Network,
+    candidate: Candidate,
+    workers: int,
+    *,
+    overlap: bool = True,
+    spare_core: bool | None = None,
+) -> tuple[float, float, float]:
+    """``(compute, rank 0's worker's step, a remote worker's step)`` of async SGD, before the measured fixed
+    costs (:func:`predict` adds them, :func:`async_fixed_labels`): ``compute`` as the ranks' sharing of
+    cores leaves it (:func:`shared_compute`), rank 0's worker reaching the server in-process, a remote
+    worker paying its round trip (:func:`async_step`). Arguments as :func:`predict`'s."""
+    check_int("workers", workers, minimum=1)
+    n = workers
+    compute = profile.compute_s
+    k = block_steps(int(_option(candidate.options, "sync_period", 1)), profile.batch)
     nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
     apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, on rank 0's core
@@ -662,9 +691,23 @@ def predict(
     own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
     if not (overlap if spare_core is None else spare_core) and n > 1:  # ... the server's transfers on its core
         own += (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k
-    step = n / (1 / own + (n - 1) / remote) + (profile.fixed(candidate.label) if n > 1 else 0.0)
-    sent = 0.0 if n == 1 else nbytes / k  # a remote worker's push
-    return Prediction(candidate.label, n, compute, step, remote - compute, step - compute, 0.0, sent)
+    return compute, own, remote
+
+
+def async_fixed_labels(label: str) -> tuple[str, str]:
+    """The :attr:`Profile.fixed_s` labels of an async candidate's two fixed costs: ``(label, label + "/remote")``,
+    rank 0's worker's step and a remote worker's, each beyond what :func:`predict` counts for that side.
+
+    The two sides differ: on the tiny model of :func:`bunsan.algorithms.measure.measure_fixed_costs`
+    at 4 workers on 2 cores a remote worker's round trip (a wake-up of rank 0's server thread and of
+    its own, both queued behind the others') takes milliseconds where rank 0's worker, which never
+    waits, takes its local step. Taken as one excess of the slowest rank over the job's step and added
+    to the job's step, it charged the remote workers' excess to rank 0's worker too, which is most of
+    the job (``N / sum(1 / step_r)``): MNIST-1D's async at 4 workers was predicted +53% to +60%
+    (docs/plan.md, "Checking the predictions"). A profile without the remote label prices the remote
+    side with none.
+    """
+    return label, f"{label}/remote"
 
 
 def default_candidates(block_size: int = 1024) -> list[Candidate]:

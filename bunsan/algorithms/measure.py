@@ -407,6 +407,7 @@ def measure_fixed_costs(
     repeats: int = 3,
     warmup: int | None = None,
     distribute: Callable[..., Any] | None = None,
+    spare_core: bool | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """Collective: each candidate's step on a tiny model, less the local step and what the model predicts.
 
@@ -424,6 +425,11 @@ def measure_fixed_costs(
     state is left as it was. ``distribute``:
     ``bunsan.distribute`` (by default the one :mod:`bunsan.optim` registered). Returns
     :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
+
+    Async SGD's workers step at different rates (rank 0's reaches the server in-process), so it gets
+    two entries (:func:`bunsan.algorithms.cost_model.async_fixed_labels`): rank 0's worker's step and
+    the remote workers' mean step, each less the model's prediction for that side
+    (:func:`bunsan.algorithms.cost_model.async_rank_steps`, with ``spare_core`` as the job's).
     """
     import torch.nn.functional as F
 
@@ -452,7 +458,7 @@ def measure_fixed_costs(
         comm.barrier(group)
         return median_time(run, repeats, device) / steps
 
-    fixed = []
+    fixed: list[tuple[str, float]] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         local_model = torch.nn.Linear(4, 2).to(device)
@@ -461,6 +467,7 @@ def measure_fixed_costs(
         )
         comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
         local_s = float(local[0])
+        profile = cm.Profile(compute_s=local_s, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2)  # the tiny one
         for candidate in candidates:
             torch.manual_seed(0)
             tiny = torch.nn.Linear(4, 2).to(device)
@@ -468,9 +475,18 @@ def measure_fixed_costs(
             model, optimizer = distribute(tiny, sgd, candidate.algorithm, group=group, **dict(candidate.options))
             step_s = timed(model, optimizer)
             optimizer.join()
+            if candidate.algorithm == "async" and n > 1:  # rank 0's worker's excess and the remote workers'
+                every = torch.zeros(n, dtype=torch.float64, device=device)
+                every[comm.get_rank(group)] = step_s
+                comm.all_reduce(every, group=group)
+                _, own, remote = cm.async_rank_steps(
+                    profile, network, candidate, n, overlap=overlap, spare_core=spare_core
+                )
+                own_label, remote_label = cm.async_fixed_labels(candidate.label)
+                fixed += [(own_label, float(every[0]) - own), (remote_label, float(every[1:].mean()) - remote)]
+                continue
             slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
             comm.all_reduce(slowest, op="max", group=group)
-            profile = cm.Profile(compute_s=local_s, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2)
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
             excess = float(slowest[0]) - predicted.step_s
             if candidate.algorithm in ("block_momentum", "model_averaging"):  # per block: its steps

@@ -442,9 +442,17 @@ def test_codec_per_bit_width_and_measured_fixed_costs():
     block = cm.predict(profile, net, Candidate("block_momentum", {"block_size": 320}, "block_momentum:320"), 2)
     # a block of 10 steps: all-reduce of 4e6 bytes (4e-6 s at 1 TB/s) and the fixed 5e-4 s, once a block
     assert block.step_s == pytest.approx(1.0 + 4e-7 + 5e-5)
-    # async: 2 workers, rank 0 at 1.0 s, the remote at 1.0 + 8e-6: the job's step + 3e-4
+    # async: 2 workers, rank 0 at 1.0 s, the remote at 1.0 + 8e-6; rank 0's worker's fixed cost 3e-4 s,
+    # the remote's none (no "async/remote" label): 2 / (1 / 1.0003 + 1 / 1.000008)
     run = cm.predict(profile, net, Candidate("async"), 2)
-    assert run.step_s == pytest.approx(2 / (1 / 1.0 + 1 / (1.0 + 8e-6)) + 3e-4)
+    assert run.step_s == pytest.approx(2 / (1 / (1.0 + 3e-4) + 1 / (1.0 + 8e-6)))
+    # with the remote's own, 5e-4 s, at 4 workers: 4 / (1 / 1.0003 + 3 / (remote + 5e-4))
+    both = replace(profile, fixed_s=(("async", 3e-4), ("async/remote", 5e-4)))
+    _, own, remote = cm.async_rank_steps(both, net, Candidate("async"), 4)
+    assert own == pytest.approx(1.0) and remote > 1.0
+    assert cm.async_fixed_labels("async") == ("async", "async/remote")
+    run = cm.predict(both, net, Candidate("async"), 4)
+    assert run.step_s == pytest.approx(4 / (1 / (1.0 + 3e-4) + 3 / (remote + 5e-4)))
     # one worker: nothing is exchanged, nothing fixed is added
     assert cm.predict(profile, net, Candidate("data_parallel", {}, "exact"), 1).step_s == 1.0
     with pytest.raises(ValueError, match="codecs bits"):
