@@ -16,15 +16,17 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    the burst its token bucket was given (``--network rate=RATE[,burst=SIZE]``: 1 ms
    of traffic, at least 16 KiB), which the probe's back-to-back messages cannot see
    and a step's first bytes get after its compute (``cost_model``'s burst credit);
-2. per model, the codec's time per element and per call, and the model's sizes;
+2. per model, its sizes;
 3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
    warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
    of forward + backward + SGD update with no communication, ``--compute-steps``
    in all, timed one by one on every rank) and ``--steps`` steps of every
    algorithm, so that the machine's noise hits all alike; a round of short steps
    takes a multiple of them that lasts ``--round-s`` (:func:`round_steps`, from a
-   warm step of each, the slowest rank's). Each round starts with what every
-   algorithm's step costs beyond the model's arithmetic, timed on a tiny model
+   warm step of each, the slowest rank's). Each round starts with the codec's
+   time per element and per call, every rank at once (:func:`median_codec` takes
+   the rounds' median), then what every algorithm's step costs beyond the model's
+   arithmetic, timed on a tiny model
    (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
    the profile's ``fixed_s``). The compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
@@ -32,7 +34,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    prices the wait of as many more compute steps that every rank starts together,
    :func:`synced_straggler`); the measured step is the job's, ``N / sum(1 /
    step_r)`` of each rank's median round (all equal but for async SGD, whose rank
-   0 never waits); the bytes are the last rank's own count (``stats()``).
+   0 never waits; each rank's own median is recorded too); the bytes are the last
+   rank's own count (``stats()``). Each job also records every model's whole profile
+   and its network, from which ``docs/experiments/predict_reprice.py`` prices the rows
+   again offline.
 
 Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
 measured - 1, ``rounds max/min`` (the slowest of the ``--rounds`` rounds' job step over
@@ -75,6 +80,7 @@ __all__ = [
     "MODELS",
     "add_arguments",
     "main",
+    "median_codec",
     "parse_networks",
     "plot_predict",
     "round_steps",
@@ -206,6 +212,27 @@ def round_steps(step_s: float, steps: int, round_s: float) -> int:
     return steps * math.ceil(round_s / (steps * step_s))
 
 
+def median_codec(
+    rounds: Sequence[tuple[dict[str, float], Sequence[Sequence[float]]]],
+) -> tuple[dict[str, float], tuple[tuple[float, ...], ...]]:
+    """The median over rounds of each codec figure: ``rounds`` holds each round's ``(measure_codec's dict,
+    measure_codecs's entries)``; the entries' bit widths stay as they are, every other field its median.
+    ``codec_call_s`` is the mean of the two calls' medians, as :func:`bunsan.algorithms.measure.measure_codec`
+    makes it."""
+    if not rounds:
+        raise ValueError("need the codec of at least one round")
+    fields = {k: statistics.median(r[0][k] for r in rounds) for k in rounds[0][0]}
+    if "encode_call_s" in fields and "decode_call_s" in fields:
+        fields["codec_call_s"] = (fields["encode_call_s"] + fields["decode_call_s"]) / 2
+    entries = []
+    for i, first in enumerate(rounds[0][1]):
+        values = [statistics.median(float(r[1][i][j]) for r in rounds) for j in range(1, len(first))]
+        if len(first) == 6:
+            values[2] = (values[3] + values[4]) / 2
+        entries.append((first[0], *values))
+    return fields, tuple(entries)
+
+
 def _algorithm(candidate: Any) -> Any:
     from bunsan import algorithms
 
@@ -214,7 +241,7 @@ def _algorithm(candidate: Any) -> Any:
 
 
 def _worker(spec: dict[str, Any]) -> int:
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     import torch
 
@@ -249,6 +276,7 @@ def _worker(spec: dict[str, Any]) -> int:
     ranks_per_core = max(1.0, n / usable_cores())
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
+    profiles: dict[str, dict[str, Any]] = {}  # every model's whole profile: the rows re-priced offline
     for name in spec["models"]:
         torch.manual_seed(0)
         model, shape = _build(name)
@@ -256,9 +284,6 @@ def _worker(spec: dict[str, Any]) -> int:
         x = torch.randn(spec["batch"], *shape, generator=g)
         y = torch.randint(0, 10, (spec["batch"],), generator=g)
         measured = measure_compute(model, x, y, steps=3)  # sizes and the forward share
-        # every rank at once, as the job's exchange encodes (measure_codec)
-        codec: dict[str, Any] = measure_codec(measured["params"], collective=True)
-        codecs = measure_codecs(measured["params"], bits, collective=True)
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
         synced_times: list[float] = []
@@ -281,10 +306,20 @@ def _worker(spec: dict[str, Any]) -> int:
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
         fixed_rounds: list[dict[str, float]] = []
+        codec_rounds: list[tuple[dict[str, float], Any]] = []
         block = cm.block_steps(spec["block_size"], FIXED_COST_BATCH)  # the tiny model's runs hold whole blocks
         fixed_steps = block * math.ceil(FIXED_STEPS / block)
         for _ in range(spec["rounds"]):
             comm.barrier()
+            # the codec, every rank at once as the job's exchange encodes (measure_codec), in every
+            # round as the rest (timed once at the job's start, one moment of the machine priced every
+            # coded row of the model; a small CNN's coded rows are mostly the calls' fixed time)
+            codec_rounds.append(
+                (
+                    measure_codec(measured["params"], collective=True),
+                    measure_codecs(measured["params"], bits, collective=True),
+                )
+            )
             # what a step costs beyond the model's arithmetic, on a tiny model, in every round as the
             # rest (taken once at the job's start, exact's moved from 0.8 to 2.8 ms a step at 1 Gbit/s
             # and 2 workers between two runs, model averaging's from 15 to 6 ms a block at 4: the
@@ -298,6 +333,7 @@ def _worker(spec: dict[str, Any]) -> int:
                         distribute=bunsan.distribute,
                         steps=fixed_steps,
                         warmup=block,
+                        spare_core=spare_core,
                     )
                 )
             )
@@ -314,7 +350,8 @@ def _worker(spec: dict[str, Any]) -> int:
         free, synced = everyone.view(n, -1).split([len(local_times), len(synced_times)], dim=1)
         compute_s, straggler_s = cm.compute_with_stragglers(free.tolist())
         synced_straggler_s = synced_straggler(synced.tolist(), compute_s)
-        fixed = tuple((c.label, statistics.median(f[c.label] for f in fixed_rounds)) for c in candidates)
+        fixed = tuple((label, statistics.median(f[label] for f in fixed_rounds)) for label in fixed_rounds[0])
+        codec, codecs = median_codec(codec_rounds)
         profile = cm.Profile(
             compute_s=compute_s,
             straggler_s=straggler_s,
@@ -328,6 +365,11 @@ def _worker(spec: dict[str, Any]) -> int:
             ranks_per_core=ranks_per_core,
             **codec,
         )
+        profiles[name] = {
+            **asdict(profile),
+            "synced_straggler_s": synced_straggler_s,
+            "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
+        }
         for (candidate, _, optimizer, before, times), count in zip(trainers, steps, strict=True):
             stats = optimizer.algorithm.stats()
             optimizer.join()
@@ -335,13 +377,16 @@ def _worker(spec: dict[str, Any]) -> int:
             # the job's step: N / sum of the ranks' steps per second (all equal but for async);
             # the bytes of the last rank (a remote worker for async, the same as all others otherwise)
             # and each round's own job step: how far the measurement moved within this one job
+            # and each rank's own median step (async: rank 0's worker against the remote ones)
+            own = [statistics.median(times) if r == rank else 0.0 for r in range(n)]
             mine = torch.tensor(
-                [1 / statistics.median(times), sent if rank == n - 1 else 0.0, *(1 / t for t in times)],
+                [1 / statistics.median(times), sent if rank == n - 1 else 0.0, *own, *(1 / t for t in times)],
                 dtype=torch.float64,
             )
             comm.all_reduce(mine)
             measured_s, sent = n / float(mine[0]), float(mine[1])
-            rounds_s = [n / float(v) for v in mine[2:]]
+            rank_steps_s = [float(v) for v in mine[2 : 2 + n]]
+            rounds_s = [n / float(v) for v in mine[2 + n :]]
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
             before_split = (
@@ -377,12 +422,16 @@ def _worker(spec: dict[str, Any]) -> int:
                     "measured_s": measured_s,
                     "error": predicted.step_s / measured_s - 1,
                     "rounds_s": rounds_s,
+                    "rank_steps_s": rank_steps_s,
                     "round_steps": count,
                     "compute_round_steps": per_round,
                     "predicted_bytes": predicted.bytes_per_step,
                     "measured_bytes": sent,
                     "compute_s": profile.compute_s,
                     "exposed_s": predicted.exposed_s,
+                    # async: the compute on shared cores and a remote worker's step beyond it
+                    "predicted_compute_s": predicted.compute_s,
+                    "communication_s": predicted.communication_s,
                     "codec_s": predicted.codec_s,
                     "params": profile.params,
                     "straggler_s": profile.straggler_s,
@@ -390,6 +439,12 @@ def _worker(spec: dict[str, Any]) -> int:
                     "predicted_synced_straggler_s": synced_wait,
                     "fixed_s": profile.fixed(candidate.label),
                     "fixed_rounds_s": [f[candidate.label] for f in fixed_rounds],
+                    # async: a remote worker's own (rank 0's worker's is fixed_s; cost_model.async_fixed_labels)
+                    **(
+                        {"fixed_remote_s": profile.fixed(cm.async_fixed_labels(candidate.label)[1])}
+                        if candidate.algorithm == "async"
+                        else {}
+                    ),
                     "overlap": overlap,
                     "spare_core": spare_core,
                     "ranks_per_core": ranks_per_core,
@@ -410,6 +465,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "burst_bytes": network.burst_bytes,
                 },
                 "rows": rows,
+                "profiles": profiles,
             },
         )
     bunsan.finalize()
@@ -509,6 +565,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     out = Path(args.out)
     env = job_environment(1)
     rows: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
     failed = 0
     for network in networks:
         for n in workers:
@@ -540,6 +597,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 f"{job['network']['bandwidth'] * 8 / 1e9:.3f} Gbit/s ({record['total_s']:.0f} s)"
             )
             rows += job["rows"]
+            profiles[slug] = {"network": job["network"], "models": job.get("profiles", {})}
     if rows:
         say(format_table(COLUMNS, table_rows(rows), right=set(COLUMNS) - {"network", "model", "algorithm"}))
         worst = max(rows, key=lambda r: abs(r["error"]))
@@ -577,6 +635,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "arguments": {k: v for k, v in vars(args).items() if k != "handler"},
                 "load_average": load_average(),
                 "rows": rows,
+                "profiles": profiles,
             },
         )
         say(f"JSON: {out / 'predict.json'}\nPNG: {plot_predict(rows, out / 'predict.png')}")

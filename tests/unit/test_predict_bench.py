@@ -1,7 +1,9 @@
 """``bunsan bench predict``: its parsing, its table and plot, its refusals, and one tiny real run."""
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -134,6 +136,21 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         assert ("predicted_mean_call_s" in r) == (r["label"] in ("8-bit", "1-bit")), r
         if "predicted_mean_call_s" in r:
             assert r["predicted_mean_call_s"] > 0 and r["predicted_mean_call_s"] != r["predicted_s"]
+        # each rank's own median step, whose N / sum(1 / step) is the job's
+        assert len(r["rank_steps_s"]) == 2 and min(r["rank_steps_s"]) > 0, r
+        assert r["measured_s"] == pytest.approx(2 / sum(1 / s for s in r["rank_steps_s"])), r
+    # the whole profile of every job's model is recorded: the rows price again to what they were
+    data = json.loads((tmp_path / "predict.json").read_text())
+    job = data["profiles"]["loopback-np2"]
+    assert set(job["models"]) == {"mnist1d_cnn"} and job["network"]["bandwidth"] > 0
+    script = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict_reprice.py"
+    spec = importlib.util.spec_from_file_location("predict_reprice", script)
+    reprice = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reprice)
+    for r in rows:
+        assert reprice.reprice(r, job, 64) == pytest.approx(r["predicted_s"], rel=1e-9), r
+        if r["label"] == "exact":  # a variant moves the straggler it prices with
+            assert reprice.reprice(r, job, 64, "synced") == pytest.approx(r["predicted_synced_straggler_s"]), r
     out = capsys.readouterr().out
     assert "quantized rows: " in out and "with the straggler of compute steps started together" in out
     assert (tmp_path / "predict.png").stat().st_size > 1000
@@ -399,3 +416,28 @@ def test_synced_straggler_is_the_slowest_ranks_mean_step_past_the_compute():
         predict.synced_straggler([[0.004], [0.005, 0.006]], 0.004)
     with pytest.raises(ValueError, match="same number"):
         predict.synced_straggler([], 0.004)
+
+
+def test_median_codec_takes_each_figure_over_the_rounds():
+    # three rounds of measure_codec's dict and measure_codecs's (bits, enc, dec, call, enc call, dec call)
+    rounds = [
+        (
+            {"encode_s_per_element": 1.0, "encode_call_s": 4.0, "decode_call_s": 2.0, "codec_call_s": 3.0},
+            [(1, 1.0, 2.0, 9.0, 10.0, 8.0), (8, 5.0, 6.0, 0.0, 1.0, 1.0)],
+        ),
+        (
+            {"encode_s_per_element": 3.0, "encode_call_s": 6.0, "decode_call_s": 1.0, "codec_call_s": 3.5},
+            [(1, 3.0, 1.0, 9.0, 2.0, 4.0), (8, 7.0, 4.0, 0.0, 3.0, 3.0)],
+        ),
+        (
+            {"encode_s_per_element": 2.0, "encode_call_s": 5.0, "decode_call_s": 9.0, "codec_call_s": 7.0},
+            [(1, 2.0, 3.0, 9.0, 6.0, 6.0), (8, 6.0, 5.0, 0.0, 2.0, 2.0)],
+        ),
+    ]
+    fields, entries = predict.median_codec(rounds)
+    # medians 2, 5, 2; the mean call from the two medians (5 + 2) / 2, not the median of the means (3.5)
+    assert fields == {"encode_s_per_element": 2.0, "encode_call_s": 5.0, "decode_call_s": 2.0, "codec_call_s": 3.5}
+    # 1 bit: medians 2, 2; calls 6 and 6, their mean 6; 8 bits: 6, 5; calls 2 and 2
+    assert entries == ((1, 2.0, 2.0, 6.0, 6.0, 6.0), (8, 6.0, 5.0, 2.0, 2.0, 2.0))
+    with pytest.raises(ValueError, match="at least one round"):
+        predict.median_codec([])

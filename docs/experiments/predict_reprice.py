@@ -1,0 +1,111 @@
+"""Re-price the rows of a ``bunsan bench predict`` run offline, from the profiles it recorded.
+
+A run takes 47 minutes on the 2-core machine of the docs; a change to the cost model can be judged
+first on a recorded run's own measurements: every job writes each model's whole profile and its
+network beside its rows (``profiles`` in ``predict.json``, since the bench recorded them), and this
+script rebuilds them, prices every row again with :func:`bunsan.algorithms.cost_model.predict` and
+counts the rows within 20%: as recorded, as re-priced (the same unless the model changed since the
+run), and under each variant named with ``--variant``::
+
+    python docs/experiments/predict_reprice.py runs/predict-21/predict.json --variant synced-exact
+
+Variants (what they change, for the rows they touch):
+
+* ``synced``: every row priced with the straggler of compute steps started together
+  (``synced_straggler_s``) instead of run free (``straggler_s``).
+* ``synced-exact``: that wait for exact's rows only (one collective after the compute), the
+  free-running one elsewhere.
+
+It also prints, for async rows, each rank's measured median step against the model's rank 0 and
+remote worker (``rank_steps_s``; the model's remote step is ``predicted_compute_s +
+communication_s``, its rank 0's from the job step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bunsan.algorithms import cost_model as cm
+from bunsan.algorithms.network_model import Network
+
+VARIANTS = ("synced", "synced-exact")
+
+
+def profile_of(record: dict[str, Any]) -> cm.Profile:
+    """A :class:`~bunsan.algorithms.cost_model.Profile` from its recorded ``asdict`` (JSON lists back to tuples)."""
+    fields = {k: v for k, v in record.items() if k in cm.Profile.__dataclass_fields__}
+    fields["codecs"] = tuple(tuple(entry) for entry in fields.get("codecs", ()))
+    fields["fixed_s"] = tuple((str(label), float(s)) for label, s in fields.get("fixed_s", ()))
+    return cm.Profile(**fields)
+
+
+def reprice(row: dict[str, Any], job: dict[str, Any], block_size: int, variant: str | None = None) -> float:
+    """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as is)."""
+    record = job["models"][row["model"]]
+    profile = profile_of(record)
+    network = Network(**job["network"])
+    candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
+    if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
+        profile = replace(profile, straggler_s=record["synced_straggler_s"])
+    n = row["workers"]
+    step = cm.predict(profile, network, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
+    return step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", help="predict.json of a bunsan bench predict run")
+    parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
+    args = parser.parse_args(argv)
+    data = json.loads(Path(args.json).read_text())
+    if "profiles" not in data:
+        print(f"{args.json} holds no profiles (a run before the bench recorded them)", file=sys.stderr)
+        return 2
+    block_size = int(data["arguments"]["block_size"])
+    rows = data["rows"]
+
+    def slug(row: dict[str, Any]) -> str:
+        network = row["network"]
+        name = "loopback" if network == "loopback" else network.replace("=", "_").replace(",", "_")
+        return f"{name}-np{row['workers']}"
+
+    def within(priced: list[float]) -> int:
+        return sum(abs(p / r["measured_s"] - 1) <= 0.20 for p, r in zip(priced, rows, strict=True))
+
+    recorded = [r["predicted_s"] for r in rows]
+    print(f"as recorded: {within(recorded)} of {len(rows)} within 20%")
+    again = [reprice(r, data["profiles"][slug(r)], block_size) for r in rows]
+    moved = sum(abs(a / b - 1) > 1e-9 for a, b in zip(again, recorded, strict=True))
+    print(f"re-priced with the model at this checkout: {within(again)} ({moved} rows priced differently)")
+    for variant in args.variant:
+        priced = [reprice(r, data["profiles"][slug(r)], block_size, variant) for r in rows]
+        print(f"variant {variant}: {within(priced)} of {len(rows)}")
+        for row, p in zip(rows, priced, strict=True):
+            before, after = row["predicted_s"] / row["measured_s"] - 1, p / row["measured_s"] - 1
+            if (abs(before) <= 0.2) != (abs(after) <= 0.2):
+                print(
+                    f"  {row['network']:>12} -np {row['workers']} {row['model']:<11} {row['label']:<20} "
+                    f"{100 * before:+4.0f}% -> {100 * after:+4.0f}%"
+                )
+    for row in rows:
+        if row["label"] != "async" or "rank_steps_s" not in row:
+            continue
+        n = row["workers"]
+        remote = row["predicted_compute_s"] + row["communication_s"]
+        job = row["predicted_s"] - row["fixed_s"]
+        own = 1 / (n / job - (n - 1) / remote)
+        ranks = " ".join(f"{1e3 * s:.1f}" for s in row["rank_steps_s"])
+        print(
+            f"async {row['network']:>12} -np {n} {row['model']:<11} ranks {ranks} ms; "
+            f"model rank 0 {1e3 * own:.1f}, remote {1e3 * remote:.1f} ms ({100 * row['error']:+.0f}%)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
