@@ -7,7 +7,7 @@ script rebuilds them, prices every row again with :func:`bunsan.algorithms.cost_
 counts the rows within 20%: as recorded, as re-priced (the same unless the model changed since the
 run), and under each variant named with ``--variant``::
 
-    python docs/experiments/predict_reprice.py runs/predict-21/predict.json --variant synced-exact
+    python docs/experiments/predict_reprice.py docs/experiments/predict/predict-21.json --variant synced-exact
 
 Variants (what they change, for the rows they touch):
 
@@ -18,7 +18,7 @@ Variants (what they change, for the rows they touch):
 
 It also prints, for async rows, each rank's measured median step against the model's rank 0 and
 remote worker (``rank_steps_s``; the model's remote step is ``predicted_compute_s +
-communication_s``, its rank 0's from the job step).
+communication_s``, its rank 0's from the job step, each with its side's fixed cost).
 """
 
 from __future__ import annotations
@@ -63,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
     args = parser.parse_args(argv)
     data = json.loads(Path(args.json).read_text())
-    if "profiles" not in data:
-        print(f"{args.json} holds no profiles (a run before the bench recorded them)", file=sys.stderr)
-        return 2
+    profiles = data.get("profiles")  # absent from a run before 9b4a67c: the recorded columns only
     block_size = int(data["arguments"]["block_size"])
     rows = data["rows"]
 
@@ -77,13 +75,25 @@ def main(argv: list[str] | None = None) -> int:
     def within(priced: list[float]) -> int:
         return sum(abs(p / r["measured_s"] - 1) <= 0.20 for p, r in zip(priced, rows, strict=True))
 
+    def priced_as(row: dict[str, Any], variant: str | None) -> float:
+        if profiles is not None:
+            return reprice(row, profiles[slug(row)], block_size, variant)
+        if variant is None:
+            return float(row["predicted_s"])
+        # without profiles, a wait variant from the row priced with the synced wait as the bench recorded it
+        synced = variant == "synced" or (variant == "synced-exact" and row["label"] == "exact")
+        return float(row["predicted_synced_straggler_s" if synced else "predicted_s"])
+
     recorded = [r["predicted_s"] for r in rows]
     print(f"as recorded: {within(recorded)} of {len(rows)} within 20%")
-    again = [reprice(r, data["profiles"][slug(r)], block_size) for r in rows]
-    moved = sum(abs(a / b - 1) > 1e-9 for a, b in zip(again, recorded, strict=True))
-    print(f"re-priced with the model at this checkout: {within(again)} ({moved} rows priced differently)")
+    if profiles is not None:
+        again = [priced_as(r, None) for r in rows]
+        moved = sum(abs(a / b - 1) > 1e-9 for a, b in zip(again, recorded, strict=True))
+        print(f"re-priced with the model at this checkout: {within(again)} ({moved} rows priced differently)")
+    else:
+        print("no profiles recorded (a run before 9b4a67c): variants from the recorded columns")
     for variant in args.variant:
-        priced = [reprice(r, data["profiles"][slug(r)], block_size, variant) for r in rows]
+        priced = [priced_as(r, variant) for r in rows]
         print(f"variant {variant}: {within(priced)} of {len(rows)}")
         for row, p in zip(rows, priced, strict=True):
             before, after = row["predicted_s"] / row["measured_s"] - 1, p / row["measured_s"] - 1
@@ -97,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         n = row["workers"]
         remote = row["predicted_compute_s"] + row["communication_s"]
-        job = row["predicted_s"] - row["fixed_s"]
-        own = 1 / (n / job - (n - 1) / remote)
+        # each side holds its own fixed cost since 249ce39: the job's step is N / (1 / own + (N - 1) / remote)
+        own = 1 / (n / row["predicted_s"] - (n - 1) / remote)
         ranks = " ".join(f"{1e3 * s:.1f}" for s in row["rank_steps_s"])
         print(
             f"async {row['network']:>12} -np {n} {row['model']:<11} ranks {ranks} ms; "
