@@ -214,7 +214,7 @@ def round_steps(step_s: float, steps: int, round_s: float) -> int:
 
 def median_codec(
     rounds: Sequence[tuple[dict[str, float], Sequence[Sequence[float]]]],
-) -> tuple[dict[str, float], tuple[tuple[float, ...], ...]]:
+) -> tuple[dict[str, Any], tuple[tuple[float, ...], ...]]:
     """The median over rounds of each codec figure: ``rounds`` holds each round's ``(measure_codec's dict,
     measure_codecs's entries)``; the entries' bit widths stay as they are, every other field its median.
     ``codec_call_s`` is the mean of the two calls' medians, as :func:`bunsan.algorithms.measure.measure_codec`
