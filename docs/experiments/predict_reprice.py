@@ -62,10 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", help="predict.json of a bunsan bench predict run")
     parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
     args = parser.parse_args(argv)
-    data = json.loads(Path(args.json).read_text())
+    try:
+        data = json.loads(Path(args.json).read_text())
+        rows = data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"predict_reprice: {args.json} is not a bunsan bench predict record ({err})", file=sys.stderr)
+        return 2
     profiles = data.get("profiles")  # absent from a run before 9b4a67c: the recorded columns only
     block_size = int(data["arguments"]["block_size"])
-    rows = data["rows"]
 
     def slug(row: dict[str, Any]) -> str:
         network = row["network"]
