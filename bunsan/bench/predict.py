@@ -18,17 +18,20 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    and a step's first bytes get after its compute (``cost_model``'s burst credit);
 2. per model, its sizes;
 3. every algorithm gets its own copy of the model (``bunsan.distribute``) and a
-   warm-up; then ``--rounds`` rounds alternate between the compute alone (steps
-   of forward + backward + SGD update with no communication, ``--compute-steps``
-   in all, timed one by one on every rank) and ``--steps`` steps of every
-   algorithm, so that the machine's noise hits all alike; a round of short steps
+   warm-up; then ``--rounds`` rounds of ``--steps`` steps of every algorithm, each
+   algorithm's just after a slice of the compute alone (steps of forward + backward
+   + SGD update with no communication, ``--compute-steps`` in all, timed one by one
+   on every rank), so that the machine's noise hits all alike; a round of short steps
    takes a multiple of them that lasts ``--round-s`` (:func:`round_steps`, from a
    warm step of each, the slowest rank's). Each round starts with the codec's
    time per element and per call, every rank at once (:func:`median_codec` takes
    the rounds' median), then what every algorithm's step costs beyond the model's
    arithmetic, timed on a tiny model
    (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
-   the profile's ``fixed_s``). The compute is the mean
+   the profile's ``fixed_s``). A row's prediction is the median over the rounds of
+   each round priced with its own slice of the compute, fixed costs and codec
+   (:func:`round_profiles`; the job's profile pooled over the rounds prices
+   ``predicted_pooled_s`` beside it). The pooled compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`; each row also
    prices the wait of as many more compute steps that every rank starts together,
@@ -56,6 +59,7 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +237,54 @@ def median_codec(
     return fields, tuple(entries)
 
 
+def round_profiles(
+    profile: Any,
+    compute_rounds: Sequence[float],
+    fixed_rounds: Sequence[dict[str, float]],
+    codec_rounds: Sequence[tuple[dict[str, float], Sequence[Sequence[float]]]],
+) -> list[Any]:
+    """One :class:`~bunsan.algorithms.cost_model.Profile` per timed round: ``profile`` (the job's, pooled
+    over the rounds) with that round's own compute (``compute_rounds[r]``: the compute alone timed just
+    before the row's algorithm in round ``r``), fixed costs and codec; the straggler wait and the sizes
+    stay the pooled ones (a round's few compute steps set a mean, not a slowest rank's excess).
+
+    A row's prediction is the median of its rounds' (:func:`paired_prediction`): the machine's
+    speed, which moved a whole round 1.3-1.4x on a busy day (ResNet-20's model averaging at 2
+    workers ran 226, 159 and 160 ms a step in predict-21's three rounds), then moves the priced
+    compute with the measured step instead of pricing every round with one pooled mean."""
+    from dataclasses import replace
+
+    if not (len(compute_rounds) == len(fixed_rounds) == len(codec_rounds)) or not compute_rounds:
+        raise ValueError(
+            f"need one compute, fixed-cost and codec entry per round, got {len(compute_rounds)}, "
+            f"{len(fixed_rounds)} and {len(codec_rounds)}"
+        )
+    out = []
+    for compute_s, fixed, codec_round in zip(compute_rounds, fixed_rounds, codec_rounds, strict=True):
+        codec, codecs = median_codec([codec_round])
+        out.append(
+            replace(
+                profile,
+                compute_s=float(compute_s),
+                fixed_s=tuple((label, float(s)) for label, s in fixed.items()),
+                codecs=codecs,
+                **{k: v for k, v in codec.items() if k in profile.__dataclass_fields__},
+            )
+        )
+    return out
+
+
+def paired_prediction(step_s: Callable[[Any], float], profiles: Sequence[Any]) -> tuple[float, list[float]]:
+    """``(median, each)`` of ``step_s(profile)`` over the rounds' profiles (:func:`round_profiles`)."""
+    each = [float(step_s(p)) for p in profiles]
+    return statistics.median(each), each
+
+
+def _step_of(profile: Any, *, cm: Any, network: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
+    """The cost model's step time of ``candidate`` at ``n`` workers priced from ``profile``."""
+    return float(cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
+
+
 def _algorithm(candidate: Any) -> Any:
     from bunsan import algorithms
 
@@ -307,6 +359,10 @@ def _worker(spec: dict[str, Any]) -> int:
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
         fixed_rounds: list[dict[str, float]] = []
         codec_rounds: list[tuple[dict[str, float], Any]] = []
+        # the compute alone runs in slices, one just before each algorithm's steps in every round: the
+        # row is priced with the compute of its own moments (round_profiles), the job's pooled over all
+        slice_steps = max(1, math.ceil(per_round / len(trainers)))
+        slices: list[list[list[float]]] = [[] for _ in trainers]  # [trainer][round] -> this rank's steps
         block = cm.block_steps(spec["block_size"], FIXED_COST_BATCH)  # the tiny model's runs hold whole blocks
         fixed_steps = block * math.ceil(FIXED_STEPS / block)
         for _ in range(spec["rounds"]):
@@ -337,11 +393,14 @@ def _worker(spec: dict[str, Any]) -> int:
                     )
                 )
             )
-            local_times += [time_steps(model, local, [(x, y)]) for _ in range(per_round)]
             for _ in range(per_round):  # the same steps started together: the wait a synchronous step sees
                 comm.barrier()
                 synced_times.append(time_steps(model, local, [(x, y)]))
-            for (_, copy, optimizer, _, times), count in zip(trainers, steps, strict=True):
+            for i, ((_, copy, optimizer, _, times), count) in enumerate(zip(trainers, steps, strict=True)):
+                comm.barrier()
+                own_slice = [time_steps(model, local, [(x, y)]) for _ in range(slice_steps)]
+                slices[i].append(own_slice)
+                local_times += own_slice
                 comm.barrier()
                 times.append(time_steps(copy, optimizer, [(x, y)] * count))
         mine = torch.tensor(local_times + synced_times, dtype=torch.float64)
@@ -365,12 +424,19 @@ def _worker(spec: dict[str, Any]) -> int:
             ranks_per_core=ranks_per_core,
             **codec,
         )
+        # each slice's mean over its steps and every rank: [trainer][round]
+        mine = torch.tensor([[statistics.fmean(r) for r in t] for t in slices], dtype=torch.float64)
+        comm.all_reduce(mine)
+        slice_means = (mine / n).tolist()
         profiles[name] = {
             **asdict(profile),
             "synced_straggler_s": synced_straggler_s,
             "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
+            "fixed_rounds": fixed_rounds,
         }
-        for (candidate, _, optimizer, before, times), count in zip(trainers, steps, strict=True):
+        for (candidate, _, optimizer, before, times), count, compute_rounds in zip(
+            trainers, steps, slice_means, strict=True
+        ):
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
@@ -387,6 +453,15 @@ def _worker(spec: dict[str, Any]) -> int:
             measured_s, sent = n / float(mine[0]), float(mine[1])
             rank_steps_s = [float(v) for v in mine[2 : 2 + n]]
             rounds_s = [n / float(v) for v in mine[2 + n :]]
+            # the row's prediction: each round priced with its own compute, fixed costs and codec, the
+            # median of the rounds (round_profiles); the job's pooled profile's beside it
+            step_of = partial(
+                _step_of, cm=cm, network=network, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core
+            )
+            predicted_s, predicted_rounds = paired_prediction(
+                step_of,
+                round_profiles(profile, compute_rounds, fixed_rounds, codec_rounds),
+            )
             predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
             before_split = (
@@ -404,24 +479,26 @@ def _worker(spec: dict[str, Any]) -> int:
                 else {}
             )
             # and priced with the wait of the compute steps started together (synced_straggler)
-            synced_wait = cm.predict(
-                replace(profile, straggler_s=synced_straggler_s),
-                network,
-                candidate,
-                n,
-                overlap=overlap,
-                spare_core=spare_core,
-            ).step_s
+            synced_wait = paired_prediction(
+                step_of,
+                round_profiles(
+                    replace(profile, straggler_s=synced_straggler_s), compute_rounds, fixed_rounds, codec_rounds
+                ),
+            )[0]
             rows.append(
                 {
                     "model": name,
                     "workers": n,
                     "network": spec["network"] or "loopback",
                     "label": candidate.label,
-                    "predicted_s": predicted.step_s,
+                    "predicted_s": predicted_s,
                     "measured_s": measured_s,
-                    "error": predicted.step_s / measured_s - 1,
+                    "error": predicted_s / measured_s - 1,
                     "rounds_s": rounds_s,
+                    "predicted_rounds_s": predicted_rounds,
+                    "compute_rounds_s": compute_rounds,
+                    # priced with the job's profile pooled over every round (the bench's figure before)
+                    "predicted_pooled_s": predicted.step_s,
                     "rank_steps_s": rank_steps_s,
                     "round_steps": count,
                     "compute_round_steps": per_round,

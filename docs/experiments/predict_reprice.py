@@ -15,10 +15,14 @@ Variants (what they change, for the rows they touch):
   (``synced_straggler_s``) instead of run free (``straggler_s``).
 * ``synced-exact``: that wait for exact's rows only (one collective after the compute), the
   free-running one elsewhere.
+* ``pooled``: every row priced once with its job's profile pooled over the rounds (the bench's
+  prediction before each round was priced with its own compute slice, fixed costs and codec:
+  ``bunsan.bench.predict.round_profiles``; a record without the rounds is priced so anyway).
 
 It also prints, for async rows, each rank's measured median step against the model's rank 0 and
 remote worker (``rank_steps_s``; the model's remote step is ``predicted_compute_s +
-communication_s``, its rank 0's from the job step, each with its side's fixed cost).
+communication_s``, its rank 0's from the job step, each with its side's fixed cost; both from the
+pooled profile).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from typing import Any
 
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
+from bunsan.bench.predict import paired_prediction, round_profiles
 
-VARIANTS = ("synced", "synced-exact")
+VARIANTS = ("synced", "synced-exact", "pooled")
 
 
 def profile_of(record: dict[str, Any]) -> cm.Profile:
@@ -53,8 +58,15 @@ def reprice(row: dict[str, Any], job: dict[str, Any], block_size: int, variant: 
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
         profile = replace(profile, straggler_s=record["synced_straggler_s"])
     n = row["workers"]
-    step = cm.predict(profile, network, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
-    return step
+
+    def step(p: cm.Profile) -> float:
+        return cm.predict(p, network, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
+
+    if variant == "pooled" or "compute_rounds_s" not in row or "fixed_rounds" not in record:
+        return step(profile)
+    codec_rounds = [(c["codec"], c["codecs"]) for c in record["codec_rounds"]]
+    rounds = round_profiles(profile, row["compute_rounds_s"], record["fixed_rounds"], codec_rounds)
+    return paired_prediction(step, rounds)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         n = row["workers"]
         remote = row["predicted_compute_s"] + row["communication_s"]
         # each side holds its own fixed cost since 249ce39: the job's step is N / (1 / own + (N - 1) / remote)
-        own = 1 / (n / row["predicted_s"] - (n - 1) / remote)
+        own = 1 / (n / row.get("predicted_pooled_s", row["predicted_s"]) - (n - 1) / remote)
         ranks = " ".join(f"{1e3 * s:.1f}" for s in row["rank_steps_s"])
         print(
             f"async {row['network']:>12} -np {n} {row['model']:<11} ranks {ranks} ms; "

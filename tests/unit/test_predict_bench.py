@@ -139,6 +139,11 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         # each rank's own median step, whose N / sum(1 / step) is the job's
         assert len(r["rank_steps_s"]) == 2 and min(r["rank_steps_s"]) > 0, r
         assert r["measured_s"] == pytest.approx(2 / sum(1 / s for s in r["rank_steps_s"])), r
+        # priced round by round with the compute slice run just before the row's steps: the median
+        # of the rounds' (of 2: the mean); the job's pooled profile's beside it
+        assert len(r["compute_rounds_s"]) == 2 and min(r["compute_rounds_s"]) > 0, r
+        assert r["predicted_s"] == pytest.approx(sum(r["predicted_rounds_s"]) / 2), r
+        assert r["predicted_pooled_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
     # the whole profile of every job's model is recorded: the rows price again to what they were
     data = json.loads((tmp_path / "predict.json").read_text())
     job = data["profiles"]["loopback-np2"]
@@ -149,6 +154,7 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     spec.loader.exec_module(reprice)
     for r in rows:
         assert reprice.reprice(r, job, 64) == pytest.approx(r["predicted_s"], rel=1e-9), r
+        assert reprice.reprice(r, job, 64, "pooled") == pytest.approx(r["predicted_pooled_s"], rel=1e-9), r
         if r["label"] == "exact":  # a variant moves the straggler it prices with
             assert reprice.reprice(r, job, 64, "synced") == pytest.approx(r["predicted_synced_straggler_s"]), r
     out = capsys.readouterr().out
@@ -405,6 +411,40 @@ def test_bench_tta_reads_what_auto_chose_from_its_printed_table(tmp_path):
         choice(*table[1:], trial + "back to exact: 7.0% faster than exact (< min_gain 10%)") == "exact (after a trial)"
     )
     assert choice("nothing printed") == "?"
+
+
+def test_each_round_is_priced_with_its_own_compute_fixed_costs_and_codec():
+    from bunsan.algorithms import cost_model as cm
+
+    profile = cm.Profile(
+        compute_s=0.010,
+        straggler_s=0.002,
+        params=1000,
+        batch=32,
+        fixed_s=(("exact", 0.001),),
+        encode_s_per_element=1e-9,
+        decode_s_per_element=1e-9,
+        codec_call_s=1e-5,
+    )
+    codec = lambda call: ({"encode_s_per_element": 2e-9, "encode_call_s": call, "decode_call_s": 3 * call}, ())
+    rounds = predict.round_profiles(
+        profile,
+        [0.020, 0.030, 0.040],
+        [{"exact": 0.003}, {"exact": 0.004}, {"exact": 0.005}],
+        [codec(1e-5), codec(2e-5), codec(3e-5)],
+    )
+    assert [r.compute_s for r in rounds] == [0.020, 0.030, 0.040]
+    assert [r.fixed("exact") for r in rounds] == [0.003, 0.004, 0.005]
+    # a round's codec: its own figures, the mean call of its two; what it did not time stays the job's
+    assert [r.codec_call_s for r in rounds] == pytest.approx([2e-5, 4e-5, 6e-5])
+    assert rounds[1].encode_s_per_element == 2e-9 and rounds[1].decode_s_per_element == 1e-9
+    # the straggler and the sizes stay pooled
+    assert {(r.straggler_s, r.params, r.batch) for r in rounds} == {(0.002, 1000, 32)}
+    # the median round's price, and each round's: 0.020 + 0.002 + 0.003 = 0.025 and so on
+    median, each = predict.paired_prediction(lambda p: p.compute_s + p.straggler_s + p.fixed("exact"), rounds)
+    assert each == pytest.approx([0.025, 0.036, 0.047]) and median == pytest.approx(0.036)
+    with pytest.raises(ValueError, match="one compute, fixed-cost and codec entry per round"):
+        predict.round_profiles(profile, [0.02], [], [codec(1e-5)])
 
 
 def test_synced_straggler_is_the_slowest_ranks_mean_step_past_the_compute():
