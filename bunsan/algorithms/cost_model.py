@@ -77,6 +77,7 @@ __all__ = [
     "burst_credit",
     "codec_call_counts",
     "codec_calls",
+    "codec_elements",
     "compute_with_stragglers",
     "default_candidates",
     "exposed_communication",
@@ -400,7 +401,10 @@ def codec_call_counts(tensors: int, buckets: int, workers: int, per_bucket: bool
     segments per bucket (:func:`bunsan.algorithms.data_parallel.plan_stripes` cuts at
     parameter and stripe ends): encode all of them (``T + B N``), decode the received ones
     (``T + B N``), encode the own stripe (``T / N + B``), decode the gathered ones (``T + B N``):
-    ``T + B N + T / N + B`` encodes and ``2 (T + B N)`` decodes. ``per_bucket``
+    ``T + B N + T / N + B`` encodes and ``2 (T + B N)`` decodes; at 2 workers no owner
+    re-encodes its sum (:meth:`~bunsan.algorithms.data_parallel.quantized.QuantizedExchange._finish_two_ranks`
+    sends each rank's first payload of the owned stripe instead, at the same bytes): ``T + B N``
+    encodes, and each segment's two payloads decoded into their sum, ``2 (T + B N)``. ``per_bucket``
     (:class:`bunsan.compression.segments.SegmentCodec`, a GPU): per bucket one encode, one
     decode of every rank's payload of the own stripe, one encode of their sum and one decode
     of the gathered stripes, ``2 B`` each; at 2 workers one encode and four decodes (each
@@ -411,7 +415,25 @@ def codec_call_counts(tensors: int, buckets: int, workers: int, per_bucket: bool
     if per_bucket:
         return (1.0 * buckets, 4.0 * buckets) if workers == 2 else (2.0 * buckets, 2.0 * buckets)
     segments = tensors + buckets * workers
+    if workers == 2:  # no owner's second quantization
+        return float(segments), 2.0 * segments
     return segments + tensors / workers + buckets, 2.0 * segments
+
+
+def codec_elements(params: int, workers: int) -> tuple[float, float]:
+    """``(elements encoded, elements decoded)`` per step of the striped exchange of ``params`` gradients.
+
+    Every element is encoded once for its stripe's owner, and the owner encodes its summed stripe
+    again (``params / workers``), but at 2 workers, where each rank sends its first payload of the
+    stripe it owns instead (no second quantization, at the same bytes:
+    ``QuantizedExchange._finish_two_ranks`` and ``_pair_batched``); every rank decodes the
+    ``workers`` payloads of its stripe and then the gathered stripes (2 workers: each stripe's two
+    payloads into their sum), ``2 params`` either way. Priced at 1.5 ``params`` encodes at 2
+    workers before, the CPU's 8-bit rows at 2 workers came out 10-34% over the measured step
+    (the 10.5M MLP's and MNIST-1D's, docs/plan.md "Checking the predictions")."""
+    if workers <= 1:
+        return 0.0, 0.0
+    return params * (1 + (1 / workers if workers > 2 else 0.0)), 2.0 * params
 
 
 def mean_call_profile(profile: Profile, timed_numel: int) -> Profile:
@@ -607,15 +629,11 @@ def predict(
             )
             encode_s, decode_s, encode_call_s, decode_call_s = profile.codec(bits)
             encodes, decodes = codec_call_counts(profile.tensors, len(buckets), n, profile.codec_per_bucket)
+            encoded, decoded = codec_elements(profile.params, n)
             codec = (
                 0.0
                 if n == 1
-                else (
-                    encode_s * profile.params * (1 + 1 / n)
-                    + decode_s * profile.params * 2
-                    + encode_call_s * encodes
-                    + decode_call_s * decodes
-                )
+                else (encode_s * encoded + decode_s * decoded + encode_call_s * encodes + decode_call_s * decodes)
             )
             # the step's (samples, active ranks) count travels in a small all-reduce of its own
             codec += ring_allreduce_time(16, n, network)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bunsan import models
-from bunsan.algorithms.cost_model import Profile, codec_call_counts, mean_call_profile
+from bunsan.algorithms.cost_model import Profile, codec_call_counts, codec_elements, mean_call_profile
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.algorithms.data_parallel.buckets import build_buckets
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
@@ -103,9 +103,10 @@ def main() -> None:
                 measured = calls._one_step_s(named, bits, workers, 7, device)
                 encodes, decodes = codec_call_counts(len(named), len(buckets), workers, per_bucket)
                 count = encodes + decodes
+                encoded, decoded = codec_elements(params, workers)
                 predicted = (
-                    profile["encode_s_per_element"] * params * (1 + 1 / workers)
-                    + profile["decode_s_per_element"] * params * 2
+                    profile["encode_s_per_element"] * encoded
+                    + profile["decode_s_per_element"] * decoded
                     + profile["encode_call_s"] * encodes
                     + profile["decode_call_s"] * decodes
                 )
@@ -115,8 +116,8 @@ def main() -> None:
                     Profile(compute_s=1.0, params=params, **profile), min(params, CODEC_NUMEL_CAP)
                 )
                 predicted_mean = (
-                    before.encode_s_per_element * params * (1 + 1 / workers)
-                    + before.decode_s_per_element * params * 2
+                    before.encode_s_per_element * encoded
+                    + before.decode_s_per_element * decoded
                     + before.codec_call_s * count
                 )
                 row = {

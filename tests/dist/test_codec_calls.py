@@ -88,3 +88,53 @@ def test_one_call_per_bucket_trains_as_one_call_per_segment(workers, workers4, s
     assert all(r == per_bucket[0] for r in per_bucket)  # replicas agree
     assert all(r == per_segment[0] for r in per_segment)
     torch.testing.assert_close(torch.tensor(per_bucket[0]), torch.tensor(per_segment[0]), rtol=0, atol=1e-5)
+
+
+def _body_coded_elements(rank, world_size, bits):
+    """Elements this rank encodes and decodes in one coded step, each segment coded on its own."""
+    _in_mode("segment")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(37, 11), nn.Linear(11, 3))
+    algorithm = DataParallelSGD(bits=bits)
+    bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm)
+    quantizer = algorithm._quantizer
+    counted = {"encoded": 0, "decoded": 0}
+    depth = [0]  # the outermost call counts (decode_add decodes through decode)
+
+    def counting(name, key, numel):
+        real = getattr(quantizer, name)
+
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                counted[key] += numel(args)
+            depth[0] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        setattr(quantizer, name, call)
+
+    counting("encode", "encoded", lambda a: a[0].numel())
+    counting("encode_with_feedback", "encoded", lambda a: a[0].numel())
+    counting("decode", "decoded", lambda a: a[1])
+    counting("decode_add", "decoded", lambda a: a[1])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    algorithm.reduce_gradients()
+    return counted, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_cost_model_counts_the_elements_the_exchange_codes(workers, workers4, size):
+    """``cost_model.codec_elements`` against the exchange's own calls: every rank encodes all its
+    gradient and, from 3 workers, the owner its summed stripe again (the stripes add up to the
+    gradient over the ranks); at 2 workers no second quantization. Every rank decodes twice the gradient."""
+    from bunsan.algorithms.cost_model import codec_elements
+
+    results = (workers if size == 2 else workers4).run(f"{__name__}:_body_coded_elements", bits=8)
+    params = results[0][1]
+    encoded, decoded = codec_elements(params, size)
+    assert sum(r[0]["encoded"] for r in results) == pytest.approx(size * encoded)
+    assert sum(r[0]["decoded"] for r in results) == pytest.approx(size * decoded)
+    assert sum(r[0]["encoded"] for r in results) == size * params + (params if size > 2 else 0)

@@ -103,6 +103,22 @@ def test_quantized_prediction_adds_the_codec():
     assert cm.predict(batched, net, rotated, 4).codec_s == pytest.approx(4e-4, rel=1e-2)
 
 
+def test_two_workers_encode_every_element_once():
+    # from 3 workers the owner encodes its summed stripe again: 1000 + 1000 / 4 elements; at 2 workers
+    # each rank sends its first payload of the stripe it owns instead (no second quantization)
+    assert cm.codec_elements(1000, 4) == (1250.0, 2000.0)
+    assert cm.codec_elements(1000, 2) == (1000.0, 2000.0)
+    assert cm.codec_elements(1000, 1) == (0.0, 0.0)
+    # per segment, 10 tensors in 1 bucket: S = 12 segments encoded, their 2 x 12 payloads decoded
+    assert cm.codec_call_counts(10, 1, 2) == (12.0, 24.0)
+    net = Network(latency_s=0.0, bandwidth=1e12)
+    profile = Profile(compute_s=1.0, params=10**6, encode_s_per_element=1e-9, decode_s_per_element=2e-9)
+    eight = Candidate("data_parallel", {"bits": 8})
+    # 1e-9 x 1e6 encoded + 2e-9 x 2e6 decoded (+ the count's 16-byte all-reduce: nothing at 1 TB/s)
+    assert cm.predict(profile, net, eight, 2).codec_s == pytest.approx(1e-3 + 4e-3)
+    assert cm.predict(profile, net, eight, 4).codec_s == pytest.approx(1.25e-3 + 4e-3)
+
+
 def test_encode_and_decode_calls_are_priced_apart():
     # per segment, 10 tensors, 1 bucket, 4 workers: S = 10 + 4 = 14 segments; encode them all and the
     # own stripe (10 / 4 + 1), decode the received and the gathered ones (2 x 14)
@@ -139,7 +155,8 @@ def test_encode_and_decode_calls_are_priced_apart():
     before = cm.mean_call_profile(split, 1000)
     assert (before.encode_call_s, before.decode_call_s) == (None, None)
     assert before.encode_s_per_element == pytest.approx(1e-7) and before.decode_s_per_element == 0.0
-    assert cm.predict(before, net, one_bit, 2).codec_s == pytest.approx(1e-3 + 1e-7 * 1000 * 1.5, rel=1e-3)
+    # (every element encoded once at 2 workers: cost_model.codec_elements)
+    assert cm.predict(before, net, one_bit, 2).codec_s == pytest.approx(1e-3 + 1e-7 * 1000, rel=1e-3)
     # 8 bits: encode (4e-9 x 1000 + 3e-4 - 2e-4) / 1000; decode 1e-6 + 1e-4 - 2e-4 < 0: 0, as measure_codec clamps
     assert cm.mean_call_profile(widths, 1000).codecs[0] == (8, pytest.approx(1.04e-7), 0.0, pytest.approx(2e-4))
     assert cm.mean_call_profile(before, 1000) == before  # nothing split: unchanged
