@@ -12,7 +12,8 @@ and prints both, with the fixed-cost probe's parts (the one-chunk encode and dec
 the one-call codec's encode and decode of a whole bucket, so a gap can be placed.
 
 Usage (on a GPU machine): ``python docs/experiments/gpu_codec_calibration.py [--model resnet20]
-[--workers 2,8,32,256] [--bits 1,8] [--rounds 3] [--json PATH]``.
+[--workers 2,8,32,256] [--bits 1,8] [--rounds 3] [--json PATH]``; a recorded run priced again with
+the model at the checkout, on any machine: ``--reprice docs/experiments/gpu-h200/codec_calibration_cebdee4.json``.
 """
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def _parts(numel: int, bits: int, device: torch.device, segments: list[tuple[int
     return found
 
 
+def reprice(path: str) -> None:
+    """Each recorded row's codec time priced again from its own recorded profile and call counts with
+    the element counts at this checkout (:func:`bunsan.algorithms.cost_model.codec_elements`), medians
+    over rounds beside the recorded prediction and the measurement."""
+    record = json.loads(Path(path).read_text())
+    kwargs, _ = model_inputs(record["model"], None, 10)
+    params = sum(p.numel() for p in models.create(record["model"], **kwargs).parameters())
+    for bits in sorted({r["bits"] for r in record["rows"]}):
+        for workers in sorted({r["workers"] for r in record["rows"]}):
+            mine = [r for r in record["rows"] if r["bits"] == bits and r["workers"] == workers]
+            if not mine:
+                continue
+            encoded, decoded = codec_elements(params, workers)
+            now = statistics.median(
+                r["encode_s_per_element"] * encoded
+                + r["decode_s_per_element"] * decoded
+                + r["encode_call_s"] * r["encode_calls"]
+                + r["decode_call_s"] * r["decode_calls"]
+                for r in mine
+            )
+            then = statistics.median(r["predicted_s"] for r in mine)
+            m = statistics.median(r["measured_s"] for r in mine)
+            print(
+                f"median {bits:2d} bit {workers:4d} workers: recorded {then * 1e3:.2f} ms ({then / m - 1:+.0%}),"
+                f" at this checkout {now * 1e3:.2f} ms ({now / m - 1:+.0%}), measured {m * 1e3:.2f} ms"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet20")
@@ -79,7 +108,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--reprice",
+        default=None,
+        metavar="JSON",
+        help="price a recorded run's rows again with the model at this checkout (no GPU needed) and exit",
+    )
     args = parser.parse_args()
+    if args.reprice:
+        reprice(args.reprice)
+        return
     device = torch.device(args.device)
     calls = _calls_module()
     for name in ("all_to_all", "all_gather_into", "wait"):  # as gpu_codec_calls stubs them: no wire
