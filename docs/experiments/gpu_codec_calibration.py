@@ -72,11 +72,27 @@ def _parts(numel: int, bits: int, device: torch.device, segments: list[tuple[int
     return found
 
 
+def codec_price(figures: dict, encoded: float, decoded: float, encodes: float, decodes: float) -> float:
+    """Seconds of codec work a step, the cost model's way: ``figures`` holds measure_codec's per-element
+    and per-call costs; the elements and calls of each kind from :func:`codec_elements` and
+    :func:`codec_call_counts`."""
+    return (
+        figures["encode_s_per_element"] * encoded
+        + figures["decode_s_per_element"] * decoded
+        + figures["encode_call_s"] * encodes
+        + figures["decode_call_s"] * decodes
+    )
+
+
 def reprice(path: str) -> None:
     """Each recorded row's codec time priced again from its own recorded profile and call counts with
     the element counts at this checkout (:func:`bunsan.algorithms.cost_model.codec_elements`), medians
     over rounds beside the recorded prediction and the measurement."""
-    record = json.loads(Path(path).read_text())
+    try:
+        record = json.loads(Path(path).read_text())
+        record["rows"][0]["encode_calls"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise SystemExit(f"gpu_codec_calibration: {path} is not a calibration record of this script ({err})") from None
     kwargs, _ = model_inputs(record["model"], None, 10)
     params = sum(p.numel() for p in models.create(record["model"], **kwargs).parameters())
     for bits in sorted({r["bits"] for r in record["rows"]}):
@@ -86,11 +102,7 @@ def reprice(path: str) -> None:
                 continue
             encoded, decoded = codec_elements(params, workers)
             now = statistics.median(
-                r["encode_s_per_element"] * encoded
-                + r["decode_s_per_element"] * decoded
-                + r["encode_call_s"] * r["encode_calls"]
-                + r["decode_call_s"] * r["decode_calls"]
-                for r in mine
+                codec_price(r, encoded, decoded, r["encode_calls"], r["decode_calls"]) for r in mine
             )
             then = statistics.median(r["predicted_s"] for r in mine)
             m = statistics.median(r["measured_s"] for r in mine)
@@ -142,12 +154,7 @@ def main() -> None:
                 encodes, decodes = codec_call_counts(len(named), len(buckets), workers, per_bucket)
                 count = encodes + decodes
                 encoded, decoded = codec_elements(params, workers)
-                predicted = (
-                    profile["encode_s_per_element"] * encoded
-                    + profile["decode_s_per_element"] * decoded
-                    + profile["encode_call_s"] * encodes
-                    + profile["decode_call_s"] * decodes
-                )
+                predicted = codec_price(profile, encoded, decoded, encodes, decodes)
                 # the model before the split (cost_model.mean_call_profile): per-element costs net of the
                 # mean call, every call at the mean
                 before = mean_call_profile(
