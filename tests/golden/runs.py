@@ -25,8 +25,9 @@ What "the same" means:
   first two epochs agree to 1e-4 (README, "Benchmarks").
 * ``async`` at 2 workers is nondeterministic by design (the parameter server
   applies updates in arrival order), so it is checked to a tolerance,
-  :data:`ASYNC_TOLERANCE`, and runs at :data:`ASYNC_LR` (both runs, so that the
-  1-worker one, deterministic, covers the same setting exactly).
+  :data:`ASYNC_TOLERANCE`, on the median of :data:`ASYNC_RERUNS` reruns, and runs
+  at :data:`ASYNC_LR` (both runs, so that the 1-worker one, deterministic, covers
+  the same setting exactly).
 * The stored fingerprint (torch version, machine architecture, a digest of the
   data) must match; where it does not (another torch, an ARM machine, another
   ``mnist1d`` that generates different data), the check fails and says which part
@@ -40,6 +41,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -66,10 +68,18 @@ ALGORITHMS = [
     "async",  # last: its parameter server is the one run that is not deterministic
 ]
 # async applies every worker's update in full: at lr 0.5 and 2 workers five reruns ended
-# anywhere between 70% and 90% test error. It runs at lr 0.125 (the README's lr / N advice),
-# where five reruns spread by 0.028 and 0.048 in the two epochs' training losses, 0.012 in
-# test loss and 1.2 points of test error; the tolerances are about twice to four times that.
+# anywhere between 70% and 90% test error. It runs at lr 0.125 (the README's lr / N advice).
+# One run there is too noisy to check alone: 66 reruns (26 quiet, 20 beside one busy process,
+# 20 beside two; 2026-11-29) ended between 1.778 and 1.876 test loss, with rare outliers
+# (1.876 beside two busy processes; 1.856 once under `make test`, which failed CI at 8658a65)
+# while most stayed within 1.78-1.80. So the 2-worker async run is repeated ASYNC_RERUNS
+# times and each value checked is the median of the reruns (element by element for the
+# per-epoch losses). Medians of 5 drawn from those 66 spread by 0.024 in test loss, 2.1
+# points of test error and 0.025 and 0.052 in the two training losses; the tolerances are
+# about twice that. Dropping one worker's updates would move test loss by ~0.17 (the
+# 1-worker run ends at 1.96), which they still catch.
 ASYNC_LR = 0.125
+ASYNC_RERUNS = 5
 ASYNC_TOLERANCE = {"train_loss": 0.1, "test_loss": 0.05, "test_error": 0.05}
 KEYS = ("train_loss", "test_error", "test_loss")
 
@@ -120,6 +130,21 @@ def body(rank: int, world_size: int, algorithm: str, lr: float | None = None) ->
     return out
 
 
+def median_run(values: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's record from reruns of it: the median of each checked value (per epoch for lists)."""
+    if len(values) == 1:
+        return values[0]
+    out = dict(values[0])
+    for key in KEYS:
+        column = [v[key] for v in values]
+        if isinstance(column[0], list):
+            out[key] = [statistics.median(epoch) for epoch in zip(*column, strict=True)]
+        else:
+            out[key] = statistics.median(column)
+    out["replicas_equal"] = all(v["replicas_equal"] for v in values)
+    return out
+
+
 def measure(verbose: bool = False) -> dict[str, Any]:
     """Run every golden run in warm pools of 1 and 2 workers with the pinned kernels; return the record."""
     from tests.helpers.workers import WorkerPool
@@ -146,7 +171,9 @@ def measure(verbose: bool = False) -> dict[str, Any]:
                 for algorithm in ALGORITHMS:
                     begin = time.perf_counter()
                     lr = ASYNC_LR if algorithm == "async" else None
-                    value = pool.run(f"{__name__}:body", algorithm=algorithm, lr=lr)[0]
+                    reruns = ASYNC_RERUNS if not is_exact(f"np{world_size}:{algorithm}") else 1
+                    values = [pool.run(f"{__name__}:body", algorithm=algorithm, lr=lr)[0] for _ in range(reruns)]
+                    value = median_run(values)
                     if verbose:
                         print(f"np{world_size}:{algorithm}: {time.perf_counter() - begin:.1f} s", file=sys.stderr)
                     fingerprint = value.pop("fingerprint")
@@ -154,7 +181,7 @@ def measure(verbose: bool = False) -> dict[str, Any]:
             finally:
                 pool.close()
     return {
-        "settings": dict(SETTINGS, async_lr=ASYNC_LR),
+        "settings": dict(SETTINGS, async_lr=ASYNC_LR, async_reruns=ASYNC_RERUNS),
         "pinned_env": PINNED_ENV,
         "fingerprint": fingerprint,
         "runs": results,

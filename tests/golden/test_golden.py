@@ -20,7 +20,7 @@ def stored():
 
 def test_stored_values_cover_every_run(stored):
     assert sorted(stored["runs"]) == sorted(runs.run_names())
-    assert stored["settings"] == dict(runs.SETTINGS, async_lr=runs.ASYNC_LR)
+    assert stored["settings"] == dict(runs.SETTINGS, async_lr=runs.ASYNC_LR, async_reruns=runs.ASYNC_RERUNS)
 
 
 def test_compare_demands_bits_except_for_async(stored):
@@ -45,3 +45,20 @@ def test_golden_runs_end_where_they_ended(stored):
     # ~40 s on 2 loaded cores: two warm pools (1 and 2 workers) and 10 two-epoch runs.
     problems = runs.compare(stored, runs.measure())
     assert not problems, "\n".join(problems) + "\nIf the change is intended: python -m tests.golden --update"
+
+
+def test_async_is_checked_on_the_median_of_its_reruns():
+    reruns = [
+        {"train_loss": [2.2, 1.90], "test_loss": 1.78, "test_error": 0.74, "replicas_equal": True},
+        {"train_loss": [2.3, 1.88], "test_loss": 1.88, "test_error": 0.73, "replicas_equal": True},  # an outlier
+        {"train_loss": [2.1, 1.95], "test_loss": 1.79, "test_error": 0.75, "replicas_equal": True},
+    ]
+    assert runs.median_run(reruns) == {
+        "train_loss": [2.2, 1.90],
+        "test_loss": 1.79,
+        "test_error": 0.74,
+        "replicas_equal": True,
+    }
+    assert runs.median_run(reruns[:1]) is reruns[0]  # exact runs run once
+    reruns[1]["replicas_equal"] = False
+    assert runs.median_run(reruns)["replicas_equal"] is False

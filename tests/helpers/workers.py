@@ -74,6 +74,7 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")  # never fork: forked children can hang in OpenMP
         self._generation = 0
         self._procs: list[Any] = []
+        self._healthy = False  # close() reads it if the first start times out
         self._start()
 
     def _start(self) -> None:
