@@ -531,8 +531,10 @@ def shared_compute(
     in ``compute_s / ranks_per_core``, and with a mean share ``b`` of the ranks busy on the CPU (the
     rest waiting on the network) in ``compute_s / ranks_per_core * max(1, ranks_per_core * b)``.
     ``busy(c)`` gives that mean share for a compute of ``c``; the fixed point is found from below
-    (the share grows with ``c``, so the rounds rise to it). With ``ranks_per_core`` 1 it is
-    ``compute_s``.
+    (the share grows with ``c``, so the rounds rise to it). The share counts every busy thread per
+    rank and may pass 1: a thread beside the ranks (async SGD's server on a host without a spare
+    core) slows them all, even at ``ranks_per_core`` 1. With ``ranks_per_core`` 1 (or less: a core
+    or more each) and a share of at most 1 it is ``compute_s``.
 
     Async SGD on a shared host: on the 2-core machine of the docs, at 4 workers on 1 Gbit/s and
     100 Mbit/s links, the 10.5M MLP's compute timed with all 4 ranks busy was 88-93 ms, but its
@@ -540,12 +542,11 @@ def shared_compute(
     the 40-47 ms of a rank with a core to itself (its 2-worker compute); charging it 88 ms
     predicted its job 42-58% slow (docs/plan.md, "Async on a shared host").
     """
-    if ranks_per_core <= 1:
-        return compute_s
+    ranks_per_core = max(1.0, ranks_per_core)
     alone = compute_s / ranks_per_core
     compute = alone
     for _ in range(100):
-        share = min(1.0, max(0.0, busy(compute)))
+        share = max(0.0, busy(compute))
         following = alone * max(1.0, ranks_per_core * share)
         if abs(following - compute) <= 1e-12 * compute_s:
             return following
@@ -576,9 +577,10 @@ def predict(
     the exchange needs the compute's own core: :func:`bunsan.algorithms.measure.can_overlap`).
 
     ``spare_core`` (async only): whether the server's transfers for the remote workers find a core
-    that no worker computes on; where not, they run on rank 0's and its worker is charged them.
-    Where each worker has a core of its own, a remote worker's core idles during its own round
-    trip and the server thread's copies run there: the 10.5M-parameter MLP at 2 workers on 2
+    that no worker computes on; where not, the server thread's transfers and applies are CPU work
+    beside the ranks' (:func:`async_rank_steps`), which the OS spreads over every core. Where each
+    worker has a core of its own, a remote worker's core idles during its own round trip and the
+    server thread's copies run there: the 10.5M-parameter MLP at 2 workers on 2
     cores, rank 0's worker spent 41.7 ms a step in its exchange with the remote's transfers over
     loopback and 38.8 ms with them on a 1 Gbit/s link, 3 ms for 84 MB through memory where the
     model had charged 65 ms (docs/experiments/async_exchange.py). ``None``: as ``overlap``.
@@ -690,7 +692,15 @@ def async_rank_steps(
     """``(compute, rank 0's worker's step, a remote worker's step)`` of async SGD, before the measured fixed
     costs (:func:`predict` adds them, :func:`async_fixed_labels`): ``compute`` as the ranks' sharing of
     cores leaves it (:func:`shared_compute`), rank 0's worker reaching the server in-process, a remote
-    worker paying its round trip (:func:`async_step`). Arguments as :func:`predict`'s."""
+    worker paying its round trip (:func:`async_step`). Arguments as :func:`predict`'s.
+
+    Without a spare core the server thread's work of a round, ``(N - 1)`` pushes and pulls through
+    memory and applies, counts as one more thread on the CPU for the share of each remote step it
+    fills (:func:`shared_compute`), slowing every rank's compute; rank 0's worker is not charged it
+    alone. Charged to rank 0's worker, the 10.5M MLP at 4 workers on 2 cores over loopback had
+    rank 0's worker at 438-547 ms, measured 108-134 ms, and its job +16% to +52% (predict-21 to
+    predict-23; docs/plan.md, "The server thread as one more thread"). With a
+    core per rank the server's work fills exactly the remotes' round trips and nothing slows."""
     check_int("workers", workers, minimum=1)
     n = workers
     compute = profile.compute_s
@@ -699,16 +709,19 @@ def async_rank_steps(
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
     apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, on rank 0's core
 
-    def busy(c: float) -> float:  # the mean share of the ranks on the CPU: rank 0's worker always
-        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
-        return (1 + (n - 1) * min(1.0, (c + ASYNC_REMOTE_PASSES * pass_s / k) / remote_s)) / n
+    crowded = not (overlap if spare_core is None else spare_core) and n > 1
+    # no spare core: the server thread's transfers and applies of a round are CPU work beside the ranks'
+    server_s = (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k if crowded else 0.0
 
-    if n > 1:  # where ranks share cores, those waiting on their round trips leave them to the others
+    def busy(c: float) -> float:  # threads on the CPU per rank: rank 0's worker always, the server thread
+        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
+        remotes = (n - 1) * min(1.0, (c + ASYNC_REMOTE_PASSES * pass_s / k) / remote_s)
+        return (1 + remotes + min(1.0, server_s / remote_s)) / n
+
+    if n > 1 and (crowded or profile.ranks_per_core > 1):  # ranks waiting leave their cores to the others
         compute = shared_compute(compute, profile.ranks_per_core, busy)
     remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
     own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
-    if not (overlap if spare_core is None else spare_core) and n > 1:  # ... the server's transfers on its core
-        own += (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k
     return compute, own, remote
 
 

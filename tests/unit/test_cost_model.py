@@ -489,18 +489,33 @@ def test_overlap_needs_a_spare_core_per_worker(monkeypatch):
     assert measure.can_overlap("cpu", 2, over_memory=False) is True  # the backend's thread waits on a wire
 
 
-def test_async_server_on_the_compute_core_without_overlap():
+def test_async_server_thread_takes_cpu_beside_the_ranks_without_a_spare_core():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
     profile = Profile(compute_s=0.1, params=1_000_000)
-    # 3 workers: remotes at 0.1 + 0.08 = 0.18 s; rank 0 serves 2 x (push + pull) = 0.16 s on its core
+    # 3 workers, a core each: remotes at 0.1 + 0.08 = 0.18 s; the server thread works 2 x (push +
+    # pull) = 0.16 s a round, exactly the time the 2 remotes spend off their cores: nothing slows
     p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
-    assert p.step_s == pytest.approx(3 / (1 / 0.26 + 2 / 0.18))
-    assert cm.predict(profile, net, Candidate("async"), 3).step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
-    # every worker with a core of its own: the transfers run on the remotes' idle cores, not rank 0's
+    assert p.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
     spared = cm.predict(profile, net, Candidate("async"), 3, overlap=False, spare_core=True)
-    assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
-    crowded = cm.predict(profile, net, Candidate("async"), 3, overlap=True, spare_core=False)
-    assert crowded.step_s == pytest.approx(p.step_s)
+    assert spared.step_s == pytest.approx(p.step_s)
+    # 4 ranks on 2 cores, 0.04 s alone (0.08 timed all busy). Spare core: the remotes (0.04 + 0.08
+    # = 0.12 s) are on the CPU a third of the time: (1 + 3 / 3) / 4 = 1/2 of the ranks, 1 a core, 0.04
+    shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
+    spared = cm.predict(shared, net, Candidate("async"), 4, overlap=False, spare_core=True)
+    assert spared.compute_s == pytest.approx(0.04)
+    assert spared.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 0.12))
+    # none spare: the server thread, busy 3 x 0.08 = 0.24 s of every remote step (so always), is one
+    # more thread: c = 0.04 x 2 x (1 + 3 c / (c + 0.08) + 1) / 4, so c^2 - 0.02 c - 0.0032 = 0
+    crowded = cm.predict(shared, net, Candidate("async"), 4, overlap=False)
+    c = (0.02 + math.sqrt(0.0132)) / 2
+    assert crowded.compute_s == pytest.approx(c)
+    assert crowded.step_s == pytest.approx(4 / (1 / c + 3 / (c + 0.08)))  # rank 0's worker pays no transfer
+    assert cm.predict(shared, net, Candidate("async"), 4, overlap=True, spare_core=False).step_s == pytest.approx(
+        crowded.step_s
+    )
+    # a share above 1 slows every rank even with a core each; fewer ranks than cores count as a core each
+    assert cm.shared_compute(0.1, 1.0, lambda c: 1.25) == pytest.approx(0.125)
+    assert cm.shared_compute(0.1, 0.5, lambda c: 0.5) == pytest.approx(0.1)
 
 
 def test_measure_codecs_one_entry_per_width():
