@@ -494,16 +494,28 @@ def async_step(
     sync_steps: int,
     apply_s: float = 0.0,
     local_s: float = 0.0,
+    *,
+    convoy: bool = True,
 ) -> tuple[float, float]:
     """``(step seconds, exposed seconds)`` of a remote worker of the rank-0 parameter server.
 
-    A worker pays its own push and pull (``2 (alpha + M / beta)``) and its in-memory
-    work around them (``local_s``) every
-    ``sync_steps`` steps; rank 0's link, full duplex, receives ``N - 1`` pushes and
-    sends ``N - 1`` models per sync round, and rank 0 applies ``N - 1`` updates, so
-    a round cannot be shorter than ``(N - 1) (alpha + M / beta + apply)``.
-    (Rank 0's own worker: :func:`predict`; where the server's transfers take its core,
-    ``overlap=False``, it pays every remote worker's push and pull.)
+    A worker pays its own push and its pull and its in-memory work around them (``local_s``)
+    every ``sync_steps`` steps; rank 0 applies ``N - 1`` updates a round, and its link, full
+    duplex, sends ``N - 1`` models, so a round cannot be shorter than
+    ``(N - 1) (alpha + M / beta + apply)``.
+
+    ``convoy`` (over a link): each remote pushes on its own link, but the pulls share rank 0's
+    outgoing one. Shared fairly, pulls that overlap end together, and the remotes, computing
+    equal steps, push together again: they fall into step, and a remote's round trip is its
+    push and then the ``N - 1`` pulls sharing the link, ``2 alpha + N M / beta + apply``
+    (``2 (alpha + M / beta) + apply`` at 2 workers either way). Measured on the 2-core machine
+    of the docs at 4 workers on 1 Gbit/s and 100 Mbit/s links, the remotes' median step in
+    predict-21 to predict-23 (20 rows: four models, both links): within 16% of this in all 20
+    (median 5%); priced with each pull on a link of its own (``2 (alpha + M / beta)``, rank 0's
+    link bounding only the round), 7 of 20, 19-35% under in the others (the 10.5M MLP at
+    100 Mbit/s: 11.2 s against 14.8-16.3 s). ``convoy=False``: through memory, where rank 0's
+    server threads send on cores of their own (no shared link): ``2 (alpha + M / beta) + apply``.
+    (Rank 0's own worker: :func:`async_rank_steps`.)
 
     On token-bucket links (``network.burst_bytes``) each bucket refills over a sync's
     ``sync_steps`` steps of compute: the push's, on the worker's own link, and the pull's,
@@ -514,9 +526,13 @@ def async_step(
     idle = sync_steps * compute_s
     pulls = burst_credit(network, (workers - 1) * model_bytes, idle)  # rank 0's link, shared by a round
     push = burst_credit(network, model_bytes, idle)
-    round_trip = 2 * (network.latency_s + model_bytes / network.bandwidth) + apply_s - push - pulls / (workers - 1)
-    own = compute_s + (round_trip + local_s) / sync_steps
-    server = ((workers - 1) * (network.latency_s + model_bytes / network.bandwidth + apply_s) - pulls) / sync_steps
+    message = network.latency_s + model_bytes / network.bandwidth
+    if convoy:  # the push, then the round's N - 1 pulls at once on rank 0's link
+        trip = 2 * network.latency_s + workers * model_bytes / network.bandwidth - push - pulls
+    else:
+        trip = 2 * message - push - pulls / (workers - 1)
+    own = compute_s + (trip + apply_s + local_s) / sync_steps
+    server = ((workers - 1) * (message + apply_s) - pulls) / sync_steps
     step = max(own, server)
     return step, step - compute_s
 
@@ -714,13 +730,13 @@ def async_rank_steps(
     server_s = (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k if crowded else 0.0
 
     def busy(c: float) -> float:  # threads on the CPU per rank: rank 0's worker always, the server thread
-        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
+        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s, convoy=not crowded)
         remotes = (n - 1) * min(1.0, (c + ASYNC_REMOTE_PASSES * pass_s / k) / remote_s)
         return (1 + remotes + min(1.0, server_s / remote_s)) / n
 
     if n > 1 and (crowded or profile.ranks_per_core > 1):  # ranks waiting leave their cores to the others
         compute = shared_compute(compute, profile.ranks_per_core, busy)
-    remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s)
+    remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s, convoy=not crowded)
     own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
     return compute, own, remote
 

@@ -292,12 +292,16 @@ def test_async_bottleneck_is_rank_zero():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
     # 2 workers: the worker's own push + pull, 0.1 + 0.08
     assert cm.async_step(0.1, 4e6, 2, net, 1)[0] == pytest.approx(0.18)
-    # 11 workers: rank 0's link carries 10 x 0.04 s per round
-    assert cm.async_step(0.1, 4e6, 11, net, 1)[0] == pytest.approx(0.4)
-    assert cm.async_step(0.1, 4e6, 11, net, 4)[0] == pytest.approx(0.12)  # 0.1 + 0.08 / 4 > 0.4 / 4
-    # the job's step at 11 workers: rank 0 at 0.1 s, ten remote workers at 0.4 s: 11 / (10 + 25) s
+    # 11 workers in step: a push (0.04), then 10 pulls sharing rank 0's link (0.4): 0.1 + 0.44
+    assert cm.async_step(0.1, 4e6, 11, net, 1)[0] == pytest.approx(0.54)
+    assert cm.async_step(0.1, 4e6, 11, net, 4)[0] == pytest.approx(0.21)  # 0.1 + 0.44 / 4
+    # each pull on a core's own copy through memory (no shared link): rank 0 bounds the round, 10 x 0.04
+    assert cm.async_step(0.1, 4e6, 11, net, 1, convoy=False)[0] == pytest.approx(0.4)
+    assert cm.async_step(0.1, 4e6, 11, net, 4, convoy=False)[0] == pytest.approx(0.12)  # 0.1 + 0.08 / 4 > 0.1
+    assert cm.async_step(0.1, 4e6, 2, net, 1, convoy=False)[0] == pytest.approx(0.18)  # the same at 2 workers
+    # the job's step at 11 workers: rank 0 at 0.1 s, ten remote workers at 0.54 s
     p = cm.predict(Profile(compute_s=0.1, params=1_000_000), net, Candidate("async"), 11)
-    assert p.step_s == pytest.approx(11 / 35) and p.bytes_per_step == 4e6
+    assert p.step_s == pytest.approx(11 / (10 + 10 / 0.54)) and p.bytes_per_step == 4e6
 
 
 def test_async_in_process_passes_over_the_model():
@@ -333,14 +337,14 @@ def test_shared_compute_finds_the_cores_the_waiting_ranks_leave():
 
 def test_async_rank_zero_computes_alone_while_the_remotes_wait_on_the_link():
     # 4 ranks on 2 cores, timed at 0.08 s all busy; 4e6 bytes at 1e6 B/s: 4 s a message, so the
-    # remotes take 12 s a step (rank 0's link: 3 pushes a round) and sit on the CPU 0.04 / 12 of it
+    # remotes take 16 s a step (a push, then 3 pulls on rank 0's link) and sit on the CPU 0.04 / 16 of it
     net = Network(latency_s=0.0, bandwidth=1e6)
     shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
     p = cm.predict(shared, net, Candidate("async"), 4)
-    assert p.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 12))  # rank 0's worker at a core's speed
+    assert p.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 16.04))  # rank 0's worker at a core's speed
     assert p.compute_s == pytest.approx(0.04)
     alone = cm.predict(Profile(compute_s=0.08, params=1_000_000), net, Candidate("async"), 4)
-    assert alone.step_s == pytest.approx(4 / (1 / 0.08 + 3 / 12))
+    assert alone.step_s == pytest.approx(4 / (1 / 0.08 + 3 / 16.08))
     # on a fast link every rank computes all the time: the compute stays as timed
     fast = cm.predict(shared, Network(latency_s=0.0, bandwidth=1e12), Candidate("async"), 4)
     assert fast.compute_s == pytest.approx(0.08, rel=1e-3)
@@ -496,14 +500,15 @@ def test_async_server_thread_takes_cpu_beside_the_ranks_without_a_spare_core():
     # pull) = 0.16 s a round, exactly the time the 2 remotes spend off their cores: nothing slows
     p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
     assert p.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
+    # with a spare core the transfers are a link's: the remotes' 2 pulls share rank 0's, 0.1 + 0.04 + 0.08
     spared = cm.predict(profile, net, Candidate("async"), 3, overlap=False, spare_core=True)
-    assert spared.step_s == pytest.approx(p.step_s)
-    # 4 ranks on 2 cores, 0.04 s alone (0.08 timed all busy). Spare core: the remotes (0.04 + 0.08
-    # = 0.12 s) are on the CPU a third of the time: (1 + 3 / 3) / 4 = 1/2 of the ranks, 1 a core, 0.04
+    assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.22))
+    # 4 ranks on 2 cores, 0.04 s alone (0.08 timed all busy). Spare core: the remotes (0.04 + 0.04
+    # + 3 x 0.04 = 0.2 s) are on the CPU a fifth of the time: (1 + 3 / 5) / 4 < 1/2 of the ranks, 0.04
     shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
     spared = cm.predict(shared, net, Candidate("async"), 4, overlap=False, spare_core=True)
     assert spared.compute_s == pytest.approx(0.04)
-    assert spared.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 0.12))
+    assert spared.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 0.2))
     # none spare: the server thread, busy 3 x 0.08 = 0.24 s of every remote step (so always), is one
     # more thread: c = 0.04 x 2 x (1 + 3 c / (c + 0.08) + 1) / 4, so c^2 - 0.02 c - 0.0032 = 0
     crowded = cm.predict(shared, net, Candidate("async"), 4, overlap=False)
@@ -588,8 +593,11 @@ def test_async_push_and_pull_get_the_burst_of_their_links():
     net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
     # 2 workers: push and pull each 1.31072 ms shorter: 2 + 2 * (2.62144 - 1.31072) = 4.62144 ms
     assert cm.async_step(0.002, 32768, 2, net, 1)[0] == pytest.approx(4.62144e-3)
-    # 5 workers: rank 0's link sends 4 pulls a round (10.48576 ms), its bucket (16 KiB) shared by them:
-    # the round 10.48576 - 1.31072 = 9.17504 ms, above a worker's own 2 + 2.62144 + 2.62144 - 1.31072 - 0.32768
-    assert cm.async_step(0.002, 32768, 5, net, 1)[0] == pytest.approx(9.17504e-3)
+    # 5 workers in step: a push (2.62144 - 1.31072), then 4 pulls sharing rank 0's link and its bucket
+    # (10.48576 - 1.31072): 2 + 1.31072 + 9.17504 ms
+    assert cm.async_step(0.002, 32768, 5, net, 1)[0] == pytest.approx(12.48576e-3)
+    # through memory: rank 0's round of 4 pulls, 10.48576 - 1.31072 = 9.17504 ms, above a worker's own
+    # 2 + 2.62144 + 2.62144 - 1.31072 - 0.32768
+    assert cm.async_step(0.002, 32768, 5, net, 1, convoy=False)[0] == pytest.approx(9.17504e-3)
     # without a bucket, as before: 2 + 2 * 2.62144
     assert cm.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
