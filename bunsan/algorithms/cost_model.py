@@ -505,15 +505,18 @@ def async_step(
     ``(N - 1) (alpha + M / beta + apply)``.
 
     ``convoy`` (over a link): each remote pushes on its own link, but the pulls share rank 0's
-    outgoing one. Shared fairly, pulls that overlap end together, and the remotes, computing
-    equal steps, push together again: they fall into step, and a remote's round trip is its
-    push and then the ``N - 1`` pulls sharing the link, ``2 alpha + N M / beta + apply``
+    outgoing one. The remotes start together, and a link shared fairly keeps the offsets between
+    equal transfers (two pulls that start together end together; one started later ends as much
+    later), so remotes computing equal steps stay in step: a remote's round trip is its push
+    and then the ``N - 1`` pulls sharing the link, ``2 alpha + N M / beta + apply``
     (``2 (alpha + M / beta) + apply`` at 2 workers either way). Measured on the 2-core machine
     of the docs at 4 workers on 1 Gbit/s and 100 Mbit/s links, the remotes' median step in
     predict-21 to predict-23 (20 rows: four models, both links): within 16% of this in all 20
     (median 5%); priced with each pull on a link of its own (``2 (alpha + M / beta)``, rank 0's
-    link bounding only the round), 7 of 20, 19-35% under in the others (the 10.5M MLP at
-    100 Mbit/s: 11.2 s against 14.8-16.3 s). ``convoy=False``: through memory, where rank 0's
+    link bounding only the round), 7 of 20, 21-35% under in the others (the 10.5M MLP at
+    100 Mbit/s: 11.2 s against 14.8-16.3 s). Unmeasured beyond 4 workers: where noise staggers
+    many remotes over a long compute, the step tends to rank 0's round, the floor below.
+    ``convoy=False``: through memory, where rank 0's
     server threads send on cores of their own (no shared link): ``2 (alpha + M / beta) + apply``.
     (Rank 0's own worker: :func:`async_rank_steps`.)
 
