@@ -481,3 +481,48 @@ def test_median_codec_takes_each_figure_over_the_rounds():
     assert entries == ((1, 2.0, 2.0, 6.0, 6.0, 6.0), (8, 6.0, 5.0, 2.0, 2.0, 2.0))
     with pytest.raises(ValueError, match="at least one round"):
         predict.median_codec([])
+
+
+def test_plan_reprice_prices_a_recorded_plan_as_plan_did(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    record = tmp_path / "plan.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bunsan",
+            "plan",
+            "--compute-ms",
+            "12",
+            "--params",
+            "100000",
+            "--batch",
+            "64",
+            "--workers",
+            "2,8",
+            "--link",
+            "1gbit",
+            "--latency",
+            "50us",
+            "--png",
+            str(tmp_path / "plan.png"),
+            "--json",
+            str(record),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    script = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "plan_reprice.py"
+    spec = importlib.util.spec_from_file_location("plan_reprice", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(record)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(rows) == 14 and {r[1] for r in rows} >= {"exact", "async", "1-bit"}
+    for row in rows:  # the same checkout prices every row as plan recorded it
+        assert row[2] == row[3], row
+    assert module.main([str(tmp_path / "missing.json")]) == 2
+    assert "is not a bunsan plan record" in capsys.readouterr().err
