@@ -552,7 +552,10 @@ def shared_compute(
     ``busy(c)`` gives that mean share for a compute of ``c``; the fixed point is found from below
     (the share grows with ``c``, so the rounds rise to it). The share counts every busy thread per
     rank and may pass 1: a thread beside the ranks (async SGD's server on a host without a spare
-    core) slows them all, even at ``ranks_per_core`` 1. With ``ranks_per_core`` 1 (or less: a core
+    core) slows them all, even at ``ranks_per_core`` 1. (The server's share ``S / (c + T)`` falls as
+    ``c`` grows, but the remotes' ``(N - 1) c / (c + T)`` rises faster while each remote's round
+    trip ``T`` holds at least its share of the server's work, ``S / (N - 1)``, as async's does: the
+    sum still grows; on the 92 async rows of predict-21 to 24 the rounds settle within 21.) With ``ranks_per_core`` 1 (or less: a core
     or more each) and a share of at most 1 it is ``compute_s``.
 
     Async SGD on a shared host: on the 2-core machine of the docs, at 4 workers on 1 Gbit/s and
@@ -726,7 +729,7 @@ def async_rank_steps(
     k = block_steps(int(_option(candidate.options, "sync_period", 1)), profile.batch)
     nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
     pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
-    apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, on rank 0's core
+    apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, between its receive and reply
 
     crowded = not (overlap if spare_core is None else spare_core) and n > 1
     # no spare core: the server thread's transfers and applies of a round are CPU work beside the ranks'
