@@ -178,6 +178,16 @@ class Profile:
             ``decode_call_s`` after them; a quantized candidate of those bits uses its own entry
             (8-bit encoding costs several times 1-bit's per element on CPU), any other the
             fields above.
+        core_copy_s_per_element: that copy timed with one rank per core copying at once (the
+            others waiting), where ``ranks_per_core`` is above 1; 0: not timed, the passes priced
+            at ``copy_s_per_element``. Async SGD's passes then cost it times the slowdown
+            :func:`shared_compute` gives the compute (:func:`async_rank_steps`): timed with every
+            rank at once, 4 ranks on 2 cores, the 10.5M MLP's copy came out at 5.9-11.4 ms in
+            predict-21 to 24 and 10.9-15.9 ms in a probe after (a copy is short beside a time
+            slice: how often a rank is preempted decides it), with one rank per core at once
+            5.4-7.7 ms, and rank 0's worker, on a core of its own while the remote workers wait
+            on 100 Mbit/s links, made its six passes at 5-7 ms each (priced at the first, its
+            job was predicted 22-31% slow in three runs).
         ranks_per_core: the ranks of a host over its usable cores while ``compute_s`` was timed,
             every rank computing at once (1: a core or more each). Above 1 a rank computes
             faster while others wait: async SGD's remote workers spend their round trips off the
@@ -201,6 +211,7 @@ class Profile:
     update_s_per_element: float = 0.0
     cast_s_per_element: float = 0.0
     copy_s_per_element: float = 0.0
+    core_copy_s_per_element: float = 0.0
     straggler_s: float = 0.0
     tensors: int = 1
     codec_call_s: float = 0.0
@@ -227,6 +238,7 @@ class Profile:
             "straggler_s",
             "cast_s_per_element",
             "copy_s_per_element",
+            "core_copy_s_per_element",
         ):
             check_seconds(name, getattr(self, name), zero=True)
         for name in ("encode_call_s", "decode_call_s"):
@@ -728,22 +740,35 @@ def async_rank_steps(
     compute = profile.compute_s
     k = block_steps(int(_option(candidate.options, "sync_period", 1)), profile.batch)
     nbytes = profile.gradient_bytes  # a message carries the parameters in their own dtypes
-    pass_s = profile.copy_s_per_element * profile.params if n > 1 else 0.0
-    apply_s = ASYNC_SERVER_PASSES * pass_s  # the server's work on a remote push, between its receive and reply
+    ranks_per_core = max(1.0, profile.ranks_per_core)
+    alone = compute / ranks_per_core
+
+    def pass_s(c: float) -> float:  # one pass over the parameters while the compute takes c
+        if n <= 1:
+            return 0.0
+        if profile.core_copy_s_per_element > 0 and ranks_per_core > 1:  # slowed as the compute is
+            return profile.core_copy_s_per_element * profile.params * max(1.0, c / alone)
+        return profile.copy_s_per_element * profile.params
 
     crowded = not (overlap if spare_core is None else spare_core) and n > 1
-    # no spare core: the server thread's transfers and applies of a round are CPU work beside the ranks'
-    server_s = (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k if crowded else 0.0
+
+    def steps(c: float) -> tuple[float, float, float]:  # (remote step, server's round work, a remote's passes)
+        apply_s = ASYNC_SERVER_PASSES * pass_s(c)  # the server's work on a remote push, between receive and reply
+        local_s = ASYNC_REMOTE_PASSES * pass_s(c)
+        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, local_s, convoy=not crowded)
+        # no spare core: the server thread's transfers and applies of a round are CPU work beside the ranks'
+        server_s = (n - 1) * (2 * (network.latency_s + nbytes / network.bandwidth) + apply_s) / k if crowded else 0.0
+        return remote_s, server_s, local_s
 
     def busy(c: float) -> float:  # threads on the CPU per rank: rank 0's worker always, the server thread
-        remote_s, _ = async_step(c, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s, convoy=not crowded)
-        remotes = (n - 1) * min(1.0, (c + ASYNC_REMOTE_PASSES * pass_s / k) / remote_s)
+        remote_s, server_s, local_s = steps(c)
+        remotes = (n - 1) * min(1.0, (c + local_s / k) / remote_s)
         return (1 + remotes + min(1.0, server_s / remote_s)) / n
 
-    if n > 1 and (crowded or profile.ranks_per_core > 1):  # ranks waiting leave their cores to the others
-        compute = shared_compute(compute, profile.ranks_per_core, busy)
-    remote, _ = async_step(compute, nbytes, n, network, k, apply_s, ASYNC_REMOTE_PASSES * pass_s, convoy=not crowded)
-    own = compute + ASYNC_OWN_PASSES * pass_s / k  # rank 0's worker reaches the server in-process
+    if n > 1 and (crowded or ranks_per_core > 1):  # ranks waiting leave their cores to the others
+        compute = shared_compute(compute, ranks_per_core, busy)
+    remote = steps(compute)[0]
+    own = compute + ASYNC_OWN_PASSES * pass_s(compute) / k  # rank 0's worker reaches the server in-process
     return compute, own, remote
 
 

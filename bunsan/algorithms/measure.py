@@ -7,6 +7,7 @@ benchmarks (:mod:`bunsan.bench.measure`, :mod:`bunsan.bench.predict`).
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "measure_codec",
     "measure_codecs",
     "measure_copy",
+    "measure_core_copy",
     "measure_fixed_costs",
     "measure_network",
     "median_time",
@@ -244,6 +246,43 @@ def measure_copy(
     if collective:
         comm.all_reduce(found, op="max", group=group)
     return {"copy_s_per_element": float(found[0])}
+
+
+def measure_core_copy(
+    numel: int,
+    ranks_per_core: float,
+    *,
+    repeats: int = 3,
+    group: Any = None,
+    turn_rank: int | None = None,
+) -> dict[str, float]:
+    """``{"core_copy_s_per_element": s}`` (collective): one float32 copy of ``numel`` values (capped
+    as :func:`measure_codec` caps them) timed with one rank per core copying at once: the ranks of
+    ``group`` take ``ceil(ranks_per_core)`` turns (``turn_rank`` modulo the turns; default its rank
+    in ``group``, for ranks numbered along one host), the others waiting at a barrier; every rank
+    returns the slowest copy.
+
+    :func:`measure_codec` times the copy with every rank at once, as a synchronous exchange meets
+    it; where ranks share cores, a rank that copies while others wait on the network (async SGD's
+    rank 0 worker beside remote workers in their round trips) copies as fast as a rank with a core
+    of its own (:attr:`bunsan.algorithms.cost_model.Profile.core_copy_s_per_element`)."""
+    check_int("numel", numel, minimum=1)
+    if not ranks_per_core >= 1:
+        raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
+    turns = math.ceil(ranks_per_core)
+    mine = comm.get_rank(group) if turn_rank is None else turn_rank
+    numel = min(numel, CODEC_NUMEL_CAP)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    out = torch.empty_like(x)
+    out.copy_(x)  # warm: the first touch of fresh pages is not a copy's cost
+    found = 0.0
+    for turn in range(turns):
+        comm.barrier(group)
+        if mine % turns == turn:
+            found = median_time(lambda: out.copy_(x), repeats) / numel
+    slowest = torch.tensor([found], dtype=torch.float64)
+    comm.all_reduce(slowest, op="max", group=group)
+    return {"core_copy_s_per_element": float(slowest[0])}
 
 
 def measure_network(

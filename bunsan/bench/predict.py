@@ -300,7 +300,7 @@ def _worker(spec: dict[str, Any]) -> int:
     import bunsan
     from bunsan import comm
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, FIXED_COST_BATCH, can_overlap
+    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, FIXED_COST_BATCH, can_overlap, measure_core_copy
     from bunsan.bench.measure import (
         measure_codec,
         measure_codecs,
@@ -370,12 +370,10 @@ def _worker(spec: dict[str, Any]) -> int:
             # the codec, every rank at once as the job's exchange encodes (measure_codec), in every
             # round as the rest (timed once at the job's start, one moment of the machine priced every
             # coded row of the model; a small CNN's coded rows are mostly the calls' fixed time)
-            codec_rounds.append(
-                (
-                    measure_codec(measured["params"], collective=True),
-                    measure_codecs(measured["params"], bits, collective=True),
-                )
-            )
+            round_codec = measure_codec(measured["params"], collective=True)
+            if ranks_per_core > 1:  # and with one rank per core copying at once (async's passes)
+                round_codec.update(measure_core_copy(measured["params"], ranks_per_core))
+            codec_rounds.append((round_codec, measure_codecs(measured["params"], bits, collective=True)))
             # what a step costs beyond the model's arithmetic, on a tiny model, in every round as the
             # rest (taken once at the job's start, exact's moved from 0.8 to 2.8 ms a step at 1 Gbit/s
             # and 2 workers between two runs, model averaging's from 15 to 6 ms a block at 4: the
@@ -526,6 +524,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "spare_core": spare_core,
                     "ranks_per_core": ranks_per_core,
                     "copy_s_per_element": profile.copy_s_per_element,
+                    "core_copy_s_per_element": profile.core_copy_s_per_element,
                     **before_split,
                 }
             )

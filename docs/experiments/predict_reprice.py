@@ -38,7 +38,7 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
 from bunsan.bench.predict import paired_prediction, round_profiles
 
-VARIANTS = ("synced", "synced-exact", "pooled")
+VARIANTS = ("synced", "synced-exact", "pooled", "core-copy")
 
 
 def profile_of(record: dict[str, Any]) -> cm.Profile:
@@ -49,10 +49,19 @@ def profile_of(record: dict[str, Any]) -> cm.Profile:
     return cm.Profile(**fields)
 
 
-def reprice(row: dict[str, Any], job: dict[str, Any], block_size: int, variant: str | None = None) -> float:
-    """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as is)."""
+def reprice(
+    row: dict[str, Any],
+    job: dict[str, Any],
+    block_size: int,
+    variant: str | None = None,
+    core_copy: float | None = None,
+) -> float:
+    """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as
+    is); ``core_copy`` (variant ``core-copy``): the ``core_copy_s_per_element`` to price it with."""
     record = job["models"][row["model"]]
     profile = profile_of(record)
+    if variant == "core-copy" and core_copy is not None and profile.ranks_per_core > 1:
+        profile = replace(profile, core_copy_s_per_element=core_copy)
     network = Network(**job["network"])
     candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
@@ -91,9 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     def within(priced: list[float]) -> int:
         return sum(abs(p / r["measured_s"] - 1) <= 0.20 for p, r in zip(priced, rows, strict=True))
 
+    def core_copy(row: dict[str, Any]) -> float | None:
+        # a run before core_copy_s_per_element: the same model's copy in the run's job of one rank a core
+        job = profiles[slug(row)] if profiles is not None else None
+        if job is None:
+            return None
+        timed = job["models"][row["model"]].get("core_copy_s_per_element", 0.0)
+        if timed:
+            return float(timed)
+        for other in profiles.values():
+            found = other["models"].get(row["model"])
+            same_link = other["network"].get("burst_bytes") == job["network"].get("burst_bytes")
+            if found and found.get("ranks_per_core", 1.0) <= 1.0 and same_link:
+                return float(found["copy_s_per_element"])
+        return None
+
     def priced_as(row: dict[str, Any], variant: str | None) -> float:
         if profiles is not None:
-            return reprice(row, profiles[slug(row)], block_size, variant)
+            return reprice(row, profiles[slug(row)], block_size, variant, core_copy(row))
         if variant is None:
             return float(row["predicted_s"])
         # without profiles, a wait variant from the row priced with the synced wait as the bench recorded it

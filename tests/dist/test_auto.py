@@ -411,6 +411,38 @@ def test_the_codec_measured_together_is_the_slowest_ranks_on_every_rank(workers)
         assert found["codec_call_s"] == pytest.approx((found["encode_call_s"] + found["decode_call_s"]) / 2)
 
 
+def _body_core_copy(rank: int, world_size: int, ranks_per_core: float) -> dict:
+    import time
+    from unittest import mock
+
+    from bunsan.algorithms import measure
+
+    windows = []
+
+    def timed(fn, repeats, device=None):  # the copy's timing, stretched so that overlaps show
+        start = time.time()
+        fn()
+        time.sleep(0.2)
+        windows.append((start, time.time()))
+        return 1e-3 * (rank + 1)  # rank 1's copy is the slower
+
+    with mock.patch.object(measure, "median_time", timed):
+        found = measure.measure_core_copy(1000, ranks_per_core)
+    return {"found": found, "windows": windows}
+
+
+@pytest.mark.parametrize("ranks_per_core", [1.0, 2.0])
+def test_the_copy_per_core_takes_turns_and_is_the_slowest_ranks_on_every_rank(workers, ranks_per_core):
+    results = workers.run(f"{__name__}:_body_core_copy", ranks_per_core=ranks_per_core)
+    assert results[0]["found"] == results[1]["found"] == {"core_copy_s_per_element": pytest.approx(2e-3 / 1000)}
+    (a_start, a_end), (b_start, b_end) = (r["windows"][0] for r in results)
+    overlap = min(a_end, b_end) - max(a_start, b_start)
+    if ranks_per_core == 1.0:  # a core each: both at once
+        assert overlap > 0.1
+    else:  # two ranks to a core: one at a time, the other waiting at the barrier
+        assert overlap < 0 and len(results[0]["windows"]) == len(results[1]["windows"]) == 1
+
+
 def _body_probes_needed(
     rank: int, world_size: int, network: dict, force: str | None = None, later: str | None = None
 ) -> dict:

@@ -553,6 +553,41 @@ def test_measure_copy_times_one_float32_copy_per_element():
     assert per_element / 20 < found["copy_s_per_element"] < per_element * 20
 
 
+def test_measure_core_copy_alone_is_a_copy_and_rejects_a_bad_share():
+    from bunsan.algorithms.measure import measure_copy, measure_core_copy
+
+    found = measure_core_copy(1_000_000, 2.0, repeats=3)  # no process group: this process's turn alone
+    assert set(found) == {"core_copy_s_per_element"}
+    copy = measure_copy(1_000_000, repeats=3)["copy_s_per_element"]
+    assert copy / 20 < found["core_copy_s_per_element"] < copy * 20
+    with pytest.raises(ValueError, match="ranks_per_core"):
+        measure_core_copy(1000, 0.5)
+
+
+def test_async_passes_cost_the_copy_per_core_slowed_as_the_compute():
+    net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
+    # 4 ranks on 2 cores, 0.08 s timed all busy (0.04 alone); a pass over the 1e6 parameters 5 ms timed
+    # every rank at once, 2 ms with one rank per core. Spare core: the remotes (0.04 + 4 passes + push
+    # + 3 pulls) wait most of their step, the share stays under 1/2, the compute at 0.04 alone
+    timed = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0, copy_s_per_element=5e-9)
+    per_core = replace(timed, core_copy_s_per_element=2e-9)
+    compute, own, remote = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
+    assert compute == pytest.approx(0.04)
+    assert own == pytest.approx(0.04 + 6 * 0.002)  # rank 0's six passes at the copy of a core alone
+    assert remote == pytest.approx(0.04 + 2 * 0.002 + 4 * 0.002 + 0.04 + 3 * 0.04)  # apply + passes + trip
+    # without the per-core copy: every pass at the copy timed all busy, as before
+    _, own, remote = cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)
+    assert own == pytest.approx(0.04 + 6 * 0.005)
+    assert remote == pytest.approx(0.04 + 6 * 0.005 + 0.04 + 3 * 0.04)
+    # a core each (ranks_per_core 1): the per-core copy is the copy timed all busy; the field is not read
+    one_each = replace(per_core, ranks_per_core=1.0, compute_s=0.04)
+    assert cm.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.07)
+    # crowded (no spare core): the passes slow as the compute does, c / 0.04 the compute's slowdown
+    compute, own, _ = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
+    assert compute > 0.04
+    assert own == pytest.approx(compute + 6 * 0.002 * compute / 0.04)
+
+
 def test_a_token_bucket_passes_its_burst_after_an_idle_compute():
     # 100 Mbit/s = 12.5e6 B/s, tc tbf's 16 KiB burst: the bucket holds min(16384, 12.5e6 * idle) bytes
     net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
