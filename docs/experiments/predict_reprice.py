@@ -15,6 +15,9 @@ Variants (what they change, for the rows they touch):
   (``synced_straggler_s``) instead of run free (``straggler_s``).
 * ``synced-exact``: that wait for exact's rows only (one collective after the compute), the
   free-running one elsewhere.
+* ``core-copy``: async's passes at the copy of one rank per core (``Profile.core_copy_s_per_element``,
+  timed by the bench since 50c38a9); for a record before it, the same run's copy of that model in
+  its job of one rank a core on the same link (every rank copying at once there: one per core).
 * ``pooled``: every row priced once with its job's profile pooled over the rounds (the bench's
   prediction before each round was priced with its own compute slice, fixed costs and codec:
   ``bunsan.bench.predict.round_profiles``; a record without the rounds is priced so anyway).

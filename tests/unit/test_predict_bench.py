@@ -162,6 +162,46 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
+def _load_reprice():
+    script = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict_reprice.py"
+    spec = importlib.util.spec_from_file_location("predict_reprice", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_core_copy_variant_prices_a_record_before_it_with_its_runs_one_rank_a_core_copy(capsys):
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+
+    def async_mlp(name, network="rate=100mbit", workers=4):
+        data = json.loads((records / name).read_text())
+        row = next(
+            r
+            for r in data["rows"]
+            if (r["model"], r["label"], r["network"], r["workers"]) == ("mlp-10m", "async", network, workers)
+        )
+        slug = f"{network.replace('=', '_')}-np{workers}"
+        return data, row, slug
+
+    # predict-25 timed the copy per core: the variant takes it, and prices the row as recorded
+    data, row, slug = async_mlp("predict-25.json")
+    assert row["core_copy_s_per_element"] > 0
+    job = data["profiles"][slug]
+    timed = job["models"]["mlp-10m"]["core_copy_s_per_element"]
+    assert reprice.reprice(row, job, 256, "core-copy", timed) == pytest.approx(row["predicted_s"], rel=1e-9)
+    # predict-24 did not: priced at the 2-worker job's copy on the same link, rank 0's passes cost less
+    data, row, slug = async_mlp("predict-24.json")
+    job = data["profiles"][slug]
+    two = data["profiles"]["rate_100mbit-np2"]["models"]["mlp-10m"]["copy_s_per_element"]
+    assert "core_copy_s_per_element" not in job["models"]["mlp-10m"]
+    assert two < job["models"]["mlp-10m"]["copy_s_per_element"]
+    assert reprice.reprice(row, job, 256, "core-copy", two) < reprice.reprice(row, job, 256) < 1.35 * row["measured_s"]
+    assert reprice.reprice(row, job, 256, "core-copy", two) == pytest.approx(row["measured_s"], rel=0.05)
+    assert reprice.main([str(records / "predict-24.json"), "--variant", "core-copy"]) == 0
+    assert "variant core-copy: " in capsys.readouterr().out
+
+
 def _compare_config(label, curve, ends, workers=2):
     """One successful setting of a ``bunsan bench compare`` record, as ``bunsan bench tta`` reads it."""
     return {
