@@ -248,19 +248,11 @@ def measure_copy(
     return {"copy_s_per_element": float(found[0])}
 
 
-def measure_core_copy(
-    numel: int,
-    ranks_per_core: float,
-    *,
-    repeats: int = 3,
-    group: Any = None,
-    turn_rank: int | None = None,
-) -> dict[str, float]:
-    """``{"core_copy_s_per_element": s}`` (collective): one float32 copy of ``numel`` values (capped
-    as :func:`measure_codec` caps them) timed with one rank per core copying at once: the ranks of
-    ``group`` take ``ceil(ranks_per_core)`` turns (``turn_rank`` modulo the turns; default its rank
-    in ``group``, for ranks numbered along one host), the others waiting at a barrier; every rank
-    returns the slowest copy.
+def measure_core_copy(numel: int, ranks_per_core: float, *, repeats: int = 3, group: Any = None) -> dict[str, float]:
+    """``{"core_copy_s_per_element": s}`` (collective): :func:`measure_copy` timed with one rank per
+    core copying at once: the ranks of ``group`` take ``ceil(ranks_per_core)`` turns by their rank
+    modulo the turns (ranks numbered along one host, as ``bunsan bench predict``'s are), the others
+    waiting at a barrier; every rank returns the slowest copy.
 
     :func:`measure_codec` times the copy with every rank at once, as a synchronous exchange meets
     it; where ranks share cores, a rank that copies while others wait on the network (async SGD's
@@ -270,16 +262,12 @@ def measure_core_copy(
     if not ranks_per_core >= 1:
         raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
     turns = math.ceil(ranks_per_core)
-    mine = comm.get_rank(group) if turn_rank is None else turn_rank
-    numel = min(numel, CODEC_NUMEL_CAP)
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    out = torch.empty_like(x)
-    out.copy_(x)  # warm: the first touch of fresh pages is not a copy's cost
+    mine = comm.get_rank(group)
     found = 0.0
     for turn in range(turns):
         comm.barrier(group)
         if mine % turns == turn:
-            found = median_time(lambda: out.copy_(x), repeats) / numel
+            found = measure_copy(numel, repeats=repeats)["copy_s_per_element"]
     slowest = torch.tensor([found], dtype=torch.float64)
     comm.all_reduce(slowest, op="max", group=group)
     return {"core_copy_s_per_element": float(slowest[0])}
