@@ -26,13 +26,30 @@ It also prints, for async rows, each rank's measured median step against the mod
 remote worker (``rank_steps_s``; the model's remote step is ``predicted_compute_s +
 communication_s``, its rank 0's from the job step, each with its side's fixed cost; both from the
 pooled profile).
+
+Given several records (runs of the same rows), it also parts each row's error into the
+model's bias and the run's noise (:func:`noise_and_bias`): the log of predicted over measured,
+per row and run, priced again under the model at the checkout (and each variant; a record
+before ``core_copy_s_per_element`` takes the stand-in of ``core-copy`` throughout, as the model
+at the checkout needs the figure); the pooled spread of a row's runs about its own mean is the
+noise, the rows' means the bias. From both it gives the rows the model is expected to leave
+outside 20% in one more run, and with no bias at all (every row's mean on the measurement: the
+floor the noise alone sets), and the rows most likely outside::
+
+    python docs/experiments/predict_reprice.py docs/experiments/predict/predict-2[3-6]*.json --variant synced-exact
+
+A change to the model is better judged by its expected misses than by one run's count, which
+the noise moves by several rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -58,13 +75,18 @@ def reprice(
     block_size: int,
     variant: str | None = None,
     core_copy: float | None = None,
+    *,
+    fill_core_copy: float | None = None,
 ) -> float:
     """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as
-    is); ``core_copy`` (variant ``core-copy``): the ``core_copy_s_per_element`` to price it with."""
+    is); ``core_copy`` (variant ``core-copy``): the ``core_copy_s_per_element`` to price it with;
+    ``fill_core_copy`` (any variant): the one to price with where the record has none timed."""
     record = job["models"][row["model"]]
     profile = profile_of(record)
     if variant == "core-copy" and core_copy is not None and profile.ranks_per_core > 1:
         profile = replace(profile, core_copy_s_per_element=core_copy)
+    elif fill_core_copy is not None and profile.ranks_per_core > 1 and not profile.core_copy_s_per_element:
+        profile = replace(profile, core_copy_s_per_element=fill_core_copy)
     network = Network(**job["network"])
     candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
@@ -81,46 +103,121 @@ def reprice(
     return paired_prediction(step, rounds)[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("json", help="predict.json of a bunsan bench predict run")
-    parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
-    args = parser.parse_args(argv)
-    try:
-        data = json.loads(Path(args.json).read_text())
-        rows = data["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"predict_reprice: {args.json} is not a bunsan bench predict record ({err})", file=sys.stderr)
-        return 2
+def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> dict[str, Any]:
+    """The model's bias and the runs' noise, from ``errors[row]``: ``log(predicted / measured)`` in each run.
+
+    ``noise_sd``: the spread of a row's runs about the row's own mean, pooled over the rows of
+    two runs or more (its degrees of freedom ``dof``, runs less one per row); ``bias[row]``: the
+    row's mean; ``rms_bias`` over the rows. ``p_outside[row]``: the chance that one more run puts
+    the row outside ``bar`` (predicted within ``(1 - bar, 1 + bar)`` times the measured), a normal
+    of the row's mean and the pooled spread; ``expected_misses`` their sum, ``p_none`` the chance
+    that no row misses (rows apart); ``floor_misses`` and ``p_none_floor`` the same with every
+    row's mean at 0 (a model without bias, the runs' noise alone). A mean over ``k`` runs holds
+    ``sd / sqrt(k)`` of the noise too, so on few runs the bias and the expected misses lean high.
+    """
+    if not errors or any(len(runs) == 0 for runs in errors.values()):
+        raise ValueError("need at least one run of every row")
+    dof = sum(len(runs) - 1 for runs in errors.values())
+    if dof <= 0:
+        raise ValueError("need two runs of at least one row to part the noise from the bias")
+    bias = {row: statistics.fmean(runs) for row, runs in errors.items()}
+    squares = sum((e - bias[row]) ** 2 for row, runs in errors.items() for e in runs)
+    sd = math.sqrt(squares / dof)
+    low, high = math.log(1 - bar), math.log(1 + bar)
+
+    def outside(mean: float) -> float:
+        if sd == 0:
+            return 0.0 if low < mean < high else 1.0
+        normal = statistics.NormalDist(mean, sd)
+        return 1.0 - (normal.cdf(high) - normal.cdf(low))
+
+    p_outside = {row: outside(mean) for row, mean in bias.items()}
+    expected = sum(p_outside.values())
+    floor = len(errors) * outside(0.0)
+    return {
+        "rows": len(errors),
+        "dof": dof,
+        "noise_sd": sd,
+        "bias": bias,
+        "rms_bias": math.sqrt(statistics.fmean(m * m for m in bias.values())),
+        "p_outside": p_outside,
+        "expected_misses": expected,
+        "p_none": math.prod(1 - p for p in p_outside.values()),
+        "floor_misses": floor,
+        "p_none_floor": (1 - outside(0.0)) ** len(errors),
+    }
+
+
+def core_copy_stand_in(profiles: Mapping[str, Any], slug: str, model: str) -> float | None:
+    """The ``core_copy_s_per_element`` to price a row of ``profiles[slug]`` with: the job's own (timed since
+    50c38a9), else the same model's copy in the run's job of one rank a core on the same link."""
+    job = profiles[slug]
+    timed = job["models"][model].get("core_copy_s_per_element", 0.0)
+    if timed:
+        return float(timed)
+    for other in profiles.values():
+        found = other["models"].get(model)
+        same_link = other["network"].get("burst_bytes") == job["network"].get("burst_bytes")
+        if found and found.get("ranks_per_core", 1.0) <= 1.0 and same_link:
+            return float(found["copy_s_per_element"])
+    return None
+
+
+def row_slug(row: dict[str, Any]) -> str:
+    """The key of the row's job in a record's ``profiles``: ``loopback-np2``, ``rate_1gbit-np4``."""
+    network = row["network"]
+    name = "loopback" if network == "loopback" else network.replace("=", "_").replace(",", "_")
+    return f"{name}-np{row['workers']}"
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, int, str, str]:
+    return (row["network"], int(row["workers"]), row["model"], row["label"])
+
+
+def runs_together(records: Sequence[dict[str, Any]], variants: Sequence[str | None], top: int) -> None:
+    """Print :func:`noise_and_bias` of ``records`` (each with ``profiles``) under the model and each variant."""
+    for variant in variants:
+        errors: dict[tuple[str, int, str, str], list[float]] = {}
+        for data in records:
+            profiles, block_size = data["profiles"], int(data["arguments"]["block_size"])
+            for row in data["rows"]:
+                slug = row_slug(row)
+                stand_in = core_copy_stand_in(profiles, slug, row["model"])
+                priced = reprice(row, profiles[slug], block_size, variant, stand_in, fill_core_copy=stand_in)
+                errors.setdefault(row_key(row), []).append(math.log(priced / row["measured_s"]))
+        found = noise_and_bias(errors)
+        name = "the model at this checkout" if variant is None else f"variant {variant}"
+        print(
+            f"{len(records)} runs together, {name}: noise {100 * found['noise_sd']:.1f}% (sd of a row's log "
+            f"error about its mean, {found['dof']} degrees of freedom), bias {100 * found['rms_bias']:.1f}% "
+            f"(rms of the rows' means); expected rows outside 20% in one more run "
+            f"{found['expected_misses']:.2f} (none: {100 * found['p_none']:.1f}%); without bias "
+            f"{found['floor_misses']:.2f} (none: {100 * found['p_none_floor']:.0f}%)"
+        )
+        ranked = sorted(found["p_outside"].items(), key=lambda item: -item[1])[:top]
+        for key, p in ranked:
+            runs = " ".join(f"{100 * math.expm1(e):+.0f}%" for e in errors[key])
+            print(
+                f"  {p:4.2f} outside, mean {100 * math.expm1(found['bias'][key]):+4.0f}%: "
+                f"{key[0]:>12} -np {key[1]} {key[2]:<11} {key[3]:<20} runs {runs}"
+            )
+
+
+def one_run(data: dict[str, Any], variants: Sequence[str]) -> None:
+    """Print one record's counts: as recorded, re-priced, under each variant; and its async rows' ranks."""
+    rows = data["rows"]
     profiles = data.get("profiles")  # absent from a run before 9b4a67c: the recorded columns only
     block_size = int(data["arguments"]["block_size"])
-
-    def slug(row: dict[str, Any]) -> str:
-        network = row["network"]
-        name = "loopback" if network == "loopback" else network.replace("=", "_").replace(",", "_")
-        return f"{name}-np{row['workers']}"
 
     def within(priced: list[float]) -> int:
         return sum(abs(p / r["measured_s"] - 1) <= 0.20 for p, r in zip(priced, rows, strict=True))
 
     def core_copy(row: dict[str, Any]) -> float | None:
-        # a run before core_copy_s_per_element: the same model's copy in the run's job of one rank a core
-        job = profiles[slug(row)] if profiles is not None else None
-        if job is None:
-            return None
-        timed = job["models"][row["model"]].get("core_copy_s_per_element", 0.0)
-        if timed:
-            return float(timed)
-        for other in profiles.values():
-            found = other["models"].get(row["model"])
-            same_link = other["network"].get("burst_bytes") == job["network"].get("burst_bytes")
-            if found and found.get("ranks_per_core", 1.0) <= 1.0 and same_link:
-                return float(found["copy_s_per_element"])
-        return None
+        return core_copy_stand_in(profiles, row_slug(row), row["model"]) if profiles is not None else None
 
     def priced_as(row: dict[str, Any], variant: str | None) -> float:
         if profiles is not None:
-            return reprice(row, profiles[slug(row)], block_size, variant, core_copy(row))
+            return reprice(row, profiles[row_slug(row)], block_size, variant, core_copy(row))
         if variant is None:
             return float(row["predicted_s"])
         # without profiles, a wait variant from the row priced with the synced wait as the bench recorded it
@@ -135,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-priced with the model at this checkout: {within(again)} ({moved} rows priced differently)")
     else:
         print("no profiles recorded (a run before 9b4a67c): variants from the recorded columns")
-    for variant in args.variant:
+    for variant in variants:
         priced = [priced_as(r, variant) for r in rows]
         print(f"variant {variant}: {within(priced)} of {len(rows)}")
         for row, p in zip(rows, priced, strict=True):
@@ -157,8 +254,37 @@ def main(argv: list[str] | None = None) -> int:
             f"async {row['network']:>12} -np {n} {row['model']:<11} ranks {ranks} ms; "
             f"model rank 0 {1e3 * own:.1f}, remote {1e3 * remote:.1f} ms ({100 * row['error']:+.0f}%)"
         )
-    return 0
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", nargs="+", help="predict.json of a bunsan bench predict run (several: runs together)")
+    parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
+    parser.add_argument("--top", type=int, default=10, help="rows most likely outside 20%% to list (several runs)")
+    args = parser.parse_args(argv)
+    if args.top < 0:
+        parser.error("--top must be 0 or more")
+    records = []
+    for path in args.json:
+        try:
+            data = json.loads(Path(path).read_text())
+            data["rows"], data["arguments"]["block_size"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"predict_reprice: {path} is not a bunsan bench predict record ({err})", file=sys.stderr)
+            return 2
+        records.append(data)
+    for path, data in zip(args.json, records, strict=True):
+        if len(records) > 1:
+            print(f"== {path}")
+        one_run(data, args.variant)
+    if len(records) > 1:
+        without = [path for path, data in zip(args.json, records, strict=True) if data.get("profiles") is None]
+        if without:
+            print(f"predict_reprice: {', '.join(without)} holds no profiles (a run before 9b4a67c)", file=sys.stderr)
+            return 2
+        runs_together(records, [None, *args.variant], args.top)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

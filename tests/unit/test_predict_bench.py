@@ -566,3 +566,42 @@ def test_plan_reprice_prices_a_recorded_plan_as_plan_did(tmp_path, capsys):
         assert row[2] == row[3], row
     assert module.main([str(tmp_path / "missing.json")]) == 2
     assert "is not a bunsan plan record" in capsys.readouterr().err
+
+
+def test_noise_and_bias_parts_a_rows_runs_into_its_mean_and_the_pooled_spread():
+    reprice = _load_reprice()
+    # two rows of two runs: deviations of 0.1 about each row's mean, pooled over 4 - 2 = 2 degrees
+    # of freedom: sd = sqrt(4 * 0.01 / 2) = 0.14142; means 0 and 0.1, rms sqrt(0.01 / 2) = 0.070711
+    found = reprice.noise_and_bias({"a": [0.1, -0.1], "b": [0.0, 0.2]})
+    assert found["dof"] == 2 and found["rows"] == 2
+    assert found["noise_sd"] == pytest.approx(0.1414214, rel=1e-6)
+    assert found["bias"] == pytest.approx({"a": 0.0, "b": 0.1})
+    assert found["rms_bias"] == pytest.approx(0.0707107, rel=1e-6)
+    # outside (0.8, 1.2): 1 - Phi(log 1.2 / sd) + Phi(log 0.8 / sd) = 1 - 0.90134 + 0.05730 for row a,
+    # the same shifted by 0.1 for b
+    assert found["p_outside"]["a"] == pytest.approx(0.155961, rel=1e-5)
+    assert found["p_outside"]["b"] == pytest.approx(0.291407, rel=1e-5)
+    assert found["expected_misses"] == pytest.approx(0.447368, rel=1e-5)
+    assert found["p_none"] == pytest.approx((1 - 0.155961) * (1 - 0.291407), rel=1e-5)
+    assert found["floor_misses"] == pytest.approx(2 * 0.155961, rel=1e-5)
+    assert found["p_none_floor"] == pytest.approx((1 - 0.155961) ** 2, rel=1e-5)
+    # a row of one run adds its bias but no degree of freedom; without two runs of any row: refused
+    assert reprice.noise_and_bias({"a": [0.1, -0.1], "c": [0.5]})["p_outside"]["c"] > 0.95
+    with pytest.raises(ValueError, match="two runs"):
+        reprice.noise_and_bias({"a": [0.1], "b": [0.0]})
+    with pytest.raises(ValueError, match="at least one run"):
+        reprice.noise_and_bias({"a": []})
+
+
+def test_reprice_runs_together_on_the_records(capsys):
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    paths = [str(records / name) for name in ("predict-25.json", "predict-26-small.json")]
+    assert reprice.main([*paths, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("as recorded: ") == 2
+    line = next(t for t in out.splitlines() if t.startswith("2 runs together, the model at this checkout"))
+    assert "84 degrees of freedom" in line  # the 84 small-CNN rows are in both runs, the other 84 in one
+    listed = [t for t in out.splitlines() if " outside, mean " in t]
+    assert len(listed) == 3
+    assert reprice.main([paths[0], str(records / "nothing.json")]) == 2
