@@ -256,7 +256,6 @@ def one_run(data: dict[str, Any], variants: Sequence[str]) -> None:
         )
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("json", nargs="+", help="predict.json of a bunsan bench predict run (several: runs together)")
@@ -285,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         runs_together(records, [None, *args.variant], args.top)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
