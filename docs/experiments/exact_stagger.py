@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exchange_wait import SHAPES, run_ranks
+from exchange_wait import SHAPES, local_rank, run_ranks
 
 RUNS = (("exact", {}, False), ("exact + a small all-reduce", {}, True), ("fp16", {"compression": "fp16"}, False))
 UNTIMED = 5
@@ -103,15 +103,7 @@ def report(found: list[dict[str, Any]], model_name: str) -> None:
 
 
 def _spawned(rank: int, n: int, port: int, model_name: str, steps: int, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(n),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(n),
-    )
-    torch.set_num_threads(1)
+    local_rank(rank, n, port)
     import bunsan
 
     bunsan.init()

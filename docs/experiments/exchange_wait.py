@@ -41,7 +41,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int, queue: mp.Queue) -> None:
+def local_rank(rank: int, n: int, port: int) -> None:
+    """Make this process rank ``rank`` of ``n`` local ones (the variables a launcher sets), one thread."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -51,6 +52,10 @@ def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int,
         LOCAL_WORLD_SIZE=str(n),
     )
     torch.set_num_threads(1)
+
+
+def _body(rank: int, n: int, port: int, model_name: str, batch: int, steps: int, queue: mp.Queue) -> None:
+    local_rank(rank, n, port)
     dist.init_process_group("gloo", rank=rank, world_size=n)
     import bunsan
     from bunsan import models
