@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.json:
         try:
             data = json.loads(Path(path).read_text())
-            data["rows"], data["arguments"]["block_size"]
+            if (
+                not isinstance(data, dict)
+                or not isinstance(data.get("rows"), list)
+                or "block_size" not in data["arguments"]
+            ):
+                raise KeyError("rows or arguments.block_size")
         except (OSError, ValueError, KeyError, TypeError) as err:
             print(f"predict_reprice: {path} is not a bunsan bench predict record ({err})", file=sys.stderr)
             return 2
