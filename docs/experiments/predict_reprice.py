@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         if without:
             print(f"predict_reprice: {', '.join(without)} holds no profiles (a run before 9b4a67c)", file=sys.stderr)
             return 2
-        runs_together(records, [None, *args.variant], args.top)
+        try:
+            runs_together(records, [None, *args.variant], args.top)
+        except ValueError as err:  # no row in two of the records: nothing to part the noise from
+            print(f"predict_reprice: these records cannot be taken together ({err})", file=sys.stderr)
+            return 2
     return 0
 
 

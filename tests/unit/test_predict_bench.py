@@ -593,7 +593,7 @@ def test_noise_and_bias_parts_a_rows_runs_into_its_mean_and_the_pooled_spread():
         reprice.noise_and_bias({"a": []})
 
 
-def test_reprice_runs_together_on_the_records(capsys):
+def test_reprice_runs_together_on_the_records(tmp_path, capsys):
     reprice = _load_reprice()
     records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
     paths = [str(records / name) for name in ("predict-25.json", "predict-26-small.json")]
@@ -605,3 +605,12 @@ def test_reprice_runs_together_on_the_records(capsys):
     listed = [t for t in out.splitlines() if " outside, mean " in t]
     assert len(listed) == 3
     assert reprice.main([paths[0], str(records / "nothing.json")]) == 2
+    # two records that share no row: no run-to-run spread to measure, refused in one sentence
+    digits = json.loads(Path(paths[1]).read_text())
+    mnist = dict(digits, rows=[r for r in digits["rows"] if r["model"] == "mnist1d_cnn"])
+    digits["rows"] = [r for r in digits["rows"] if r["model"] == "digits_cnn"]
+    for name, data in (("a.json", digits), ("b.json", mnist)):
+        (tmp_path / name).write_text(json.dumps(data))
+    capsys.readouterr()
+    assert reprice.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
+    assert "cannot be taken together" in capsys.readouterr().err
