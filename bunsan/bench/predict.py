@@ -28,16 +28,20 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    the rounds' median), then what every algorithm's step costs beyond the model's
    arithmetic, timed on a tiny model
    (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
-   the profile's ``fixed_s``). A row's prediction is the median over the rounds of
+   the profile's ``fixed_s``). A row's prediction is the mean over the rounds of
    each round priced with its own slice of the compute, fixed costs and codec
-   (:func:`round_profiles`; the job's profile pooled over the rounds prices
-   ``predicted_pooled_s`` beside it). The pooled compute is the mean
+   (:func:`round_profiles`, :func:`paired_prediction`; the job's profile pooled over
+   the rounds prices ``predicted_pooled_s`` beside it). The pooled compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`; each row also
    prices the wait of as many more compute steps that every rank starts together,
-   :func:`synced_straggler`); the measured step is the job's, ``N / sum(1 /
-   step_r)`` of each rank's median round (all equal but for async SGD, whose rank
-   0 never waits; each rank's own median is recorded too); the bytes are the last
+   :func:`synced_straggler`); the measured step is the mean over the rounds of the
+   job's step in each, ``N / sum(1 / step_r)`` over the ranks (all equal but for
+   async SGD, whose rank 0 never waits; each rank's own median is recorded too), so
+   that the prediction and the measurement hold the same rounds
+   (:func:`measured_step`; both sides' medians are recorded as well,
+   ``predicted_median_s`` and ``measured_median_s``, the bench's figures up to
+   predict-27); the bytes are the last
    rank's own count (``stats()``). Each job also records every model's whole profile
    and its network, from which ``docs/experiments/predict_reprice.py`` prices the rows
    again offline.
@@ -84,7 +88,9 @@ __all__ = [
     "MODELS",
     "add_arguments",
     "main",
+    "measured_step",
     "median_codec",
+    "paired_prediction",
     "parse_networks",
     "plot_predict",
     "round_steps",
@@ -248,7 +254,7 @@ def round_profiles(
     before the row's algorithm in round ``r``), fixed costs and codec; the straggler wait and the sizes
     stay the pooled ones (a round's few compute steps set a mean, not a slowest rank's excess).
 
-    A row's prediction is the median of its rounds' (:func:`paired_prediction`): the machine's
+    A row's prediction is the mean of its rounds' (:func:`paired_prediction`): the machine's
     speed, which moved a whole round 1.3-1.4x on a busy day (ResNet-20's model averaging at 2
     workers ran 226, 159 and 160 ms a step in predict-21's three rounds), then moves the priced
     compute with the measured step instead of pricing every round with one pooled mean."""
@@ -275,9 +281,29 @@ def round_profiles(
 
 
 def paired_prediction(step_s: Callable[[Any], float], profiles: Sequence[Any]) -> tuple[float, list[float]]:
-    """``(median, each)`` of ``step_s(profile)`` over the rounds' profiles (:func:`round_profiles`)."""
+    """``(mean, each)`` of ``step_s(profile)`` over the rounds' profiles (:func:`round_profiles`).
+
+    The mean, set against :func:`measured_step`'s mean of the same rounds: the rows' error is
+    then their predicted time over their measured time for the whole of the rounds, and each
+    round's price stays paired with that round's measurement. The medians of each side (the
+    bench's figures up to predict-27) may take the two from different rounds, and of three
+    rounds they keep one: in predict-23 to 27 a round's error (the log of its predicted over its
+    measured step) moved by 10.8% about its run's mean (1,848 degrees of freedom), the mean of a
+    run's 3 rounds by 6.4% from run to run, what independent rounds give (``10.8 / sqrt 3`` =
+    6.3%), and a row's error between medians by 7.5%: the rounds are independent draws of one
+    noise, which the mean of all of them reduces most (``docs/experiments/predict_reprice.py``
+    over those records; docs/plan.md, "The rounds' mean").
+    """
     each = [float(step_s(p)) for p in profiles]
-    return statistics.median(each), each
+    return statistics.fmean(each), each
+
+
+def measured_step(rounds_s: Sequence[float]) -> float:
+    """A row's measured step: the mean over its rounds of the job's step (each round the same number of
+    steps, so the whole of the rounds' time over their steps), set against :func:`paired_prediction`."""
+    if not rounds_s:
+        raise ValueError("need the job's step of at least one round")
+    return statistics.fmean(float(s) for s in rounds_s)
 
 
 def _step_of(profile: Any, *, cm: Any, network: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
@@ -448,11 +474,13 @@ def _worker(spec: dict[str, Any]) -> int:
                 dtype=torch.float64,
             )
             comm.all_reduce(mine)
-            measured_s, sent = n / float(mine[0]), float(mine[1])
+            measured_median_s, sent = n / float(mine[0]), float(mine[1])
             rank_steps_s = [float(v) for v in mine[2 : 2 + n]]
             rounds_s = [n / float(v) for v in mine[2 + n :]]
+            measured_s = measured_step(rounds_s)
             # the row's prediction: each round priced with its own compute, fixed costs and codec, the
-            # median of the rounds (round_profiles); the job's pooled profile's beside it
+            # mean of the rounds (round_profiles) against the rounds' mean step; the job's pooled
+            # profile's beside it
             step_of = partial(
                 _step_of, cm=cm, network=network, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core
             )
@@ -494,6 +522,10 @@ def _worker(spec: dict[str, Any]) -> int:
                     "error": predicted_s / measured_s - 1,
                     "rounds_s": rounds_s,
                     "predicted_rounds_s": predicted_rounds,
+                    # each side's median over the rounds (the ranks' medians for the measured): the
+                    # bench's figures up to predict-27
+                    "predicted_median_s": statistics.median(predicted_rounds),
+                    "measured_median_s": measured_median_s,
                     "compute_rounds_s": compute_rounds,
                     # priced with the job's profile pooled over every round (the bench's figure before)
                     "predicted_pooled_s": predicted.step_s,
@@ -689,6 +721,13 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             say(
                 f"quantized rows: {split_in} of {len(coded)} within 20%; with every codec call at the mean of an "
                 f"encode and a decode (the model before the two were timed apart): {mean_in}"
+            )
+        medians = [r for r in rows if "measured_median_s" in r]
+        if medians:
+            medians_in = sum(abs(r["predicted_median_s"] / r["measured_median_s"] - 1) <= 0.20 for r in medians)
+            say(
+                f"with each side's median over the rounds instead of their mean (the bench's measure up to "
+                f"predict-27): {medians_in} of {len(medians)} within 20%"
             )
         synced = [r for r in rows if "predicted_synced_straggler_s" in r]
         if synced:

@@ -39,7 +39,14 @@ floor the noise alone sets), and the rows most likely outside::
     python docs/experiments/predict_reprice.py docs/experiments/predict/predict-2[3-6]*.json --variant synced-exact
 
 A change to the model is better judged by its expected misses than by one run's count, which
-the noise moves by several rows.
+the noise moves by several rows. Rows are set against the mean of their rounds on both sides,
+as the bench does since predict-28 (:func:`bunsan.bench.predict.paired_prediction`,
+:func:`~bunsan.bench.predict.measured_step`; a record before it has each round's job step in
+``rounds_s``); ``--medians`` sets each side's median over the rounds instead, the bench's
+measure up to predict-27. Over several records it also prints how a round's error moves
+from round to round within a run and how the mean of a run's rounds moves from run to run
+(:func:`round_noise`): where the second is the first over the square root of the rounds, the
+rounds are independent draws of one noise.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from typing import Any
 
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
-from bunsan.bench.predict import paired_prediction, round_profiles
+from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
 
 VARIANTS = ("synced", "synced-exact", "pooled", "core-copy")
 
@@ -77,10 +84,12 @@ def reprice(
     core_copy: float | None = None,
     *,
     fill_core_copy: float | None = None,
+    medians: bool = False,
 ) -> float:
     """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as
     is); ``core_copy`` (variant ``core-copy``): the ``core_copy_s_per_element`` to price it with;
-    ``fill_core_copy`` (any variant): the one to price with where the record has none timed."""
+    ``fill_core_copy`` (any variant): the one to price with where the record has none timed. The mean of
+    the rounds' prices (``medians``: their median)."""
     record = job["models"][row["model"]]
     profile = profile_of(record)
     if variant == "core-copy" and core_copy is not None and profile.ranks_per_core > 1:
@@ -100,7 +109,48 @@ def reprice(
         return step(profile)
     codec_rounds = [(c["codec"], c["codecs"]) for c in record["codec_rounds"]]
     rounds = round_profiles(profile, row["compute_rounds_s"], record["fixed_rounds"], codec_rounds)
-    return paired_prediction(step, rounds)[0]
+    mean, each = paired_prediction(step, rounds)
+    return statistics.median(each) if medians else mean
+
+
+def measured_of(row: dict[str, Any], *, medians: bool = False) -> float:
+    """The row's measured step: the mean of its rounds' job steps (``medians``: the ranks' medians over the
+    rounds, the bench's ``measured_s`` up to predict-27, ``measured_median_s`` since)."""
+    if medians:
+        return float(row.get("measured_median_s", row["measured_s"]))
+    return measured_step(row["rounds_s"]) if row.get("rounds_s") else float(row["measured_s"])
+
+
+def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """How the recorded rounds' errors move: ``round_sd``, the spread of a round's error (the log of its
+    recorded price over its job step) about its run's mean, pooled over the rows and runs (``round_dof``);
+    ``run_sd``, the spread of those means about the row's mean over the runs (``run_dof``); ``rounds``,
+    the median rounds per row. Rows with one round, or fewer than two runs, add nothing.
+    Independent rounds give ``run_sd`` = ``round_sd / sqrt(rounds)``."""
+    means: dict[tuple[str, int, str, str], list[float]] = {}
+    within, within_dof, counts = 0.0, 0, []
+    for data in records:
+        for row in data["rows"]:
+            priced, measured = row.get("predicted_rounds_s"), row.get("rounds_s")
+            if not priced or not measured or len(priced) != len(measured) or len(priced) < 2:
+                continue
+            errors = [math.log(p / m) for p, m in zip(priced, measured, strict=True)]
+            mean = statistics.fmean(errors)
+            within += sum((e - mean) ** 2 for e in errors)
+            within_dof += len(errors) - 1
+            counts.append(len(errors))
+            means.setdefault(row_key(row), []).append(mean)
+    between = sum((m - statistics.fmean(ms)) ** 2 for ms in means.values() for m in ms)
+    between_dof = sum(len(ms) - 1 for ms in means.values())
+    if within_dof == 0 or between_dof == 0:
+        raise ValueError("need rows of two rounds or more in two runs or more")
+    return {
+        "round_sd": math.sqrt(within / within_dof),
+        "round_dof": within_dof,
+        "run_sd": math.sqrt(between / between_dof),
+        "run_dof": between_dof,
+        "rounds": statistics.median(counts),
+    }
 
 
 def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> dict[str, Any]:
@@ -174,8 +224,11 @@ def row_key(row: dict[str, Any]) -> tuple[str, int, str, str]:
     return (row["network"], int(row["workers"]), row["model"], row["label"])
 
 
-def runs_together(records: Sequence[dict[str, Any]], variants: Sequence[str | None], top: int) -> None:
-    """Print :func:`noise_and_bias` of ``records`` (each with ``profiles``) under the model and each variant."""
+def runs_together(
+    records: Sequence[dict[str, Any]], variants: Sequence[str | None], top: int, *, medians: bool = False
+) -> None:
+    """Print :func:`noise_and_bias` of ``records`` (each with ``profiles``) under the model and each variant
+    (``medians``: each side's median over the rounds), and their :func:`round_noise`."""
     for variant in variants:
         errors: dict[tuple[str, int, str, str], list[float]] = {}
         for data in records:
@@ -183,10 +236,14 @@ def runs_together(records: Sequence[dict[str, Any]], variants: Sequence[str | No
             for row in data["rows"]:
                 slug = row_slug(row)
                 stand_in = core_copy_stand_in(profiles, slug, row["model"])
-                priced = reprice(row, profiles[slug], block_size, variant, stand_in, fill_core_copy=stand_in)
-                errors.setdefault(row_key(row), []).append(math.log(priced / row["measured_s"]))
+                priced = reprice(
+                    row, profiles[slug], block_size, variant, stand_in, fill_core_copy=stand_in, medians=medians
+                )
+                errors.setdefault(row_key(row), []).append(math.log(priced / measured_of(row, medians=medians)))
         found = noise_and_bias(errors)
         name = "the model at this checkout" if variant is None else f"variant {variant}"
+        if medians:
+            name += ", each side's median over the rounds"
         print(
             f"{len(records)} runs together, {name}: noise {100 * found['noise_sd']:.1f}% (sd of a row's log "
             f"error about its mean, {found['dof']} degrees of freedom), bias {100 * found['rms_bias']:.1f}% "
@@ -201,23 +258,36 @@ def runs_together(records: Sequence[dict[str, Any]], variants: Sequence[str | No
                 f"  {p:4.2f} outside, mean {100 * math.expm1(found['bias'][key]):+4.0f}%: "
                 f"{key[0]:>12} -np {key[1]} {key[2]:<11} {key[3]:<20} runs {runs}"
             )
+    try:
+        moved = round_noise(records)
+    except ValueError:
+        return  # records of one round a row: nothing to say of the rounds
+    print(
+        f"rounds (as recorded): a round's error moves {100 * moved['round_sd']:.1f}% about its run's mean "
+        f"({moved['round_dof']} degrees of freedom), the mean of a run's {moved['rounds']:g} rounds "
+        f"{100 * moved['run_sd']:.1f}% from run to run ({moved['run_dof']}); independent rounds: "
+        f"{100 * moved['round_sd'] / math.sqrt(moved['rounds']):.1f}%"
+    )
 
 
-def one_run(data: dict[str, Any], variants: Sequence[str]) -> None:
-    """Print one record's counts: as recorded, re-priced, under each variant; and its async rows' ranks."""
+def one_run(data: dict[str, Any], variants: Sequence[str], *, medians: bool = False) -> None:
+    """Print one record's counts: as recorded, re-priced, under each variant (against the rounds' mean step;
+    ``medians``: each side's median); and its async rows' ranks."""
     rows = data["rows"]
     profiles = data.get("profiles")  # absent from a run before 9b4a67c: the recorded columns only
     block_size = int(data["arguments"]["block_size"])
 
-    def within(priced: list[float]) -> int:
-        return sum(abs(p / r["measured_s"] - 1) <= 0.20 for p, r in zip(priced, rows, strict=True))
+    def within(priced: list[float], measured: Sequence[float] | None = None) -> int:
+        if measured is None:
+            measured = [measured_of(r, medians=medians) for r in rows]
+        return sum(abs(p / m - 1) <= 0.20 for p, m in zip(priced, measured, strict=True))
 
     def core_copy(row: dict[str, Any]) -> float | None:
         return core_copy_stand_in(profiles, row_slug(row), row["model"]) if profiles is not None else None
 
     def priced_as(row: dict[str, Any], variant: str | None) -> float:
         if profiles is not None:
-            return reprice(row, profiles[row_slug(row)], block_size, variant, core_copy(row))
+            return reprice(row, profiles[row_slug(row)], block_size, variant, core_copy(row), medians=medians)
         if variant is None:
             return float(row["predicted_s"])
         # without profiles, a wait variant from the row priced with the synced wait as the bench recorded it
@@ -225,11 +295,15 @@ def one_run(data: dict[str, Any], variants: Sequence[str]) -> None:
         return float(row["predicted_synced_straggler_s" if synced else "predicted_s"])
 
     recorded = [r["predicted_s"] for r in rows]
-    print(f"as recorded: {within(recorded)} of {len(rows)} within 20%")
+    print(f"as recorded: {within(recorded, [r['measured_s'] for r in rows])} of {len(rows)} within 20%")
     if profiles is not None:
         again = [priced_as(r, None) for r in rows]
         moved = sum(abs(a / b - 1) > 1e-9 for a, b in zip(again, recorded, strict=True))
-        print(f"re-priced with the model at this checkout: {within(again)} ({moved} rows priced differently)")
+        measure = "each side's median over the rounds" if medians else "the rounds' mean"
+        print(
+            f"re-priced with the model at this checkout, against {measure}: {within(again)} "
+            f"({moved} rows priced differently)"
+        )
     else:
         print("no profiles recorded (a run before 9b4a67c): variants from the recorded columns")
     for variant in variants:
@@ -260,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("json", nargs="+", help="predict.json of a bunsan bench predict run (several: runs together)")
     parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
+    parser.add_argument(
+        "--medians", action="store_true", help="each side's median over the rounds (the bench's measure to predict-27)"
+    )
     parser.add_argument("--top", type=int, default=10, help="rows most likely outside 20%% to list (several runs)")
     args = parser.parse_args(argv)
     if args.top < 0:
@@ -281,14 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     for path, data in zip(args.json, records, strict=True):
         if len(records) > 1:
             print(f"== {path}")
-        one_run(data, args.variant)
+        one_run(data, args.variant, medians=args.medians)
     if len(records) > 1:
         without = [path for path, data in zip(args.json, records, strict=True) if data.get("profiles") is None]
         if without:
             print(f"predict_reprice: {', '.join(without)} holds no profiles (a run before 9b4a67c)", file=sys.stderr)
             return 2
         try:
-            runs_together(records, [None, *args.variant], args.top)
+            runs_together(records, [None, *args.variant], args.top, medians=args.medians)
         except ValueError as err:  # no row in two of the records: nothing to part the noise from
             print(f"predict_reprice: these records cannot be taken together ({err})", file=sys.stderr)
             return 2

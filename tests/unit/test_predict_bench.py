@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -136,13 +137,16 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         assert ("predicted_mean_call_s" in r) == (r["label"] in ("8-bit", "1-bit")), r
         if "predicted_mean_call_s" in r:
             assert r["predicted_mean_call_s"] > 0 and r["predicted_mean_call_s"] != r["predicted_s"]
-        # each rank's own median step, whose N / sum(1 / step) is the job's
+        # each rank's own median step, whose N / sum(1 / step) is the job's median step; the row's
+        # measured step is the mean of the rounds' job steps
         assert len(r["rank_steps_s"]) == 2 and min(r["rank_steps_s"]) > 0, r
-        assert r["measured_s"] == pytest.approx(2 / sum(1 / s for s in r["rank_steps_s"])), r
-        # priced round by round with the compute slice run just before the row's steps: the median
-        # of the rounds' (of 2: the mean); the job's pooled profile's beside it
+        assert r["measured_median_s"] == pytest.approx(2 / sum(1 / s for s in r["rank_steps_s"])), r
+        assert r["measured_s"] == pytest.approx(sum(r["rounds_s"]) / 2), r
+        # priced round by round with the compute slice run just before the row's steps: the mean
+        # of the rounds' (and their median beside it); the job's pooled profile's beside it
         assert len(r["compute_rounds_s"]) == 2 and min(r["compute_rounds_s"]) > 0, r
         assert r["predicted_s"] == pytest.approx(sum(r["predicted_rounds_s"]) / 2), r
+        assert r["predicted_median_s"] == pytest.approx(statistics.median(r["predicted_rounds_s"])), r
         assert r["predicted_pooled_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
     # the whole profile of every job's model is recorded: the rows price again to what they were
     data = json.loads((tmp_path / "predict.json").read_text())
@@ -154,11 +158,16 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     spec.loader.exec_module(reprice)
     for r in rows:
         assert reprice.reprice(r, job, 64) == pytest.approx(r["predicted_s"], rel=1e-9), r
+        assert reprice.reprice(r, job, 64, medians=True) == pytest.approx(r["predicted_median_s"], rel=1e-9), r
+        assert reprice.measured_of(r) == r["measured_s"] and reprice.measured_of(r, medians=True) == pytest.approx(
+            r["measured_median_s"]
+        )
         assert reprice.reprice(r, job, 64, "pooled") == pytest.approx(r["predicted_pooled_s"], rel=1e-9), r
         if r["label"] == "exact":  # a variant moves the straggler it prices with
             assert reprice.reprice(r, job, 64, "synced") == pytest.approx(r["predicted_synced_straggler_s"]), r
     out = capsys.readouterr().out
     assert "quantized rows: " in out and "with the straggler of compute steps started together" in out
+    assert "with each side's median over the rounds instead of their mean" in out
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
@@ -189,7 +198,10 @@ def test_the_core_copy_variant_prices_a_record_before_it_with_its_runs_one_rank_
     assert row["core_copy_s_per_element"] > 0
     job = data["profiles"][slug]
     timed = job["models"]["mlp-10m"]["core_copy_s_per_element"]
-    assert reprice.reprice(row, job, 256, "core-copy", timed) == pytest.approx(row["predicted_s"], rel=1e-9)
+    # (the record's prediction is its rounds' median; the mean of the same rounds' prices is the price now)
+    mean = statistics.fmean(row["predicted_rounds_s"])
+    assert reprice.reprice(row, job, 256, "core-copy", timed) == pytest.approx(mean, rel=1e-9)
+    assert reprice.reprice(row, job, 256, "core-copy", timed, medians=True) == pytest.approx(row["predicted_s"])
     # predict-24 did not: priced at the 2-worker job's copy on the same link, rank 0's passes cost less
     data, row, slug = async_mlp("predict-24.json")
     job = data["profiles"][slug]
@@ -480,9 +492,15 @@ def test_each_round_is_priced_with_its_own_compute_fixed_costs_and_codec():
     assert rounds[1].encode_s_per_element == 2e-9 and rounds[1].decode_s_per_element == 1e-9
     # the straggler and the sizes stay pooled
     assert {(r.straggler_s, r.params, r.batch) for r in rounds} == {(0.002, 1000, 32)}
-    # the median round's price, and each round's: 0.020 + 0.002 + 0.003 = 0.025 and so on
-    median, each = predict.paired_prediction(lambda p: p.compute_s + p.straggler_s + p.fixed("exact"), rounds)
-    assert each == pytest.approx([0.025, 0.036, 0.047]) and median == pytest.approx(0.036)
+    # the rounds' mean price, and each round's: 0.020 + 0.002 + 0.003 = 0.025 and so on
+    mean, each = predict.paired_prediction(lambda p: p.compute_s + p.straggler_s + p.fixed("exact"), rounds)
+    assert each == pytest.approx([0.025, 0.036, 0.047]) and mean == pytest.approx(0.036)
+    # a slow last round: the mean moves with it (0.025 + 0.036 + 0.087 = 0.148), where the median would not
+    slow = predict.round_profiles(
+        profile, [0.020, 0.030, 0.080], [{"exact": 0.003}] * 2 + [{"exact": 0.005}], [codec(1e-5)] * 3
+    )
+    mean, each = predict.paired_prediction(lambda p: p.compute_s + p.straggler_s + p.fixed("exact"), slow)
+    assert each == pytest.approx([0.025, 0.035, 0.087]) and mean == pytest.approx(0.049)
     with pytest.raises(ValueError, match="one compute, fixed-cost and codec entry per round"):
         predict.round_profiles(profile, [0.02], [], [codec(1e-5)])
 
@@ -604,6 +622,10 @@ def test_reprice_runs_together_on_the_records(tmp_path, capsys):
     assert "84 degrees of freedom" in line  # the 84 small-CNN rows are in both runs, the other 84 in one
     listed = [t for t in out.splitlines() if " outside, mean " in t]
     assert len(listed) == 3
+    assert "rounds (as recorded): a round's error moves " in out
+    assert reprice.main([*paths, "--top", "0", "--medians"]) == 0
+    out = capsys.readouterr().out
+    assert "2 runs together, the model at this checkout, each side's median over the rounds: " in out
     assert reprice.main([paths[0], str(records / "nothing.json")]) == 2
     # two records that share no row: no run-to-run spread to measure, refused in one sentence
     digits = json.loads(Path(paths[1]).read_text())
@@ -614,3 +636,29 @@ def test_reprice_runs_together_on_the_records(tmp_path, capsys):
     capsys.readouterr()
     assert reprice.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
     assert "cannot be taken together" in capsys.readouterr().err
+
+
+def test_a_rows_measured_step_is_the_mean_of_its_rounds():
+    # rounds of the same number of steps: 10, 12 and 17 ms a step -> 13 ms (the median would say 12)
+    assert predict.measured_step([0.010, 0.012, 0.017]) == pytest.approx(0.013)
+    with pytest.raises(ValueError, match="at least one round"):
+        predict.measured_step([])
+
+
+def test_round_noise_parts_the_rounds_spread_from_the_runs():
+    reprice = _load_reprice()
+
+    def record(errors):
+        row = {"network": "loopback", "workers": 2, "model": "m", "label": "exact"}
+        row["rounds_s"] = [1.0] * len(errors)
+        row["predicted_rounds_s"] = [math.exp(e) for e in errors]
+        return {"rows": [row]}
+
+    # run 1 errors 0.1, 0, -0.1 (mean 0), run 2 0.3, 0.2, 0.1 (mean 0.2): each run's squares 0.02 over 2
+    # degrees of freedom, so the rounds' sd sqrt(0.04 / 4) = 0.1; the runs' means 0 and 0.2 about 0.1,
+    # sd sqrt(0.02 / 1)
+    found = reprice.round_noise([record([0.1, 0.0, -0.1]), record([0.3, 0.2, 0.1])])
+    assert found["round_sd"] == pytest.approx(0.1) and found["round_dof"] == 4
+    assert found["run_sd"] == pytest.approx(math.sqrt(0.02)) and found["run_dof"] == 1 and found["rounds"] == 3
+    with pytest.raises(ValueError, match="two rounds or more in two runs"):
+        reprice.round_noise([record([0.1, 0.0, -0.1])])
