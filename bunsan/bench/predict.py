@@ -581,6 +581,11 @@ def _worker(spec: dict[str, Any]) -> int:
 
 
 # -- the parent -------------------------------------------------------------------------------------
+def _within(rows: Sequence[dict[str, Any]], predicted: str, measured: str = "measured_s") -> int:
+    """Rows whose ``predicted`` field is within 20% of their ``measured`` one."""
+    return sum(abs(r[predicted] / r[measured] - 1) <= 0.20 for r in rows)
+
+
 COLUMNS = (
     "network",
     "workers",
@@ -716,26 +721,27 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         )
         coded = [r for r in rows if "predicted_mean_call_s" in r]
         if coded:
-            split_in = sum(abs(r["error"]) <= 0.20 for r in coded)
-            mean_in = sum(abs(r["predicted_mean_call_s"] / r["measured_s"] - 1) <= 0.20 for r in coded)
             say(
-                f"quantized rows: {split_in} of {len(coded)} within 20%; with every codec call at the mean of an "
-                f"encode and a decode (the model before the two were timed apart): {mean_in}"
+                f"quantized rows: {_within(coded, 'predicted_s')} of {len(coded)} within 20%; with every codec "
+                "call at the mean of an encode and a decode (the model before the two were timed apart): "
+                f"{_within(coded, 'predicted_mean_call_s')}"
             )
-        medians = [r for r in rows if "measured_median_s" in r]
-        if medians:
-            medians_in = sum(abs(r["predicted_median_s"] / r["measured_median_s"] - 1) <= 0.20 for r in medians)
-            say(
-                f"with each side's median over the rounds instead of their mean (the bench's measure up to "
-                f"predict-27): {medians_in} of {len(medians)} within 20%"
-            )
-        synced = [r for r in rows if "predicted_synced_straggler_s" in r]
-        if synced:
-            synced_in = sum(abs(r["predicted_synced_straggler_s"] / r["measured_s"] - 1) <= 0.20 for r in synced)
-            say(
-                f"with the straggler of compute steps started together instead of run free: {synced_in} of "
-                f"{len(synced)} within 20%"
-            )
+        # the same rows priced or measured another way: (predicted, measured, what the other way is)
+        for predicted, measured, other in (
+            (
+                "predicted_median_s",
+                "measured_median_s",
+                "with each side's median over the rounds instead of their mean (the bench's measure up to predict-27)",
+            ),
+            (
+                "predicted_synced_straggler_s",
+                "measured_s",
+                "with the straggler of compute steps started together instead of run free",
+            ),
+        ):
+            kept = [r for r in rows if predicted in r and measured in r]
+            if kept:
+                say(f"{other}: {_within(kept, predicted, measured)} of {len(kept)} within 20%")
         spreads = [(r, rounds_spread(r)) for r in rows]
         loose = [(r, v) for r, v in spreads if v is not None and v > 1.2]
         if loose:
