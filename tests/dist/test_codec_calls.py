@@ -138,3 +138,43 @@ def test_the_cost_model_counts_the_elements_the_exchange_codes(workers, workers4
     assert sum(r[0]["encoded"] for r in results) == pytest.approx(size * encoded)
     assert sum(r[0]["decoded"] for r in results) == pytest.approx(size * decoded)
     assert sum(r[0]["encoded"] for r in results) == size * params + (params if size > 2 else 0)
+
+
+def _body_alltoall_probe(rank, world_size):
+    import time
+    from unittest import mock
+
+    from bunsan import comm
+    from bunsan.algorithms.measure import measure_network
+
+    real_reduce, real_alltoall = comm.all_reduce, comm.all_to_all
+    alltoalls: list[int] = []
+
+    def slow_reduce(tensor, *args, **kwargs):  # a 600 Mbit/s link with 0.5 ms of latency: a fit every time
+        if tensor.dtype == torch.float32:
+            time.sleep(5e-4 + tensor.numel() * 4 * 8 / 6e8)
+        return real_reduce(tensor, *args, **kwargs)
+
+    def slow_alltoall(output, tensor, *args, **kwargs):  # 50 ms an all-to-all, far past its bytes' time here
+        alltoalls.append(tensor.numel() * 4)
+        time.sleep(0.05)
+        return real_alltoall(output, tensor, *args, **kwargs)
+
+    with mock.patch.object(comm, "all_reduce", slow_reduce), mock.patch.object(comm, "all_to_all", slow_alltoall):
+        network = measure_network(sizes=(4, 1 << 20), repeats=3)
+    return network.alltoall_bandwidth, network.gather_beta, alltoalls
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_network_probe_times_the_quantized_exchanges_all_to_all_from_three_ranks(workers, workers4, size):
+    """At the largest size, from 3 ranks, the probe times an all-to-all of that many bytes and prices the
+    quantized exchange's first phase at its rate; at 2 ranks (one pair's exchange, as the all-gather) none."""
+    results = (workers if size == 2 else workers4).run(f"{__name__}:_body_alltoall_probe")
+    if size == 2:
+        assert all(r[0] is None and r[2] == [] for r in results)
+        return
+    # one untimed and 3 timed all-to-alls of 1 MiB on every rank; each rank sends 3 pieces of 256 KiB
+    # in ~50 ms: ~15.7 MB/s less what the real call adds (the same figure on every rank)
+    assert all(r[2] == [1 << 20] * 4 for r in results)
+    rate = results[0][0]
+    assert all(r[0] == rate for r in results) and 4e6 < rate < 1.7e7, results
