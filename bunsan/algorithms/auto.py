@@ -1531,7 +1531,6 @@ class Auto(Algorithm):
                         "bandwidth": network.bandwidth,
                         "gather_bandwidth": network.gather_bandwidth,
                         "half_bandwidth": network.half_bandwidth,
-                        "alltoall_bandwidth": network.alltoall_bandwidth,
                         **codec,
                         "codecs": [list(c) for c in codecs],
                         **({"codec_measured": False} if codec_deferred else {}),

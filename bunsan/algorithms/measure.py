@@ -284,11 +284,7 @@ def measure_network(
     """Collective: time all-reduces and all-gathers of ``sizes`` bytes and fit alpha and beta.
 
     Every rank times the same collectives; the median over ``repeats`` of the
-    slowest rank (a collective ends when its last rank is done) is fitted. At the
-    largest size it also times a float16 all-reduce (``half_bandwidth``) and, at 3
-    ranks or more, an all-to-all of that many bytes (``alltoall_bandwidth``: the
-    striped quantized exchange's first phase, whose rate differs from the
-    all-gather's).
+    slowest rank (a collective ends when its last rank is done) is fitted.
     ``enough_s``: stop at the first size (the second or later of ``sizes``, taken
     smallest first) whose all-reduce took at least this long. Such a message is
     already far past the latency (0.06-0.4 ms here), so larger ones add no
@@ -372,23 +368,6 @@ def measure_network(
     wire_s = float(half_s[0]) - 2 * (n - 1) * network.latency_s
     if wire_s > 0:
         network = replace(network, half_bandwidth=ring_allreduce_bytes(halves.numel() * 2, n) / wire_s)
-    if n >= 3:
-        # the quantized exchange's all-to-all at the largest size: 4 ranks' moved their bytes at 71-89% of
-        # the all-gather's rate on shaped links from 0.65 MB pieces up, at 1.2-1.8 times it on loopback
-        # (docs/experiments/alltoall_rate.py); at 2 ranks it is one pair's exchange, as the all-gather is
-        whole = torch.ones(max(n, reduce_points[-1][0] // 4 // n * n), device=device)
-        scattered = torch.empty_like(whole)
-        comm.all_to_all(scattered, whole, group=group)
-        comm.barrier(group)
-        alltoall_s = torch.tensor(
-            [median_time(lambda: comm.all_to_all(scattered, whole, group=group), timed_repeats, device)],
-            dtype=torch.float64,
-            device=device,
-        )
-        comm.all_reduce(alltoall_s, op="max", group=group)
-        wire_s = float(alltoall_s[0]) - (n - 1) * network.latency_s
-        if wire_s > 0:
-            network = replace(network, alltoall_bandwidth=(n - 1) * whole.numel() // n * 4 / wire_s)
     return network
 
 

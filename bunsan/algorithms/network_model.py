@@ -69,18 +69,12 @@ class Network:
     Args:
         latency_s: alpha, seconds per message (the start-up cost of one send).
         bandwidth: beta, bytes per second of one link in one direction.
-        gather_bandwidth: effective beta of all-gather messages (and all-to-all ones,
-            unless ``alltoall_bandwidth`` is given) when they differ from all-reduce's
-            (Gloo's all-gather moved fewer bytes per second than its all-reduce on
-            loopback); ``None`` means ``bandwidth``.
+        gather_bandwidth: effective beta of all-gather and all-to-all messages when
+            they differ from all-reduce's (Gloo's all-gather moved fewer bytes per
+            second than its all-reduce on loopback); ``None`` means ``bandwidth``.
         half_bandwidth: effective beta of a float16 all-reduce, in bytes of float16,
             where it differs (Gloo sums half precision in software on CPU); ``None``
             means ``bandwidth``.
-        alltoall_bandwidth: effective beta of an all-to-all's messages where it differs
-            from the all-gather's: on links shaped at 100 Mbit/s and 1 Gbit/s, 4 ranks' all-to-all
-            moved its bytes at 71-89% of their all-gather's rate from 0.65 MB pieces up, and on
-            loopback at 1.2-1.8 times it (docs/plan.md, "The rounds' mean");
-            ``None`` means ``gather_bandwidth``.
         burst_bytes: a token-bucket link's burst: bytes that pass at once after the link
             idled long enough to refill (:func:`burst_credit`); 0 for a link without one.
             Not measured by the job's probe (its back-to-back messages keep the bucket
@@ -92,12 +86,11 @@ class Network:
     gather_bandwidth: float | None = None
     half_bandwidth: float | None = None
     burst_bytes: float = 0.0
-    alltoall_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         check_seconds("latency_s", self.latency_s, zero=True)
         check_seconds("bandwidth", self.bandwidth)
-        for name in ("gather_bandwidth", "half_bandwidth", "alltoall_bandwidth"):
+        for name in ("gather_bandwidth", "half_bandwidth"):
             if getattr(self, name) is not None:
                 check_seconds(name, getattr(self, name))
         check_number("burst_bytes", self.burst_bytes, minimum=0.0, hint="bytes, 0 for no token bucket")
@@ -105,10 +98,6 @@ class Network:
     @property
     def gather_beta(self) -> float:
         return self.gather_bandwidth if self.gather_bandwidth is not None else self.bandwidth
-
-    @property
-    def alltoall_beta(self) -> float:
-        return self.alltoall_bandwidth if self.alltoall_bandwidth is not None else self.gather_beta
 
 
 # -- collectives -------------------------------------------------------------------------------
@@ -139,18 +128,15 @@ def burst_credit(network: Network, sent_bytes: float, idle_s: float, bandwidth: 
 
 
 def alltoall_time(message_bytes: float, workers: int, network: Network) -> float:
-    """Seconds of an all-to-all where each rank sends ``message_bytes`` to each of the ``N - 1`` others,
-    at the all-to-all's own rate (:attr:`Network.alltoall_beta`)."""
+    """Seconds of an all-to-all where each rank sends ``message_bytes`` to each of the ``N - 1`` others."""
     if workers <= 1:
         return 0.0
-    return (workers - 1) * (network.latency_s + message_bytes / network.alltoall_beta)
+    return (workers - 1) * (network.latency_s + message_bytes / network.gather_beta)
 
 
 def allgather_time(message_bytes: float, workers: int, network: Network) -> float:
     """Seconds of a ring all-gather of one ``message_bytes`` piece per rank: ``(N - 1)`` steps of one piece."""
-    if workers <= 1:
-        return 0.0
-    return (workers - 1) * (network.latency_s + message_bytes / network.gather_beta)
+    return alltoall_time(message_bytes, workers, network)
 
 
 def quantized_payload_bytes(numel: int, bits: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:

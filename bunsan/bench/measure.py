@@ -120,7 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "bandwidth": network.bandwidth,
                     "gather_bandwidth": network.gather_bandwidth,
                     "half_bandwidth": network.half_bandwidth,
-                    "alltoall_bandwidth": network.alltoall_bandwidth,
                 }
             ),
             flush=True,

@@ -384,7 +384,6 @@ def job_profile(decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "bandwidth": float(measured["bandwidth"]),
         "gather_bandwidth": measured.get("gather_bandwidth"),
         "half_bandwidth": measured.get("half_bandwidth"),
-        "alltoall_bandwidth": measured.get("alltoall_bandwidth"),
     }
     summary = (
         f"job: Auto at step {decision.get('step', '?')} on {decision['workers']} workers chose "
@@ -607,7 +606,6 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 measured_net.get("gather_bandwidth"),
                 measured_net.get("half_bandwidth"),
                 burst_bytes=burst,
-                alltoall_bandwidth=measured_net.get("alltoall_bandwidth"),
             )
             say(
                 f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "

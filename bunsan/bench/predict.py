@@ -570,7 +570,6 @@ def _worker(spec: dict[str, Any]) -> int:
                     "bandwidth": network.bandwidth,
                     "gather_bandwidth": network.gather_bandwidth,
                     "half_bandwidth": network.half_bandwidth,
-                    "alltoall_bandwidth": network.alltoall_bandwidth,
                     "burst_bytes": network.burst_bytes,
                 },
                 "rows": rows,

@@ -636,25 +636,3 @@ def test_async_push_and_pull_get_the_burst_of_their_links():
     assert cm.async_step(0.002, 32768, 5, net, 1, convoy=False)[0] == pytest.approx(9.17504e-3)
     # without a bucket, as before: 2 + 2 * 2.62144
     assert cm.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
-
-
-def test_the_all_to_all_moves_at_its_own_rate_and_the_all_gather_at_its_own():
-    from bunsan.algorithms.network_model import allgather_time, alltoall_time, striped_exchange_time
-
-    mib = 1024 * 1024
-    net = Network(latency_s=0.001, bandwidth=10 * mib, gather_bandwidth=8 * mib, alltoall_bandwidth=4 * mib)
-    # 4 ranks, pieces of 1 MiB: 3 x (1 ms + 1/4 s) against 3 x (1 ms + 1/8 s)
-    assert alltoall_time(mib, 4, net) == pytest.approx(3 * (0.001 + 0.25))
-    assert allgather_time(mib, 4, net) == pytest.approx(3 * (0.001 + 0.125))
-    # without its own rate the all-to-all takes the all-gather's, as before
-    same = Network(latency_s=0.001, bandwidth=10 * mib, gather_bandwidth=8 * mib)
-    assert alltoall_time(mib, 4, same) == allgather_time(mib, 4, same) == pytest.approx(3 * 0.126)
-    # the striped exchange: its all-to-all and its all-gather of one stripe each
-    # (4M elements at 8 bits over 4 ranks: stripes of 1 MiB of codes and 2048 chunks' 8 bytes)
-    stripe = mib + 8 * 2048
-    assert striped_exchange_time(4 * mib, 8, 4, net) == pytest.approx(
-        3 * (0.001 + stripe / (4 * mib)) + 3 * (0.001 + stripe / (8 * mib))
-    )
-    assert alltoall_time(mib, 1, net) == allgather_time(mib, 1, net) == 0.0
-    with pytest.raises(ValueError, match="alltoall_bandwidth"):
-        Network(latency_s=0.001, bandwidth=1.0, alltoall_bandwidth=0.0)
