@@ -662,3 +662,21 @@ def test_round_noise_parts_the_rounds_spread_from_the_runs():
     assert found["run_sd"] == pytest.approx(math.sqrt(0.02)) and found["run_dof"] == 1 and found["rounds"] == 3
     with pytest.raises(ValueError, match="two rounds or more in two runs"):
         reprice.round_noise([record([0.1, 0.0, -0.1])])
+
+
+def test_a_record_with_a_network_field_the_model_does_not_take_is_priced_as_the_checkout_prices_it():
+    # predict-29-np4 ran at 921a166 (reverted), which timed the all-to-all's own rate: its rows are priced
+    # at the all-gather's rate here, the quantized ones differently from their record, the others the same
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    data = json.loads((records / "predict-29-np4.json").read_text())
+    job = data["profiles"]["rate_100mbit-np4"]
+    assert job["network"]["alltoall_bandwidth"] < job["network"]["gather_bandwidth"]
+    for row in data["rows"]:
+        if row["network"] != "rate=100mbit":
+            continue
+        priced = reprice.reprice(row, job, 256)
+        if row["label"] in ("1-bit", "8-bit"):
+            assert priced < row["predicted_s"], row["label"]  # the all-to-all at the faster all-gather rate
+        else:
+            assert priced == pytest.approx(row["predicted_s"], rel=1e-9), row["label"]
