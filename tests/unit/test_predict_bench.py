@@ -680,3 +680,18 @@ def test_a_record_with_a_network_field_the_model_does_not_take_is_priced_as_the_
             assert priced < row["predicted_s"], row["label"]  # the all-to-all at the faster all-gather rate
         else:
             assert priced == pytest.approx(row["predicted_s"], rel=1e-9), row["label"]
+
+
+def test_a_record_priced_again_counts_only_rows_the_model_moved_by_either_measure(capsys):
+    reprice = _load_reprice()
+    # a row before predict-28: predicted_s is the rounds' median; after: their mean, the median beside
+    old = {"predicted_s": 0.02, "predicted_rounds_s": [0.01, 0.02, 0.06]}
+    new = {"predicted_s": 0.03, "predicted_median_s": 0.02, "measured_median_s": 0.025, "predicted_rounds_s": [0]}
+    assert reprice.recorded_price(old) == pytest.approx(0.03) and reprice.recorded_price(old, medians=True) == 0.02
+    assert reprice.recorded_price(new) == 0.03 and reprice.recorded_price(new, medians=True) == 0.02
+    # the model has not moved since predict-27 (50c38a9): no row priced differently by either measure
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    for name in ("predict-27.json", "predict-28.json"):
+        for flags in ([], ["--medians"]):
+            assert reprice.main([str(records / name), *flags]) == 0
+            assert "(0 rows priced differently)" in capsys.readouterr().out, (name, flags)
