@@ -188,6 +188,18 @@ class Profile:
             5.4-7.7 ms, and rank 0's worker, on a core of its own while the remote workers wait
             on 100 Mbit/s links, made its six passes at 5-7 ms each (priced at the first, its
             job was predicted 22-31% slow in three runs).
+        core_compute_s: ``compute_s`` timed with one rank per core computing at once (the others
+            waiting, :func:`bunsan.algorithms.measure.in_turns`), where ``ranks_per_core`` is above 1;
+            0: not timed, ``compute_s / ranks_per_core``. Async SGD's rank 0 worker, which never
+            waits, computes at it whatever the remote workers do (:func:`async_rank_steps`): at 4
+            workers on 2 cores its step was 0.55-0.84 of ``compute_s`` on every network (predict-23
+            to 28, the worker's fixed cost taken out), 1.0-1.3 times ``compute_s / 2`` (a rank on a
+            core computes more slowly than half the time of two sharing it: the 2-worker job's
+            compute was 1.63-1.94 times less, not 2), where the model's sharing gave it the whole
+            ``compute_s`` while the remotes computed (loopback, 1 Gbit/s) and ``compute_s / 2`` while
+            they waited (100 Mbit/s): the job's step, which rank 0's worker sets most, came out
+            +13% to +15% on loopback and -16% to -21% at 100 Mbit/s (docs/plan.md, "Rank 0's
+            worker on a core of its own").
         ranks_per_core: the ranks of a host over its usable cores while ``compute_s`` was timed,
             every rank computing at once (1: a core or more each). Above 1 a rank computes
             faster while others wait: async SGD's remote workers spend their round trips off the
@@ -222,6 +234,7 @@ class Profile:
     encode_call_s: float | None = None
     decode_call_s: float | None = None
     ranks_per_core: float = 1.0
+    core_compute_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -239,6 +252,7 @@ class Profile:
             "cast_s_per_element",
             "copy_s_per_element",
             "core_copy_s_per_element",
+            "core_compute_s",
         ):
             check_seconds(name, getattr(self, name), zero=True)
         for name in ("encode_call_s", "decode_call_s"):
@@ -293,7 +307,12 @@ class Profile:
         compute scales linearly with the batch)."""
         if not global_batch or workers == 1:
             return self
-        return replace(self, compute_s=self.compute_s / workers, batch=max(1, self.batch // workers))
+        return replace(
+            self,
+            compute_s=self.compute_s / workers,
+            core_compute_s=self.core_compute_s / workers,
+            batch=max(1, self.batch // workers),
+        )
 
 
 @dataclass(frozen=True)
@@ -734,7 +753,13 @@ def async_rank_steps(
     alone. Charged to rank 0's worker, the 10.5M MLP at 4 workers on 2 cores over loopback had
     rank 0's worker at 438-547 ms, measured 108-134 ms, and its job +16% to +52% (predict-21 to
     predict-23; docs/plan.md, "The server thread as one more thread"). With a
-    core per rank the server's work fills exactly the remotes' round trips and nothing slows."""
+    core per rank the server's work fills exactly the remotes' round trips and nothing slows.
+
+    Rank 0's worker computes at :attr:`Profile.core_compute_s` where ranks share cores and it was
+    timed (the compute of a rank on a core of its own), not at the shared compute: that sharing
+    prices the remote workers, which wait; rank 0's worker never does, and measured it stepped at
+    about the same speed on loopback as on 100 Mbit/s links (docs/plan.md, "Rank 0's worker on a
+    core of its own"). Its passes stay priced at the shared compute's slowdown, as the server's are."""
     check_int("workers", workers, minimum=1)
     n = workers
     compute = profile.compute_s
@@ -768,7 +793,10 @@ def async_rank_steps(
     if n > 1 and (crowded or ranks_per_core > 1):  # ranks waiting leave their cores to the others
         compute = shared_compute(compute, ranks_per_core, busy)
     remote = steps(compute)[0]
-    own = compute + ASYNC_OWN_PASSES * pass_s(compute) / k  # rank 0's worker reaches the server in-process
+    # rank 0's worker reaches the server in-process and never waits: where ranks share cores and the
+    # compute of one rank per core was timed, it computes at that, whatever the remotes do
+    own_compute = profile.core_compute_s if n > 1 and ranks_per_core > 1 and profile.core_compute_s > 0 else compute
+    own = own_compute + ASYNC_OWN_PASSES * pass_s(compute) / k
     return compute, own, remote
 
 

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,12 +22,15 @@ from bunsan.algorithms.data_parallel.graphs import CapturedCalls, graphs_enabled
 from bunsan.algorithms.data_parallel.stripes import coded_per_bucket
 from bunsan.algorithms.network_model import Network, network_from_timings, ring_allreduce_bytes
 
+T = TypeVar("T")
+
 __all__ = [
     "CODEC_FIELDS",
     "CODEC_NUMEL_CAP",
     "FIXED_COST_BATCH",
     "PROBE_SIZES",
     "can_overlap",
+    "in_turns",
     "measure_codec",
     "measure_codecs",
     "measure_copy",
@@ -248,6 +251,27 @@ def measure_copy(
     return {"copy_s_per_element": float(found[0])}
 
 
+def in_turns(fn: Callable[[], T], ranks_per_core: float, *, group: Any = None) -> T:
+    """Collective: ``fn()`` on this rank with one rank per core running at once: the ranks of ``group``
+    take ``ceil(ranks_per_core)`` turns by their rank modulo the turns (ranks numbered along one host,
+    as ``bunsan bench predict``'s are), the others waiting at a barrier; this rank's result.
+
+    Where ranks share cores, what a rank does while the others wait on the network runs as fast as on
+    a core of its own: async SGD's rank 0 worker beside remote workers in their round trips
+    (:func:`measure_core_copy`, and ``bunsan bench predict``'s compute per core,
+    :attr:`bunsan.algorithms.cost_model.Profile.core_compute_s`)."""
+    if not ranks_per_core >= 1:
+        raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
+    turns = math.ceil(ranks_per_core)
+    mine = comm.get_rank(group)
+    found: Any = None
+    for turn in range(turns):  # every rank has one turn: mine % turns is one of them
+        comm.barrier(group)
+        if mine % turns == turn:
+            found = fn()
+    return found
+
+
 def measure_core_copy(numel: int, ranks_per_core: float, *, repeats: int = 3, group: Any = None) -> dict[str, float]:
     """``{"core_copy_s_per_element": s}`` (collective): :func:`measure_copy` timed with one rank per
     core copying at once: the ranks of ``group`` take ``ceil(ranks_per_core)`` turns by their rank
@@ -259,15 +283,7 @@ def measure_core_copy(numel: int, ranks_per_core: float, *, repeats: int = 3, gr
     rank 0 worker beside remote workers in their round trips) copies as fast as a rank with a core
     of its own (:attr:`bunsan.algorithms.cost_model.Profile.core_copy_s_per_element`)."""
     check_int("numel", numel, minimum=1)
-    if not ranks_per_core >= 1:
-        raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
-    turns = math.ceil(ranks_per_core)
-    mine = comm.get_rank(group)
-    found = 0.0
-    for turn in range(turns):
-        comm.barrier(group)
-        if mine % turns == turn:
-            found = measure_copy(numel, repeats=repeats)["copy_s_per_element"]
+    found = in_turns(lambda: measure_copy(numel, repeats=repeats)["copy_s_per_element"], ranks_per_core, group=group)
     slowest = torch.tensor([found], dtype=torch.float64)
     comm.all_reduce(slowest, op="max", group=group)
     return {"core_copy_s_per_element": float(slowest[0])}

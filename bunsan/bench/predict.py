@@ -181,6 +181,11 @@ def _build(name: str) -> tuple[Any, tuple[int, ...]]:
     return models.create(name, **kwargs), shape
 
 
+def _compute_steps(model: Any, optimizer: Any, batch: tuple[Any, Any], count: int) -> list[float]:
+    """``count`` steps of the compute alone, timed one by one."""
+    return [time_steps(model, optimizer, [batch]) for _ in range(count)]
+
+
 FIXED_STEPS = 16  # a timed run of the tiny model's steps (measure_fixed_costs), rounded up to whole blocks
 
 
@@ -252,7 +257,8 @@ def round_profiles(
     """One :class:`~bunsan.algorithms.cost_model.Profile` per timed round: ``profile`` (the job's, pooled
     over the rounds) with that round's own compute (``compute_rounds[r]``: the compute alone timed just
     before the row's algorithm in round ``r``), fixed costs and codec; the straggler wait and the sizes
-    stay the pooled ones (a round's few compute steps set a mean, not a slowest rank's excess).
+    stay the pooled ones (a round's few compute steps set a mean, not a slowest rank's excess), and the
+    compute of one rank per core (``core_compute_s``, where timed) moves with the round's compute.
 
     A row's prediction is the mean of its rounds' (:func:`paired_prediction`): the machine's
     speed, which moved a whole round 1.3-1.4x on a busy day (ResNet-20's model averaging at 2
@@ -272,6 +278,7 @@ def round_profiles(
             replace(
                 profile,
                 compute_s=float(compute_s),
+                core_compute_s=profile.core_compute_s * float(compute_s) / profile.compute_s,
                 fixed_s=tuple((label, float(s)) for label, s in fixed.items()),
                 codecs=codecs,
                 **{k: v for k, v in codec.items() if k in profile.__dataclass_fields__},
@@ -326,7 +333,13 @@ def _worker(spec: dict[str, Any]) -> int:
     import bunsan
     from bunsan import comm
     from bunsan.algorithms import cost_model as cm
-    from bunsan.algorithms.measure import CODEC_NUMEL_CAP, FIXED_COST_BATCH, can_overlap, measure_core_copy
+    from bunsan.algorithms.measure import (
+        CODEC_NUMEL_CAP,
+        FIXED_COST_BATCH,
+        can_overlap,
+        in_turns,
+        measure_core_copy,
+    )
     from bunsan.bench.measure import (
         measure_codec,
         measure_codecs,
@@ -365,6 +378,7 @@ def _worker(spec: dict[str, Any]) -> int:
         local = torch.optim.SGD(model.parameters(), lr=1e-3)  # the compute alone: no communication
         local_times: list[float] = []
         synced_times: list[float] = []
+        core_times: list[float] = []  # ranks_per_core above 1: one rank per core computing (in_turns)
         trainers: list[tuple[Any, Any, Any, dict[str, Any], list[float]]] = []
         guesses = [time_steps(model, local, [(x, y)])]  # a step of the compute alone, warm
         for candidate in candidates:
@@ -420,6 +434,8 @@ def _worker(spec: dict[str, Any]) -> int:
             for _ in range(per_round):  # the same steps started together: the wait a synchronous step sees
                 comm.barrier()
                 synced_times.append(time_steps(model, local, [(x, y)]))
+            if ranks_per_core > 1:  # the same steps on a core of their own: async's rank 0 worker
+                core_times += in_turns(partial(_compute_steps, model, local, (x, y), per_round), ranks_per_core)
             for i, ((_, copy, optimizer, _, times), count) in enumerate(zip(trainers, steps, strict=True)):
                 comm.barrier()
                 own_slice = [time_steps(model, local, [(x, y)]) for _ in range(slice_steps)]
@@ -433,6 +449,11 @@ def _worker(spec: dict[str, Any]) -> int:
         free, synced = everyone.view(n, -1).split([len(local_times), len(synced_times)], dim=1)
         compute_s, straggler_s = cm.compute_with_stragglers(free.tolist())
         synced_straggler_s = synced_straggler(synced.tolist(), compute_s)
+        core_compute_s = 0.0
+        if core_times:  # every rank's mean, their mean
+            core = torch.tensor([statistics.fmean(core_times)], dtype=torch.float64)
+            comm.all_reduce(core)
+            core_compute_s = float(core[0]) / n
         fixed = tuple((label, statistics.median(f[label] for f in fixed_rounds)) for label in fixed_rounds[0])
         codec, codecs = median_codec(codec_rounds)
         profile = cm.Profile(
@@ -446,6 +467,7 @@ def _worker(spec: dict[str, Any]) -> int:
             codecs=codecs,
             fixed_s=fixed,
             ranks_per_core=ranks_per_core,
+            core_compute_s=core_compute_s,
             **codec,
         )
         # each slice's mean over its steps and every rank: [trainer][round]
@@ -557,6 +579,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "ranks_per_core": ranks_per_core,
                     "copy_s_per_element": profile.copy_s_per_element,
                     "core_copy_s_per_element": profile.core_copy_s_per_element,
+                    "core_compute_s": profile.core_compute_s,
                     **before_split,
                 }
             )

@@ -564,6 +564,16 @@ def test_measure_core_copy_alone_is_a_copy_and_rejects_a_bad_share():
         measure_core_copy(1000, 0.5)
 
 
+def test_in_turns_runs_the_call_in_this_ranks_turn_and_returns_it():
+    from bunsan.algorithms.measure import in_turns
+
+    calls = []
+    assert in_turns(lambda: calls.append(1) or [0.5], 2.0) == [0.5]  # no process group: one rank, turn 0
+    assert calls == [1]  # once, whatever the turns
+    with pytest.raises(ValueError, match="ranks_per_core"):
+        in_turns(lambda: None, 0.9)
+
+
 def test_async_passes_cost_the_copy_per_core_slowed_as_the_compute():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
     # 4 ranks on 2 cores, 0.08 s timed all busy (0.04 alone); a pass over the 1e6 parameters 5 ms timed
@@ -586,6 +596,42 @@ def test_async_passes_cost_the_copy_per_core_slowed_as_the_compute():
     compute, own, _ = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
     assert compute > 0.04
     assert own == pytest.approx(compute + 6 * 0.002 * compute / 0.04)
+
+
+def test_async_rank_0_worker_computes_at_the_compute_of_one_rank_per_core():
+    net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
+    # 4 ranks on 2 cores, 0.08 s timed all busy; one rank per core computing at once timed 0.05 s (not
+    # 0.08 / 2); a pass over the 1e6 parameters 2 ms
+    timed = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0, copy_s_per_element=2e-9)
+    per_core = replace(timed, core_compute_s=0.05)
+    # spare core, the remotes waiting on the link: they compute at 0.04 (shared_compute); rank 0's worker
+    # at the 0.05 timed on a core of its own, its six passes as before
+    compute, own, remote = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
+    assert compute == pytest.approx(0.04)
+    assert own == pytest.approx(0.05 + 6 * 0.002)
+    assert remote == pytest.approx(cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[2])
+    assert cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.04 + 0.012)
+    # crowded (no spare core): the shared compute rises past 0.04; rank 0's worker's stays at 0.05 (its
+    # passes at the copy timed all busy; with a per-core copy they slow as the shared compute does)
+    compute, own, _ = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
+    assert compute > 0.04
+    assert own == pytest.approx(0.05 + 6 * 0.002)
+    copied = replace(per_core, core_copy_s_per_element=1e-9)
+    compute, own, _ = cm.async_rank_steps(copied, net, Candidate("async"), 4, spare_core=False)
+    assert own == pytest.approx(0.05 + 6 * 0.001 * compute / 0.04)
+    # the job's step: N / (1 / own + (N - 1) / remote), own with rank 0's fixed cost
+    fixed = replace(per_core, fixed_s=(("async", 0.003),))
+    _, own, remote = cm.async_rank_steps(fixed, net, Candidate("async"), 4, spare_core=True)
+    step = cm.predict(fixed, net, Candidate("async"), 4, spare_core=True).step_s
+    assert step == pytest.approx(4 / (1 / (0.062 + 0.003) + 3 / remote))
+    # a core or more each (ranks_per_core 1), or one worker: the field is not read
+    one_each = replace(per_core, ranks_per_core=1.0, compute_s=0.04)
+    assert cm.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.052)
+    assert cm.async_rank_steps(per_core, net, Candidate("async"), 1)[1] == pytest.approx(0.08)
+    # strong scaling divides it with the compute; a negative time is refused
+    assert per_core.at_workers(4, global_batch=True).core_compute_s == pytest.approx(0.0125)
+    with pytest.raises(ValueError, match="core_compute_s"):
+        replace(per_core, core_compute_s=-1.0)
 
 
 def test_a_token_bucket_passes_its_burst_after_an_idle_compute():

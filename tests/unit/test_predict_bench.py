@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -503,6 +504,15 @@ def test_each_round_is_priced_with_its_own_compute_fixed_costs_and_codec():
     assert each == pytest.approx([0.025, 0.035, 0.087]) and mean == pytest.approx(0.049)
     with pytest.raises(ValueError, match="one compute, fixed-cost and codec entry per round"):
         predict.round_profiles(profile, [0.02], [], [codec(1e-5)])
+    # the compute of one rank per core (where timed) moves with the round's: 6 ms against the pooled 10 ms
+    per_core = predict.round_profiles(
+        replace(profile, ranks_per_core=2.0, core_compute_s=0.006),
+        [0.020, 0.005],
+        [{"exact": 0.003}] * 2,
+        [codec(1e-5)] * 2,
+    )
+    assert [r.core_compute_s for r in per_core] == pytest.approx([0.012, 0.003])
+    assert [r.core_compute_s for r in rounds] == [0.0, 0.0, 0.0]  # not timed: stays untimed
 
 
 def test_synced_straggler_is_the_slowest_ranks_mean_step_past_the_compute():
