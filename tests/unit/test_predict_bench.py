@@ -701,7 +701,32 @@ def test_a_record_priced_again_counts_only_rows_the_model_moved_by_either_measur
     assert reprice.recorded_price(new) == 0.03 and reprice.recorded_price(new, medians=True) == 0.02
     # the model has not moved since predict-27 (50c38a9): no row priced differently by either measure
     records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
-    for name in ("predict-27.json", "predict-28.json"):
+    for name in ("predict-27.json", "predict-28.json", "predict-30.json"):
         for flags in ([], ["--medians"]):
             assert reprice.main([str(records / name), *flags]) == 0
             assert "(0 rows priced differently)" in capsys.readouterr().out, (name, flags)
+
+
+def test_a_record_that_timed_the_compute_per_core_prices_rank_0s_async_worker_at_it():
+    # predict-30 (f9992fd) timed the compute of one rank per core at 4 workers on 2 cores: its async rows
+    # there are priced with it as recorded, and otherwise (the shared compute, as before) differently
+    import copy
+
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    data = json.loads((records / "predict-30.json").read_text())
+    moved = 0
+    for row in data["rows"]:
+        if row["label"] != "async":
+            continue
+        job = data["profiles"][reprice.row_slug(row)]
+        timed = job["models"][row["model"]]["core_compute_s"]
+        assert (timed > 0) == (row["workers"] == 4 and row["ranks_per_core"] > 1)
+        assert reprice.reprice(row, job, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
+        before = copy.deepcopy(job)
+        before["models"][row["model"]]["core_compute_s"] = 0.0
+        if timed:
+            moved += reprice.reprice(row, before, 256) != pytest.approx(row["predicted_s"], rel=1e-6)
+        else:
+            assert reprice.reprice(row, before, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
+    assert moved == 12  # every async row at 4 workers: 4 models on 3 networks
