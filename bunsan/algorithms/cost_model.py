@@ -191,15 +191,16 @@ class Profile:
         core_compute_s: ``compute_s`` timed with one rank per core computing at once (the others
             waiting, :func:`bunsan.algorithms.measure.in_turns`), where ``ranks_per_core`` is above 1;
             0: not timed, ``compute_s / ranks_per_core``. Async SGD's rank 0 worker, which never
-            waits, computes at it whatever the remote workers do (:func:`async_rank_steps`): at 4
-            workers on 2 cores its step was 0.55-0.84 of ``compute_s`` on every network (predict-23
-            to 28, the worker's fixed cost taken out), 1.0-1.3 times ``compute_s / 2`` (a rank on a
-            core computes more slowly than half the time of two sharing it: the 2-worker job's
-            compute was 1.63-1.94 times less, not 2), where the model's sharing gave it the whole
-            ``compute_s`` while the remotes computed (loopback, 1 Gbit/s) and ``compute_s / 2`` while
-            they waited (100 Mbit/s): the job's step, which rank 0's worker sets most, came out
-            +13% to +15% on loopback and -16% to -21% at 100 Mbit/s (docs/plan.md, "Rank 0's
-            worker on a core of its own").
+            waits, is priced at it whatever the remote workers do (:func:`async_rank_steps`): at 4
+            workers on 2 cores, its fixed cost taken out, its step was 0.63-0.73 of ``compute_s``
+            on every network for the digits CNN and ResNet-20 (0.44-0.84 for MNIST-1D's 4-6 ms
+            steps; predict-23 to 28), where the model's sharing gave it the whole ``compute_s``
+            while the remotes computed (loopback, 1 Gbit/s) and ``compute_s / 2`` while they
+            waited (100 Mbit/s), and a rank on a core of its own is slower than half of two
+            sharing it (the 2-worker jobs' compute was 1.63-1.94 times less, not 2): the job's
+            step, which rank 0's worker sets most, came out +6% to +15% on loopback and -16% to
+            -21% at 100 Mbit/s for those three models (docs/plan.md, "Rank 0's worker on a core
+            of its own").
         ranks_per_core: the ranks of a host over its usable cores while ``compute_s`` was timed,
             every rank computing at once (1: a core or more each). Above 1 a rank computes
             faster while others wait: async SGD's remote workers spend their round trips off the
