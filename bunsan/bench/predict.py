@@ -62,6 +62,7 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -95,6 +96,7 @@ __all__ = [
     "plot_predict",
     "round_steps",
     "run",
+    "steps_within",
     "synced_straggler",
     "table_rows",
 ]
@@ -313,6 +315,35 @@ def measured_step(rounds_s: Sequence[float]) -> float:
     return statistics.fmean(float(s) for s in rounds_s)
 
 
+ASYNC_WINDOW_STEPS = 3  # the remote workers' steps a common window of async holds at the least
+
+
+def steps_within(
+    step: Callable[[], Any], window_s: float, clock: Callable[[], float] | None = None
+) -> tuple[int, float]:
+    """``(steps, seconds)``: call ``step`` until ``window_s`` has passed (at least once), the seconds from the
+    first call's start to the last's end.
+
+    Async SGD's ranks step at their own pace: timed each over the same number of steps (as every
+    other algorithm, whose rounds are collective), rank 0's worker, which never waits, finishes
+    its steps while the remote workers are still in their first few (8 steps at 100 Mbit/s and 4
+    workers, 0.1 s of rank 0's against 1.8 s of theirs), and the job's step ``N / sum(1 / step_r)``
+    then joins speeds of different moments. Every rank stepping through one common window gives
+    the job's steps per second while all of them run (docs/plan.md, "Rank 0's worker on a core of
+    its own")."""
+    if not window_s > 0:
+        raise ValueError(f"window_s must be positive, got {window_s!r}")
+    clock = clock or time.perf_counter
+    start = clock()
+    steps = 0
+    while True:
+        step()
+        steps += 1
+        elapsed = clock() - start
+        if elapsed >= window_s:
+            return steps, elapsed
+
+
 def _step_of(profile: Any, *, cm: Any, network: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
     """The cost model's step time of ``candidate`` at ``n`` workers priced from ``profile``."""
     return float(cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
@@ -480,9 +511,22 @@ def _worker(spec: dict[str, Any]) -> int:
             "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
             "fixed_rounds": fixed_rounds,
         }
-        for (candidate, _, optimizer, before, times), count, compute_rounds in zip(
-            trainers, steps, slice_means, strict=True
+        for i, ((candidate, copy, optimizer, before, times), count, compute_rounds) in enumerate(
+            zip(trainers, steps, slice_means, strict=True)
         ):
+            window: dict[str, Any] = {}
+            if candidate.algorithm == "async" and n > 1:  # and over a common window, every rank stepping
+                window_s = max(spec["round_s"], min(count, ASYNC_WINDOW_STEPS) * float(slowest[1 + i]))
+                comm.barrier()
+                taken, elapsed = steps_within(partial(time_steps, copy, optimizer, [(x, y)]), window_s)
+                each = torch.tensor([elapsed / taken if r == rank else 0.0 for r in range(n)], dtype=torch.float64)
+                comm.all_reduce(each)
+                window_steps = [float(v) for v in each]
+                window = {
+                    "window_s": n / sum(1 / v for v in window_steps),
+                    "window_rank_steps_s": window_steps,
+                    "window_length_s": window_s,
+                }
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
@@ -581,6 +625,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "core_copy_s_per_element": profile.core_copy_s_per_element,
                     "core_compute_s": profile.core_compute_s,
                     **before_split,
+                    **window,
                 }
             )
         del trainers
@@ -760,6 +805,12 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "predicted_synced_straggler_s",
                 "measured_s",
                 "with the straggler of compute steps started together instead of run free",
+            ),
+            (
+                "predicted_s",
+                "window_s",
+                "async measured over a common window of time, every rank stepping through it, instead of "
+                "the same number of steps on every rank",
             ),
         ):
             kept = [r for r in rows if predicted in r and measured in r]

@@ -149,6 +149,12 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         assert r["predicted_s"] == pytest.approx(sum(r["predicted_rounds_s"]) / 2), r
         assert r["predicted_median_s"] == pytest.approx(statistics.median(r["predicted_rounds_s"])), r
         assert r["predicted_pooled_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+        # async also over a common window of time, every rank stepping through it (its own count)
+        assert ("window_s" in r) == (r["label"] == "async"), r
+        if "window_s" in r:
+            assert len(r["window_rank_steps_s"]) == 2 and min(r["window_rank_steps_s"]) > 0, r
+            assert r["window_s"] == pytest.approx(2 / sum(1 / s for s in r["window_rank_steps_s"])), r
+            assert r["window_length_s"] >= 0.05, r
     # the whole profile of every job's model is recorded: the rows price again to what they were
     data = json.loads((tmp_path / "predict.json").read_text())
     job = data["profiles"]["loopback-np2"]
@@ -169,6 +175,7 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "quantized rows: " in out and "with the straggler of compute steps started together" in out
     assert "with each side's median over the rounds instead of their mean" in out
+    assert "async measured over a common window of time, every rank stepping through it" in out
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
@@ -730,3 +737,21 @@ def test_a_record_that_timed_the_compute_per_core_prices_rank_0s_async_worker_at
         else:
             assert reprice.reprice(row, before, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
     assert moved == 12  # every async row at 4 workers: 4 models on 3 networks
+
+
+def test_steps_within_steps_until_the_window_has_passed_at_least_once():
+    now = [0.0]
+    calls = []
+
+    def step():
+        calls.append(now[0])
+        now[0] += 0.3
+
+    # a 1 s window of 0.3 s steps: the fourth ends past it, at 1.2 s
+    assert predict.steps_within(step, 1.0, clock=lambda: now[0]) == (4, pytest.approx(1.2))
+    assert calls == pytest.approx([0.0, 0.3, 0.6, 0.9])
+    # a window shorter than one step: that one step
+    now[0], calls[:] = 0.0, []
+    assert predict.steps_within(step, 0.1, clock=lambda: now[0]) == (1, pytest.approx(0.3))
+    with pytest.raises(ValueError, match="window_s"):
+        predict.steps_within(step, 0.0)
