@@ -190,7 +190,8 @@ class Profile:
             job was predicted 22-31% slow in three runs).
         core_compute_s: ``compute_s`` timed with one rank per core computing at once (the others
             waiting, :func:`bunsan.algorithms.measure.in_turns`), where ``ranks_per_core`` is above 1;
-            0: not timed, ``compute_s / ranks_per_core``. Async SGD's rank 0 worker, which never
+            0: not timed, rank 0's worker priced at the shared compute (:func:`shared_compute`),
+            as the remote workers are. Async SGD's rank 0 worker, which never
             waits, is priced at it whatever the remote workers do (:func:`async_rank_steps`): at 4
             workers on 2 cores, its fixed cost taken out, its step was 0.63-0.73 of ``compute_s``
             on every network for the digits CNN and ResNet-20 (0.44-0.84 for MNIST-1D's 4-6 ms

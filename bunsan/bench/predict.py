@@ -42,7 +42,13 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    (:func:`measured_step`; both sides' medians are recorded as well,
    ``predicted_median_s`` and ``measured_median_s``, the bench's figures up to
    predict-27); the bytes are the last
-   rank's own count (``stats()``). Each job also records every model's whole profile
+   rank's own count (``stats()``). Where ranks share cores (more ranks than cores),
+   every round also times the compute with one rank per core at once, the others
+   waiting (:func:`bunsan.algorithms.measure.in_turns`: ``Profile.core_compute_s``,
+   at which async's rank 0 worker is priced). Async SGD is also timed over one common
+   window of time after its rounds, every rank stepping through it at its own pace
+   (:func:`steps_within`; ``window_s`` beside the row's measure, which stays the
+   equal step counts'). Each job also records every model's whole profile
    and its network, from which ``docs/experiments/predict_reprice.py`` prices the rows
    again offline.
 
