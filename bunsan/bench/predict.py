@@ -45,11 +45,14 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    rank's own count (``stats()``). Where ranks share cores (more ranks than cores),
    every round also times the compute with one rank per core at once, the others
    waiting (:func:`bunsan.algorithms.measure.in_turns`: ``Profile.core_compute_s``,
-   at which async's rank 0 worker is priced). Async SGD is also timed over one common
-   window of time after its rounds, every rank stepping through it at its own pace
-   (:func:`steps_within`; ``window_s`` beside the row's measure, which stays the
-   equal step counts'). Each job also records every model's whole profile
-   and its network, from which ``docs/experiments/predict_reprice.py`` prices the rows
+   at which async's rank 0 worker is priced). Async SGD is also timed over a common
+   window of time in every round, after its steps, every rank stepping through it at
+   its own pace (:func:`steps_within`; ``window_s``, the mean of the rounds' job steps
+   over their windows, beside the row's measure, which stays the equal step counts').
+   Each round also probes the link again and is priced on that probe (the job's first
+   probe and the rounds' give the model's median one, :func:`median_network`, which
+   prices ``predicted_pooled_s``). Each job also records every model's whole profile
+   and its networks, from which ``docs/experiments/predict_reprice.py`` prices the rows
    again offline.
 
 Columns: ``predicted`` and ``measured`` ms per step, ``error`` = predicted /
@@ -97,6 +100,7 @@ __all__ = [
     "main",
     "measured_step",
     "median_codec",
+    "median_network",
     "paired_prediction",
     "parse_networks",
     "plot_predict",
@@ -321,6 +325,30 @@ def measured_step(rounds_s: Sequence[float]) -> float:
     return statistics.fmean(float(s) for s in rounds_s)
 
 
+def median_network(networks: Sequence[Any]) -> Any:
+    """Each field's median over ``networks`` (probes of one link: the job's first and one per round).
+
+    One probe priced every row of a job: predict-30's at 1 Gbit/s and 4 workers found 0.674 Gbit/s
+    and 782 us of latency where the nine runs' before it found 0.93-0.95 Gbit/s and 156-496 us, and
+    the digits CNN's exact came +36% (+12% to +27% in six runs before), the 10.5M MLP's +25%
+    (predict-28's at 2 workers: 1563 us). A model's rows are priced with the median of the job's
+    first probe and one at the start of each of its rounds, which one bad probe cannot move."""
+    from dataclasses import fields, replace
+
+    if not networks:
+        raise ValueError("need at least one probe of the network")
+    first = networks[0]
+    values = {}
+    for f in fields(first):
+        got = [getattr(net, f.name) for net in networks]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got):
+            values[f.name] = statistics.median(float(v) for v in got)
+        elif any(v is not None for v in got):  # optional fields: the median of the probes that have one
+            present = [float(v) for v in got if v is not None]
+            values[f.name] = statistics.median(present)
+    return replace(first, **values)
+
+
 ASYNC_WINDOW_STEPS = 3  # the remote workers' steps a common window of async holds at the least
 
 
@@ -350,8 +378,9 @@ def steps_within(
             return steps, elapsed
 
 
-def _step_of(profile: Any, *, cm: Any, network: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
-    """The cost model's step time of ``candidate`` at ``n`` workers priced from ``profile``."""
+def _step_of(round_: tuple[Any, Any], *, cm: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
+    """The cost model's step time of ``candidate`` at ``n`` workers priced from a round's ``(profile, network)``."""
+    profile, network = round_
     return float(cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
 
 
@@ -432,9 +461,14 @@ def _worker(spec: dict[str, Any]) -> int:
         comm.all_reduce(slowest, op="max")
         per_round = round_steps(float(slowest[0]), max(1, spec["compute_steps"] // spec["rounds"]), spec["round_s"])
         steps = [round_steps(float(s), spec["steps"], spec["round_s"]) for s in slowest[1:]]
+        window_lengths = [
+            max(spec["round_s"], min(count, ASYNC_WINDOW_STEPS) * float(s))
+            for count, s in zip(steps, slowest[1:], strict=True)
+        ]
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
         fixed_rounds: list[dict[str, float]] = []
+        network_rounds: list[Any] = []  # a probe of the link in every round, which prices that round
         codec_rounds: list[tuple[dict[str, float], Any]] = []
         # the compute alone runs in slices, one just before each algorithm's steps in every round: the
         # row is priced with the compute of its own moments (round_profiles), the job's pooled over all
@@ -442,8 +476,11 @@ def _worker(spec: dict[str, Any]) -> int:
         slices: list[list[list[float]]] = [[] for _ in trainers]  # [trainer][round] -> this rank's steps
         block = cm.block_steps(spec["block_size"], FIXED_COST_BATCH)  # the tiny model's runs hold whole blocks
         fixed_steps = block * math.ceil(FIXED_STEPS / block)
+        window_times: list[list[tuple[int, float]]] = [[] for _ in trainers]  # async: (steps, s) per round
         for _ in range(spec["rounds"]):
             comm.barrier()
+            round_network = replace(measure_network(), burst_bytes=network.burst_bytes)
+            network_rounds.append(round_network)
             # the codec, every rank at once as the job's exchange encodes (measure_codec), in every
             # round as the rest (timed once at the job's start, one moment of the machine priced every
             # coded row of the model; a small CNN's coded rows are mostly the calls' fixed time)
@@ -457,9 +494,9 @@ def _worker(spec: dict[str, Any]) -> int:
             # small CNNs' rows rest on it); the median of the rounds
             fixed_rounds.append(
                 dict(
-                    measure_fixed_costs(
+                    measure_fixed_costs(  # beyond the model's price on this round's own probe
                         candidates,
-                        network,
+                        round_network,
                         overlap=overlap,
                         distribute=bunsan.distribute,
                         steps=fixed_steps,
@@ -473,13 +510,18 @@ def _worker(spec: dict[str, Any]) -> int:
                 synced_times.append(time_steps(model, local, [(x, y)]))
             if ranks_per_core > 1:  # the same steps on a core of their own: async's rank 0 worker
                 core_times += in_turns(partial(_compute_steps, model, local, (x, y), per_round), ranks_per_core)
-            for i, ((_, copy, optimizer, _, times), count) in enumerate(zip(trainers, steps, strict=True)):
+            for i, ((candidate, copy, optimizer, _, times), count) in enumerate(zip(trainers, steps, strict=True)):
                 comm.barrier()
                 own_slice = [time_steps(model, local, [(x, y)]) for _ in range(slice_steps)]
                 slices[i].append(own_slice)
                 local_times += own_slice
                 comm.barrier()
                 times.append(time_steps(copy, optimizer, [(x, y)] * count))
+                if candidate.algorithm == "async" and n > 1:  # and over a common window, every rank stepping
+                    comm.barrier()
+                    window_times[i].append(
+                        steps_within(partial(time_steps, copy, optimizer, [(x, y)]), window_lengths[i])
+                    )
         mine = torch.tensor(local_times + synced_times, dtype=torch.float64)
         everyone = torch.empty(n * mine.numel(), dtype=torch.float64)
         comm.all_gather_into(everyone, mine)
@@ -511,27 +553,34 @@ def _worker(spec: dict[str, Any]) -> int:
         mine = torch.tensor([[statistics.fmean(r) for r in t] for t in slices], dtype=torch.float64)
         comm.all_reduce(mine)
         slice_means = (mine / n).tolist()
+        model_network = median_network([network, *network_rounds])
         profiles[name] = {
             **asdict(profile),
+            # the link as each round's probe found it (that round's price) and their median with the job's
+            # first (the pooled price)
+            "network_rounds": [asdict(net) for net in network_rounds],
+            "network": asdict(model_network),
             "synced_straggler_s": synced_straggler_s,
             "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
             "fixed_rounds": fixed_rounds,
         }
-        for i, ((candidate, copy, optimizer, before, times), count, compute_rounds) in enumerate(
+        for i, ((candidate, _, optimizer, before, times), count, compute_rounds) in enumerate(
             zip(trainers, steps, slice_means, strict=True)
         ):
             window: dict[str, Any] = {}
-            if candidate.algorithm == "async" and n > 1:  # and over a common window, every rank stepping
-                window_s = max(spec["round_s"], min(count, ASYNC_WINDOW_STEPS) * float(slowest[1 + i]))
-                comm.barrier()
-                taken, elapsed = steps_within(partial(time_steps, copy, optimizer, [(x, y)]), window_s)
-                each = torch.tensor([elapsed / taken if r == rank else 0.0 for r in range(n)], dtype=torch.float64)
+            if window_times[i]:  # async's common windows: [round][rank] steps of each rank
+                each = torch.zeros(len(window_times[i]), n, dtype=torch.float64)
+                for r, (taken, elapsed) in enumerate(window_times[i]):
+                    each[r, rank] = elapsed / taken
                 comm.all_reduce(each)
-                window_steps = [float(v) for v in each]
+                window_rounds = [[float(v) for v in r] for r in each]
                 window = {
-                    "window_s": n / sum(1 / v for v in window_steps),
-                    "window_rank_steps_s": window_steps,
-                    "window_length_s": window_s,
+                    # the job's step over each round's window, N / sum(1 / step_r), and their mean
+                    "window_rounds_s": [n / sum(1 / v for v in r) for r in window_rounds],
+                    "window_s": measured_step([n / sum(1 / v for v in r) for r in window_rounds]),
+                    "window_rank_rounds_s": window_rounds,
+                    "window_rank_steps_s": [statistics.fmean(r[k] for r in window_rounds) for k in range(n)],
+                    "window_length_s": window_lengths[i],
                 }
             stats = optimizer.algorithm.stats()
             optimizer.join()
@@ -550,23 +599,21 @@ def _worker(spec: dict[str, Any]) -> int:
             rank_steps_s = [float(v) for v in mine[2 : 2 + n]]
             rounds_s = [n / float(v) for v in mine[2 + n :]]
             measured_s = measured_step(rounds_s)
-            # the row's prediction: each round priced with its own compute, fixed costs and codec, the
-            # mean of the rounds (round_profiles) against the rounds' mean step; the job's pooled
-            # profile's beside it
-            step_of = partial(
-                _step_of, cm=cm, network=network, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core
-            )
+            # the row's prediction: each round priced with its own compute, fixed costs, codec and probe of
+            # the link, the mean of the rounds (round_profiles) against the rounds' mean step; the job's
+            # pooled profile's beside it, on the median of the job's probes (median_network)
+            step_of = partial(_step_of, cm=cm, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
             predicted_s, predicted_rounds = paired_prediction(
                 step_of,
-                round_profiles(profile, compute_rounds, fixed_rounds, codec_rounds),
+                list(zip(round_profiles(profile, compute_rounds, fixed_rounds, codec_rounds), network_rounds)),
             )
-            predicted = cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core)
+            predicted = cm.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
             before_split = (
                 {
                     "predicted_mean_call_s": cm.predict(
                         cm.mean_call_profile(profile, min(profile.params, CODEC_NUMEL_CAP)),
-                        network,
+                        model_network,
                         candidate,
                         n,
                         overlap=overlap,
@@ -579,8 +626,13 @@ def _worker(spec: dict[str, Any]) -> int:
             # and priced with the wait of the compute steps started together (synced_straggler)
             synced_wait = paired_prediction(
                 step_of,
-                round_profiles(
-                    replace(profile, straggler_s=synced_straggler_s), compute_rounds, fixed_rounds, codec_rounds
+                list(
+                    zip(
+                        round_profiles(
+                            replace(profile, straggler_s=synced_straggler_s), compute_rounds, fixed_rounds, codec_rounds
+                        ),
+                        network_rounds,
+                    )
                 ),
             )[0]
             rows.append(

@@ -76,6 +76,13 @@ def profile_of(record: dict[str, Any]) -> cm.Profile:
     return cm.Profile(**fields)
 
 
+def network_of(fields: dict[str, Any]) -> Network:
+    """A :class:`~bunsan.algorithms.network_model.Network` from its recorded fields; a field the model at this
+    checkout does not take (such as predict-29-np4's ``alltoall_bandwidth`` of the reverted 921a166) is
+    left out: the row is priced as this checkout prices it."""
+    return Network(**{k: v for k, v in fields.items() if k in Network.__dataclass_fields__})
+
+
 def reprice(
     row: dict[str, Any],
     job: dict[str, Any],
@@ -96,22 +103,23 @@ def reprice(
         profile = replace(profile, core_copy_s_per_element=core_copy)
     elif fill_core_copy is not None and profile.ranks_per_core > 1 and not profile.core_copy_s_per_element:
         profile = replace(profile, core_copy_s_per_element=fill_core_copy)
-    # (a field the model at this checkout does not take, such as predict-29-np4's alltoall_bandwidth
-    # of the reverted 921a166, is left out: the row is priced as this checkout prices it)
-    network = Network(**{k: v for k, v in job["network"].items() if k in Network.__dataclass_fields__})
+    network = network_of(record.get("network", job["network"]))  # the model's median probe where recorded
     candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
         profile = replace(profile, straggler_s=record["synced_straggler_s"])
     n = row["workers"]
 
-    def step(p: cm.Profile) -> float:
-        return cm.predict(p, network, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
+    def step(round_: tuple[cm.Profile, Network]) -> float:
+        p, net = round_
+        return cm.predict(p, net, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
 
     if variant == "pooled" or "compute_rounds_s" not in row or "fixed_rounds" not in record:
-        return step(profile)
+        return step((profile, network))
     codec_rounds = [(c["codec"], c["codecs"]) for c in record["codec_rounds"]]
     rounds = round_profiles(profile, row["compute_rounds_s"], record["fixed_rounds"], codec_rounds)
-    mean, each = paired_prediction(step, rounds)
+    # each round on its own probe of the link where recorded (since the probe in every round), else the job's
+    networks = [network_of(net) for net in record.get("network_rounds", [])] or [network] * len(rounds)
+    mean, each = paired_prediction(step, list(zip(rounds, networks, strict=True)))
     return statistics.median(each) if medians else mean
 
 

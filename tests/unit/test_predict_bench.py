@@ -149,16 +149,25 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         assert r["predicted_s"] == pytest.approx(sum(r["predicted_rounds_s"]) / 2), r
         assert r["predicted_median_s"] == pytest.approx(statistics.median(r["predicted_rounds_s"])), r
         assert r["predicted_pooled_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
-        # async also over a common window of time, every rank stepping through it (its own count)
+        # async also over a common window of time in every round, every rank stepping through it (its
+        # own count): each round's job step, their mean, each rank's mean step
         assert ("window_s" in r) == (r["label"] == "async"), r
         if "window_s" in r:
-            assert len(r["window_rank_steps_s"]) == 2 and min(r["window_rank_steps_s"]) > 0, r
-            assert r["window_s"] == pytest.approx(2 / sum(1 / s for s in r["window_rank_steps_s"])), r
+            ranks = r["window_rank_rounds_s"]
+            assert len(ranks) == 2 and all(len(each) == 2 and min(each) > 0 for each in ranks), r
+            assert r["window_rounds_s"] == pytest.approx([2 / sum(1 / s for s in each) for each in ranks]), r
+            assert r["window_s"] == pytest.approx(sum(r["window_rounds_s"]) / 2), r
+            assert r["window_rank_steps_s"] == pytest.approx([(a + b) / 2 for a, b in zip(*ranks)]), r
             assert r["window_length_s"] >= 0.05, r
     # the whole profile of every job's model is recorded: the rows price again to what they were
     data = json.loads((tmp_path / "predict.json").read_text())
     job = data["profiles"]["loopback-np2"]
     assert set(job["models"]) == {"mnist1d_cnn"} and job["network"]["bandwidth"] > 0
+    # the link probed in every round (each round priced on its own), the median with the job's first
+    record = job["models"]["mnist1d_cnn"]
+    assert len(record["network_rounds"]) == 2 and min(n["bandwidth"] for n in record["network_rounds"]) > 0
+    latencies = [job["network"]["latency_s"], *(n["latency_s"] for n in record["network_rounds"])]
+    assert record["network"]["latency_s"] == pytest.approx(statistics.median(latencies))
     script = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict_reprice.py"
     spec = importlib.util.spec_from_file_location("predict_reprice", script)
     reprice = importlib.util.module_from_spec(spec)
@@ -755,3 +764,52 @@ def test_steps_within_steps_until_the_window_has_passed_at_least_once():
     assert predict.steps_within(step, 0.1, clock=lambda: now[0]) == (1, pytest.approx(0.3))
     with pytest.raises(ValueError, match="window_s"):
         predict.steps_within(step, 0.0)
+
+
+def test_a_models_rows_are_priced_on_each_rounds_probe_and_the_median_of_the_probes():
+    from bunsan.algorithms.network_model import Network
+
+    # predict-30's 1 Gbit/s probe at 4 workers (0.674 Gbit/s, 782 us) among two as the runs before found
+    bad = Network(782e-6, 84.3e6, gather_bandwidth=100.4e6, half_bandwidth=None, burst_bytes=125000.0)
+    good = [
+        Network(200e-6, 118e6, gather_bandwidth=112e6, half_bandwidth=110e6, burst_bytes=125000.0),
+        Network(240e-6, 117e6, gather_bandwidth=113e6, half_bandwidth=114e6, burst_bytes=125000.0),
+    ]
+    median = predict.median_network([bad, *good])
+    assert median.latency_s == pytest.approx(240e-6) and median.bandwidth == pytest.approx(117e6)
+    assert median.gather_bandwidth == pytest.approx(112e6) and median.burst_bytes == 125000.0
+    # an optional field: the median of the probes that have it (of two, their mean)
+    assert median.half_bandwidth == pytest.approx(112e6)
+    assert predict.median_network([bad]) == bad
+    with pytest.raises(ValueError, match="at least one probe"):
+        predict.median_network([])
+    # offline: a record with a probe per round prices each round on its own, the pooled on the median
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    data = json.loads((records / "predict-30.json").read_text())
+    job = data["profiles"]["rate_1gbit-np4"]
+    row = next(r for r in data["rows"] if r["network"] == "rate=1gbit" and r["workers"] == 4 and r["label"] == "exact")
+    record = job["models"][row["model"]]
+    assert reprice.reprice(row, job, 256) == pytest.approx(row["predicted_s"], rel=1e-9)  # one probe: as recorded
+    as_fields = lambda net: {k: getattr(net, k) for k in Network.__dataclass_fields__}
+    probed = {
+        **job,
+        "models": {
+            **job["models"],
+            row["model"]: {
+                **record,
+                "network_rounds": [as_fields(good[0]), as_fields(good[1]), as_fields(bad)],
+                "network": as_fields(median),
+            },
+        },
+    }
+    assert len(row["compute_rounds_s"]) == 3
+    # two of the three rounds on the good probes: the exact step priced lower than on the bad one alone,
+    # and the pooled on the median, lower too
+    assert reprice.reprice(row, probed, 256) < row["predicted_s"]
+    assert reprice.reprice(row, probed, 256, "pooled") < row["predicted_pooled_s"]
+    # the pooled on the median alone: the bad probe as the third round's does not move it
+    only_median = {**probed, "models": {**probed["models"], row["model"]: {**record, "network": as_fields(median)}}}
+    assert reprice.reprice(row, only_median, 256, "pooled") == pytest.approx(
+        reprice.reprice(row, probed, 256, "pooled")
+    )
