@@ -80,6 +80,7 @@ __all__ = [
     "codec_elements",
     "compute_with_stragglers",
     "default_candidates",
+    "exact_released_together",
     "exposed_communication",
     "fit_line",
     "mean_call_profile",
@@ -158,6 +159,16 @@ class Profile:
             2016, "Revisiting Distributed Synchronous SGD"). A block algorithm waits
             once per block of ``k`` steps, for a skew that grows as ``sqrt(k)`` with
             independent step times: ``straggler_s / sqrt(k)`` per step. Async waits for nobody.
+        synced_straggler_s: the wait for the slowest worker of compute steps that every rank started
+            together (after a barrier), where timed (``None``: not timed). Exact's wait where ranks share
+            cores (``ranks_per_core`` above 1) and its exchange runs on a link (``overlap``, not through
+            memory): its one collective a step, bound by the wire, releases every rank at once, and their
+            next computes start together; through memory the exchange's end follows the CPU's time slices
+            and leaves the ranks staggered, and fp16's and the quantized exchanges' second collective (the
+            step's counts) is priced with ``straggler_s`` as before. Priced so, exact's rows at 4 workers on
+            2 cores over 1 Gbit/s and 100 Mbit/s links came within 20% (the digits CNN at 1 Gbit/s +12% to
+            +36% in seven runs, MNIST-1D at 100 Mbit/s +11% to +31%), and fp16's did not (docs/plan.md,
+            "Exact's ranks leave a wire-bound exchange together").
         tensors: parameter tensors (each is encoded as segments of its own).
         chunks: quantization chunks of 512 when every tensor is cut on its own (its
             last chunk short); ``None``: ``ceil(params / 512)``, as if one tensor.
@@ -237,6 +248,7 @@ class Profile:
     decode_call_s: float | None = None
     ranks_per_core: float = 1.0
     core_compute_s: float = 0.0
+    synced_straggler_s: float | None = None
 
     def __post_init__(self) -> None:
         check_seconds("compute_s", self.compute_s)
@@ -257,7 +269,7 @@ class Profile:
             "core_compute_s",
         ):
             check_seconds(name, getattr(self, name), zero=True)
-        for name in ("encode_call_s", "decode_call_s"):
+        for name in ("encode_call_s", "decode_call_s", "synced_straggler_s"):
             if getattr(self, name) is not None:
                 check_seconds(name, getattr(self, name), zero=True)
         if (self.encode_call_s is None) != (self.decode_call_s is None):
@@ -704,7 +716,10 @@ def predict(
             exposed = communication
         # a token-bucket link refilled during the compute passes its burst at once (network_model)
         exposed = max(0.0, exposed - burst_credit(network, sent, compute, rate)) if n > 1 else 0.0
-        wait = (profile.straggler_s + profile.fixed(candidate.label)) if n > 1 else 0.0
+        straggler = profile.straggler_s
+        if exact_released_together(profile, candidate, n, overlap):
+            straggler = float(profile.synced_straggler_s or 0.0)
+        wait = (straggler + profile.fixed(candidate.label)) if n > 1 else 0.0
         return Prediction(
             candidate.label, n, compute, compute + wait + exposed + codec, communication, wait + exposed, codec, sent
         )
@@ -733,6 +748,27 @@ def predict(
     k = block_steps(int(_option(options, "sync_period", 1)), profile.batch)
     sent = 0.0 if n == 1 else profile.gradient_bytes / k  # a remote worker's push
     return Prediction(candidate.label, n, compute, step, remote - compute, step - compute, 0.0, sent)
+
+
+def exact_released_together(profile: Profile, candidate: Candidate, workers: int, overlap: bool) -> bool:
+    """Whether ``candidate`` is exact (data parallel, full precision: one collective a step) at ``workers``
+    ranks sharing cores (``ranks_per_core`` above 1) over a link (``overlap``: not through memory) with
+    :attr:`Profile.synced_straggler_s` timed: its step then waits that straggler, not ``straggler_s``.
+
+    At 4 ranks on 2 cores over loopback, exact's ranks leave their exchange a time slice apart (about 7
+    ms for the digits CNN) and two compute while two wait (``docs/experiments/exact_stagger.py``): the
+    step pays the wait of steps run free. Over a shaped link the same step's exchange is bound by the
+    wire, which releases every rank at once, and their computes start together: the digits CNN's exact
+    at 1 Gbit/s stepped in 32.0 ms, as on loopback (31.2 ms), where a 15.5 ms exchange on top of
+    loopback's step had priced it +36% (predict-30)."""
+    if workers <= 1 or not overlap or profile.ranks_per_core <= 1 or profile.synced_straggler_s is None:
+        return False
+    options = candidate.options
+    return (
+        candidate.algorithm == "data_parallel"
+        and int(_option(options, "bits", 32)) == 32
+        and options.get("compression") not in ("fp16", "bf16")
+    )
 
 
 def async_rank_steps(

@@ -547,6 +547,7 @@ def _worker(spec: dict[str, Any]) -> int:
             fixed_s=fixed,
             ranks_per_core=ranks_per_core,
             core_compute_s=core_compute_s,
+            synced_straggler_s=synced_straggler_s,  # exact's wait where its ranks leave a wire together
             **codec,
         )
         # each slice's mean over its steps and every rank: [trainer][round]
@@ -560,7 +561,6 @@ def _worker(spec: dict[str, Any]) -> int:
             # first (the pooled price)
             "network_rounds": [asdict(net) for net in network_rounds],
             "network": asdict(model_network),
-            "synced_straggler_s": synced_straggler_s,
             "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
             "fixed_rounds": fixed_rounds,
         }

@@ -682,3 +682,34 @@ def test_async_push_and_pull_get_the_burst_of_their_links():
     assert cm.async_step(0.002, 32768, 5, net, 1, convoy=False)[0] == pytest.approx(9.17504e-3)
     # without a bucket, as before: 2 + 2 * 2.62144
     assert cm.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
+
+
+def test_exact_over_a_link_with_ranks_sharing_cores_waits_the_straggler_of_steps_started_together():
+    net = cm.Network(1e-4, 1e9)
+    profile = cm.Profile(compute_s=0.02, params=1000, straggler_s=0.010, synced_straggler_s=0.001, ranks_per_core=2.0)
+    exact = cm.Candidate("data_parallel", {}, "exact")
+    # one 4000-byte bucket after backward: 6 ring steps of (1e-4 + 1000 / 1e9) = 0.606 ms
+    assert cm.ring_allreduce_time(4000, 4, net) == pytest.approx(6.06e-4)
+    # over a link: 20 ms + the synced 1 ms + 0.606 ms
+    assert cm.predict(profile, net, exact, 4, overlap=True).step_s == pytest.approx(0.021606)
+    assert cm.exact_released_together(profile, exact, 4, True)
+    # through memory (no overlap): the wait of steps run free, 10 ms
+    assert cm.predict(profile, net, exact, 4, overlap=False).step_s == pytest.approx(0.030606)
+    assert not cm.exact_released_together(profile, exact, 4, False)
+    # each of these keeps the wait of steps run free: 9 ms more than the synced one
+    others = {
+        "fp16": (profile, cm.Candidate("data_parallel", {"compression": "fp16"}, "fp16"), 4),
+        "8-bit": (profile, cm.Candidate("data_parallel", {"bits": 8}, "8-bit"), 4),
+        "a core a rank": (replace(profile, ranks_per_core=1.0), exact, 4),
+        "not timed": (replace(profile, synced_straggler_s=None), exact, 4),
+    }
+    for name, (p, candidate, n) in others.items():
+        assert not cm.exact_released_together(p, candidate, n, True), name
+        free = cm.predict(replace(p, synced_straggler_s=None), net, candidate, n, overlap=True).step_s
+        assert cm.predict(p, net, candidate, n, overlap=True).step_s == pytest.approx(free), name
+    free = cm.predict(replace(profile, straggler_s=0.001, synced_straggler_s=None), net, exact, 4).step_s
+    assert free == pytest.approx(0.021606)  # the same as the free wait of 1 ms
+    # one worker waits for nobody; a negative synced wait is refused
+    assert not cm.exact_released_together(profile, exact, 1, True)
+    with pytest.raises(ValueError, match="synced_straggler_s"):
+        cm.Profile(compute_s=0.02, params=1000, synced_straggler_s=-0.001)
