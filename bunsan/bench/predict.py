@@ -177,7 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shortest timed round, seconds: a round of short steps takes more steps, a multiple of --steps "
         "(the compute's: of its share of --compute-steps); 0 for exactly --steps; default %(default)s",
     )
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per job; default %(default)s")
+    # the 4-worker job at 100 Mbit/s ran 22 min before the probe and async's window in every round, and
+    # past 30 min with them (predict-32, stopped at 1800 s)
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="per job; default %(default)s")
     parser.add_argument("--out", default="runs/predict", help="directory of outputs; default %(default)s")
 
 

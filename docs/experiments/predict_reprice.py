@@ -1,6 +1,6 @@
 """Re-price the rows of a ``bunsan bench predict`` run offline, from the profiles it recorded.
 
-A run takes 47 minutes on the 2-core machine of the docs; a change to the cost model can be judged
+A run takes about 80 minutes on the 2-core machine of the docs; a change to the cost model can be judged
 first on a recorded run's own measurements: every job writes each model's whole profile and its
 network beside its rows (``profiles`` in ``predict.json``, since the bench recorded them), and this
 script rebuilds them, prices every row again with :func:`bunsan.algorithms.cost_model.predict` and

@@ -818,3 +818,23 @@ def test_a_models_rows_are_priced_on_each_rounds_probe_and_the_median_of_the_pro
     assert reprice.reprice(row, only_median, 256, "pooled") == pytest.approx(
         reprice.reprice(row, probed, 256, "pooled")
     )
+
+
+def test_predict_32s_exact_rows_over_the_links_at_4_workers_are_priced_with_the_wait_of_steps_started_together():
+    # predict-32 ran at 4aa8bd8, before exact_released_together: its 4 exact rows at 4 workers on 1 Gbit/s
+    # move, each to its price with the synced wait, and the digits CNN's +30% comes within 10%
+    reprice = _load_reprice()
+    records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
+    data = json.loads((records / "predict-32.json").read_text())
+    job = data["profiles"]["rate_1gbit-np4"]
+    for row in data["rows"]:
+        if row["network"] != "rate=1gbit" or row["workers"] != 4 or row["label"] not in ("exact", "fp16"):
+            continue
+        priced = reprice.reprice(row, job, 256)
+        if row["label"] == "fp16":
+            assert priced == pytest.approx(row["predicted_s"], rel=1e-9), row["model"]
+            continue
+        assert priced == pytest.approx(reprice.reprice(row, job, 256, "synced"), rel=1e-9), row["model"]
+        assert priced != pytest.approx(row["predicted_s"], rel=1e-6), row["model"]
+        if row["model"] == "digits_cnn":
+            assert row["error"] > 0.25 and abs(priced / row["measured_s"] - 1) < 0.10
