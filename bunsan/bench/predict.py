@@ -331,7 +331,7 @@ def median_network(networks: Sequence[Any]) -> Any:
     """Each field's median over ``networks`` (probes of one link: the job's first and one per round).
 
     One probe priced every row of a job: predict-30's at 1 Gbit/s and 4 workers found 0.674 Gbit/s
-    and 782 us of latency where the nine runs' before it found 0.93-0.95 Gbit/s and 156-496 us, and
+    and 782 us of latency where the nine runs before it found 0.93-0.95 Gbit/s and 156-496 us, and
     the digits CNN's exact came +36% (+12% to +27% in six runs before), the 10.5M MLP's +25%
     (predict-28's at 2 workers: 1563 us). A model's rows are priced with the median of the job's
     first probe and one at the start of each of its rounds, which one bad probe cannot move."""
