@@ -339,16 +339,13 @@ def median_network(networks: Sequence[Any]) -> Any:
 
     if not networks:
         raise ValueError("need at least one probe of the network")
-    first = networks[0]
     values = {}
-    for f in fields(first):
-        got = [getattr(net, f.name) for net in networks]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in got):
-            values[f.name] = statistics.median(float(v) for v in got)
-        elif any(v is not None for v in got):  # optional fields: the median of the probes that have one
-            present = [float(v) for v in got if v is not None]
+    for f in fields(networks[0]):
+        # an optional field (None where a probe did not time it): the median of the probes that have it
+        present = [float(v) for v in (getattr(net, f.name) for net in networks) if v is not None]
+        if present:
             values[f.name] = statistics.median(present)
-    return replace(first, **values)
+    return replace(networks[0], **values)
 
 
 ASYNC_WINDOW_STEPS = 3  # the remote workers' steps a common window of async holds at the least
@@ -576,10 +573,10 @@ def _worker(spec: dict[str, Any]) -> int:
                     each[r, rank] = elapsed / taken
                 comm.all_reduce(each)
                 window_rounds = [[float(v) for v in r] for r in each]
+                job_steps = [n / sum(1 / v for v in r) for r in window_rounds]  # N / sum(1 / step_r) a round
                 window = {
-                    # the job's step over each round's window, N / sum(1 / step_r), and their mean
-                    "window_rounds_s": [n / sum(1 / v for v in r) for r in window_rounds],
-                    "window_s": measured_step([n / sum(1 / v for v in r) for r in window_rounds]),
+                    "window_rounds_s": job_steps,
+                    "window_s": measured_step(job_steps),
                     "window_rank_rounds_s": window_rounds,
                     "window_rank_steps_s": [statistics.fmean(r[k] for r in window_rounds) for k in range(n)],
                     "window_length_s": window_lengths[i],
