@@ -48,7 +48,11 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    at which async's rank 0 worker is priced). Async SGD is also timed over a common
    window of time in every round, after its steps, every rank stepping through it at
    its own pace (:func:`steps_within`; ``window_s``, the mean of the rounds' job steps
-   over their windows, beside the row's measure, which stays the equal step counts').
+   over their windows, beside the row's measure, which stays the equal step counts'), and
+   its first step of a round is timed apart from the rest (each rank's means over the rounds,
+   ``first_rank_steps_s`` and ``later_rank_steps_s``: the first is the one every rank computes
+   at once, which rank 0's worker, through with its steps long before the remote workers,
+   meets once in its few).
    Each round also probes the link again and is priced on that probe (the job's first
    probe and the rounds' give the model's median one, :func:`median_network`, which
    prices ``predicted_pooled_s``). Each job also records every model's whole profile
@@ -476,6 +480,7 @@ def _worker(spec: dict[str, Any]) -> int:
         block = cm.block_steps(spec["block_size"], FIXED_COST_BATCH)  # the tiny model's runs hold whole blocks
         fixed_steps = block * math.ceil(FIXED_STEPS / block)
         window_times: list[list[tuple[int, float]]] = [[] for _ in trainers]  # async: (steps, s) per round
+        first_times: list[list[tuple[float, float]]] = [[] for _ in trainers]  # async: (first step, the rest's mean)
         for _ in range(spec["rounds"]):
             comm.barrier()
             round_network = replace(measure_network(), burst_bytes=network.burst_bytes)
@@ -515,7 +520,13 @@ def _worker(spec: dict[str, Any]) -> int:
                 slices[i].append(own_slice)
                 local_times += own_slice
                 comm.barrier()
-                times.append(time_steps(copy, optimizer, [(x, y)] * count))
+                if candidate.algorithm == "async" and n > 1 and count > 1:  # its first step apart from the rest
+                    first = time_steps(copy, optimizer, [(x, y)])
+                    rest = time_steps(copy, optimizer, [(x, y)] * (count - 1))
+                    first_times[i].append((first, rest))
+                    times.append((first + (count - 1) * rest) / count)
+                else:
+                    times.append(time_steps(copy, optimizer, [(x, y)] * count))
                 if candidate.algorithm == "async" and n > 1:  # and over a common window, every rank stepping
                     comm.barrier()
                     window_times[i].append(
@@ -581,6 +592,13 @@ def _worker(spec: dict[str, Any]) -> int:
                     "window_rank_steps_s": [statistics.fmean(r[k] for r in window_rounds) for k in range(n)],
                     "window_length_s": window_lengths[i],
                 }
+            if first_times[i]:  # async's first step of a round apart from the rest: each rank's mean over the rounds
+                apart = torch.zeros(2, n, dtype=torch.float64)
+                apart[0, rank] = statistics.fmean(f for f, _ in first_times[i])
+                apart[1, rank] = statistics.fmean(r for _, r in first_times[i])
+                comm.all_reduce(apart)
+                window["first_rank_steps_s"] = [float(v) for v in apart[0]]
+                window["later_rank_steps_s"] = [float(v) for v in apart[1]]
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)

@@ -159,6 +159,13 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
             assert r["window_s"] == pytest.approx(sum(r["window_rounds_s"]) / 2), r
             assert r["window_rank_steps_s"] == pytest.approx([(a + b) / 2 for a, b in zip(*ranks)]), r
             assert r["window_length_s"] >= 0.05, r
+            # and each rank's first step of a round apart from the rest: the rounds' steps are those two
+            first, later, count = r["first_rank_steps_s"], r["later_rank_steps_s"], r["round_steps"]
+            assert len(first) == len(later) == 2 and min(first) > 0 and min(later) > 0, r
+            expected = [(a + (count - 1) * b) / count for a, b in zip(first, later)]
+            assert r["rank_steps_s"] == pytest.approx(expected), r  # 2 rounds: the median is the mean
+        else:
+            assert "first_rank_steps_s" not in r, r
     # the whole profile of every job's model is recorded: the rows price again to what they were
     data = json.loads((tmp_path / "predict.json").read_text())
     job = data["profiles"]["loopback-np2"]
