@@ -17,7 +17,9 @@ samples, 8 steps) and exact data parallel's, for:
   is.
 
 Each case is timed ``--repeats`` times over ``--steps`` steps (16 untimed first), the slowest
-rank's mean step each time; it prints the median and each step's excess over its plain step::
+rank's mean step each time; it prints the median and each step's excess over its plain step, and
+for exact the part of the step spent in its exchange (``exchange_s``: from the end of backward to
+the reduced gradients, the wait for the other rank included; the ranks' mean)::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/step_overhead.py
 """
@@ -94,14 +96,20 @@ def _body(rank: int, n: int, port: int, steps: int, repeats: int, queue: Any) ->
                         optimizer.step()
 
                 run(16)
+                exact = algorithm == "data_parallel"
+                if exact:  # its wait in the exchange: from the end of backward to the reduced gradients
+                    optimizer.algorithm.exchange_s = 0.0
                 dist.barrier()
                 start = time.perf_counter()
                 run(steps)
                 step = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+                wait = torch.tensor([optimizer.algorithm.exchange_s / steps if exact else 0.0], dtype=torch.float64)
                 if algorithm != "plain":
                     optimizer.join()
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)
+                dist.all_reduce(wait)  # the ranks' mean, below
                 found.setdefault((name, algorithm), []).append(float(step[0]))
+                found.setdefault((name, algorithm + "/wait"), []).append(float(wait[0]) / n)
     queue.put((rank, found))
     dist.destroy_process_group()
 
@@ -120,9 +128,11 @@ def main() -> None:
         for algorithm, _ in ALGORITHMS:
             runs = found[(name, algorithm)]
             step = statistics.median(runs)
+            wait = statistics.median(found[(name, algorithm + "/wait")])
             print(
                 f"{name:12s} {algorithm:16s} {1e3 * step:6.3f} ms, over the plain step {1e3 * (step - plain):+6.3f} ms"
-                f" (runs {' '.join(f'{1e3 * v:.2f}' for v in runs)})"
+                + (f", of it in the exchange {1e3 * wait:5.3f} ms" if algorithm == "data_parallel" else "")
+                + f" (runs {' '.join(f'{1e3 * v:.2f}' for v in runs)})"
             )
 
 
