@@ -577,7 +577,7 @@ def _worker(spec: dict[str, Any]) -> int:
         for i, ((candidate, _, optimizer, before, times), count, compute_rounds) in enumerate(
             zip(trainers, steps, slice_means, strict=True)
         ):
-            window: dict[str, Any] = {}
+            async_fields: dict[str, Any] = {}  # async only: its common windows, its first steps apart
             if window_times[i]:  # async's common windows: [round][rank] steps of each rank
                 each = torch.zeros(len(window_times[i]), n, dtype=torch.float64)
                 for r, (taken, elapsed) in enumerate(window_times[i]):
@@ -585,7 +585,7 @@ def _worker(spec: dict[str, Any]) -> int:
                 comm.all_reduce(each)
                 window_rounds = [[float(v) for v in r] for r in each]
                 job_steps = [n / sum(1 / v for v in r) for r in window_rounds]  # N / sum(1 / step_r) a round
-                window = {
+                async_fields = {
                     "window_rounds_s": job_steps,
                     "window_s": measured_step(job_steps),
                     "window_rank_rounds_s": window_rounds,
@@ -597,8 +597,8 @@ def _worker(spec: dict[str, Any]) -> int:
                 apart[0, rank] = statistics.fmean(f for f, _ in first_times[i])
                 apart[1, rank] = statistics.fmean(r for _, r in first_times[i])
                 comm.all_reduce(apart)
-                window["first_rank_steps_s"] = [float(v) for v in apart[0]]
-                window["later_rank_steps_s"] = [float(v) for v in apart[1]]
+                async_fields["first_rank_steps_s"] = [float(v) for v in apart[0]]
+                async_fields["later_rank_steps_s"] = [float(v) for v in apart[1]]
             stats = optimizer.algorithm.stats()
             optimizer.join()
             sent = (stats["bytes_sent"] - before["bytes_sent"]) / max(stats["steps"] - before["steps"], 1)
@@ -700,7 +700,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "core_copy_s_per_element": profile.core_copy_s_per_element,
                     "core_compute_s": profile.core_compute_s,
                     **before_split,
-                    **window,
+                    **async_fields,
                 }
             )
         del trainers
