@@ -451,6 +451,7 @@ def measure_fixed_costs(
     warmup: int | None = None,
     distribute: Callable[..., Any] | None = None,
     spare_core: bool | None = None,
+    filler: Callable[[], Any] | None = None,
 ) -> tuple[tuple[str, float], ...]:
     """Collective: each candidate's step on a tiny model, less the local step and what the model predicts.
 
@@ -473,6 +474,16 @@ def measure_fixed_costs(
     two entries (:func:`bunsan.algorithms.cost_model.async_fixed_labels`): rank 0's worker's step and
     the remote workers' mean step, each less the model's prediction for that side
     (:func:`bunsan.algorithms.cost_model.async_rank_steps`, with ``spare_core`` as the job's).
+
+    ``filler``: a compute run on every rank before each step, the local one's as every
+    candidate's (a step of the job's own model, with no communication): the tiny model's
+    exchange then starts as a job's does, after a compute. Without it, the exchange of back-to-back
+    tiny steps cost 1.2-1.3 ms at 2 workers on loopback, 2.0-2.1 ms after each a backward of the
+    MNIST-1D CNN (``docs/experiments/step_overhead.py``), which the MNIST-1D rows at 2 workers
+    missed by 13-17% on ten runs' means. The filler's own wait for the slowest rank is priced as the
+    job's is: the local steps (filler and tiny step) timed one by one on every rank give the tiny
+    profile's compute and straggler (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`),
+    so that the excess holds only what the model does not price.
     """
     import torch.nn.functional as F
 
@@ -490,27 +501,46 @@ def measure_fixed_costs(
     x = torch.randn(FIXED_COST_BATCH, 4, generator=torch.Generator().manual_seed(0)).to(device)
     y = torch.randint(0, 2, (FIXED_COST_BATCH,), generator=torch.Generator().manual_seed(1)).to(device)
 
-    def timed(model: Any, optimizer: Any) -> float:
-        def run(count: int = steps) -> None:
-            for _ in range(count):
-                optimizer.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                optimizer.step()
+    def run(model: Any, optimizer: Any, count: int = steps) -> None:
+        for _ in range(count):
+            if filler is not None:
+                filler()
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
 
-        run(steps if warmup is None else warmup)  # warm up
+    def timed(model: Any, optimizer: Any) -> float:
+        run(model, optimizer, steps if warmup is None else warmup)  # warm up
         comm.barrier(group)
-        return median_time(run, repeats, device) / steps
+        return median_time(functools.partial(run, model, optimizer), repeats, device) / steps
 
     fixed: list[tuple[str, float]] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         local_model = torch.nn.Linear(4, 2).to(device)
-        local = torch.tensor(
-            [timed(local_model, torch.optim.SGD(local_model.parameters(), lr=1e-3))], dtype=torch.float64, device=device
+        local_sgd = torch.optim.SGD(local_model.parameters(), lr=1e-3)
+        tiny_profile = functools.partial(  # the tiny one
+            cm.Profile, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2
         )
-        comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
-        local_s = float(local[0])
-        profile = cm.Profile(compute_s=local_s, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2)  # the tiny one
+        if filler is None:
+            local = torch.tensor([timed(local_model, local_sgd)], dtype=torch.float64, device=device)
+            comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
+            profile = tiny_profile(compute_s=float(local[0]))
+        else:  # every local step timed on its own: the compute and its straggler, as the job's are priced
+            run(local_model, local_sgd, steps if warmup is None else warmup)
+            comm.barrier(group)
+            local_steps = []
+            for _ in range(repeats * steps):
+                synchronize(device)
+                start = time.perf_counter()
+                run(local_model, local_sgd, 1)
+                synchronize(device)
+                local_steps.append(time.perf_counter() - start)
+            mine = torch.tensor(local_steps, dtype=torch.float64, device=device)
+            every = torch.empty(n * mine.numel(), dtype=torch.float64, device=device)
+            comm.all_gather_into(every, mine, group=group)
+            compute_s, straggler_s = cm.compute_with_stragglers(every.view(n, -1).tolist())
+            profile = tiny_profile(compute_s=compute_s, straggler_s=straggler_s)
         for candidate in candidates:
             torch.manual_seed(0)
             tiny = torch.nn.Linear(4, 2).to(device)

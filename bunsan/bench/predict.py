@@ -28,7 +28,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    the rounds' median), then what every algorithm's step costs beyond the model's
    arithmetic, timed on a tiny model
    (:func:`bunsan.algorithms.measure.measure_fixed_costs`; the rounds' median is
-   the profile's ``fixed_s``). A row's prediction is the mean over the rounds of
+   the profile's ``fixed_s``); where the model's step is short (``FILLER_CAP_S``: the two small
+   CNNs), again with a step of the model's compute before each tiny step (the ``filler`` of
+   :func:`~bunsan.algorithms.measure.measure_fixed_costs`), which prices ``predicted_filled_s``
+   beside the row's prediction. A row's prediction is the mean over the rounds of
    each round priced with its own slice of the compute, fixed costs and codec
    (:func:`round_profiles`, :func:`paired_prediction`; the job's profile pooled over
    the rounds prices ``predicted_pooled_s`` beside it). The pooled compute is the mean
@@ -205,6 +208,10 @@ def _compute_steps(model: Any, optimizer: Any, batch: tuple[Any, Any], count: in
 
 
 FIXED_STEPS = 16  # a timed run of the tiny model's steps (measure_fixed_costs), rounded up to whole blocks
+# the fixed costs timed again with a step of the model's compute before each tiny step (measure_fixed_costs's
+# filler) where its step takes at most this long: the two small CNNs (2-16 ms), not the MLP (48-93 ms) or
+# ResNet-20 (180-330 ms), whose 56 filled steps a candidate would add 20-150 s a round
+FILLER_CAP_S = 0.025
 
 
 def synced_straggler(times: Sequence[Sequence[float]], compute_s: float) -> float:
@@ -471,6 +478,9 @@ def _worker(spec: dict[str, Any]) -> int:
         # Rounds alternate between the compute alone and every algorithm, so that the machine's
         # noise hits all alike; the compute's steps are timed one by one, for the stragglers.
         fixed_rounds: list[dict[str, float]] = []
+        # and after a step of the compute, where it is short (FILLER_CAP_S): the rows' predicted_filled_s
+        filled = float(slowest[0]) <= FILLER_CAP_S
+        filled_rounds: list[dict[str, float]] = []
         network_rounds: list[Any] = []  # a probe of the link in every round, which prices that round
         codec_rounds: list[tuple[dict[str, float], Any]] = []
         # the compute alone runs in slices, one just before each algorithm's steps in every round: the
@@ -509,6 +519,21 @@ def _worker(spec: dict[str, Any]) -> int:
                     )
                 )
             )
+            if filled:
+                filled_rounds.append(
+                    dict(
+                        measure_fixed_costs(
+                            candidates,
+                            round_network,
+                            overlap=overlap,
+                            distribute=bunsan.distribute,
+                            steps=fixed_steps,
+                            warmup=block,
+                            spare_core=spare_core,
+                            filler=partial(time_steps, model, local, [(x, y)]),
+                        )
+                    )
+                )
             for _ in range(per_round):  # the same steps started together: the wait a synchronous step sees
                 comm.barrier()
                 synced_times.append(time_steps(model, local, [(x, y)]))
@@ -573,6 +598,7 @@ def _worker(spec: dict[str, Any]) -> int:
             "network": asdict(model_network),
             "codec_rounds": [{"codec": c, "codecs": cs} for c, cs in codec_rounds],
             "fixed_rounds": fixed_rounds,
+            **({"fixed_filled_rounds": filled_rounds} if filled else {}),
         }
         for i, ((candidate, _, optimizer, before, times), count, compute_rounds) in enumerate(
             zip(trainers, steps, slice_means, strict=True)
@@ -640,6 +666,19 @@ def _worker(spec: dict[str, Any]) -> int:
                 if "bits" in candidate.options
                 else {}
             )
+            # and with the fixed costs timed after a step of the compute (FILLER_CAP_S)
+            filled_fields: dict[str, Any] = {}
+            if filled:
+                filled_fields = {
+                    "predicted_filled_s": paired_prediction(
+                        step_of,
+                        list(zip(round_profiles(profile, compute_rounds, filled_rounds, codec_rounds), network_rounds)),
+                    )[0],
+                    "fixed_filled_rounds_s": [f[candidate.label] for f in filled_rounds],
+                }
+                if candidate.algorithm == "async":
+                    remote = cm.async_fixed_labels(candidate.label)[1]
+                    filled_fields["fixed_filled_remote_rounds_s"] = [f[remote] for f in filled_rounds]
             # and priced with the wait of the compute steps started together (synced_straggler)
             synced_wait = paired_prediction(
                 step_of,
@@ -701,6 +740,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "core_compute_s": profile.core_compute_s,
                     **before_split,
                     **async_fields,
+                    **filled_fields,
                 }
             )
         del trainers
