@@ -922,6 +922,11 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "with the straggler of compute steps started together instead of run free",
             ),
             (
+                "predicted_filled_s",
+                "measured_s",
+                "with the fixed costs timed after a step of the model's compute (the models whose step is short)",
+            ),
+            (
                 "predicted_s",
                 "window_s",
                 "async measured over a common window of time, every rank stepping through it, instead of "

@@ -18,6 +18,9 @@ Variants (what they change, for the rows they touch):
 * ``core-copy``: async's passes at the copy of one rank per core (``Profile.core_copy_s_per_element``,
   timed by the bench since 50c38a9); for a record before it, the same run's copy of that model in
   its job of one rank a core on the same link (every rank copying at once there: one per core).
+* ``filled``: each round's fixed costs as timed after a step of the model's compute
+  (``fixed_filled_rounds``: the bench's ``predicted_filled_s``, since it timed them, for the models
+  whose step is short, ``bunsan.bench.predict.FILLER_CAP_S``); a model without them is priced as is.
 * ``pooled``: every row priced once with its job's profile pooled over the rounds (the bench's
   prediction before each round was priced with its own compute slice, fixed costs and codec:
   ``bunsan.bench.predict.round_profiles``; a record without the rounds is priced so anyway).
@@ -65,7 +68,7 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
 from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
 
-VARIANTS = ("synced", "synced-exact", "pooled", "core-copy")
+VARIANTS = ("synced", "synced-exact", "pooled", "core-copy", "filled")
 
 
 def profile_of(record: dict[str, Any]) -> cm.Profile:
@@ -116,7 +119,8 @@ def reprice(
     if variant == "pooled" or "compute_rounds_s" not in row or "fixed_rounds" not in record:
         return step((profile, network))
     codec_rounds = [(c["codec"], c["codecs"]) for c in record["codec_rounds"]]
-    rounds = round_profiles(profile, row["compute_rounds_s"], record["fixed_rounds"], codec_rounds)
+    fixed_rounds = record["fixed_filled_rounds"] if variant == "filled" and "fixed_filled_rounds" in record else None
+    rounds = round_profiles(profile, row["compute_rounds_s"], fixed_rounds or record["fixed_rounds"], codec_rounds)
     # each round on its own probe of the link where recorded (since the probe in every round), else the job's
     networks = [network_of(net) for net in record.get("network_rounds", [])] or [network] * len(rounds)
     mean, each = paired_prediction(step, list(zip(rounds, networks, strict=True)))

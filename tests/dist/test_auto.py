@@ -526,6 +526,37 @@ def test_only_the_probes_that_can_change_the_decision_run_on_every_rank(workers)
     assert sorted(families[label] for call in fast[0]["probed"] for label in call) == sorted(named)
 
 
+def _body_fixed_costs_filled(rank: int, world_size: int) -> dict:
+    import time
+
+    from bunsan.algorithms import cost_model as cm
+    from bunsan.bench.measure import measure_fixed_costs
+
+    calls = [0]
+
+    def filler() -> None:  # rank 1 computes 10 ms longer before every step: rank 0 waits for it
+        calls[0] += 1
+        if rank == 1:
+            time.sleep(0.010)
+
+    candidates = [cm.Candidate("data_parallel", {}, "exact")]
+    kwargs = {"steps": 4, "repeats": 2, "distribute": bunsan.distribute}
+    alone = dict(measure_fixed_costs(candidates, Network(**FAST), **kwargs))
+    filled = dict(measure_fixed_costs(candidates, Network(**FAST), filler=filler, **kwargs))
+    return {"alone": alone["exact"], "filled": filled["exact"], "calls": calls[0]}
+
+
+def test_fixed_costs_after_a_filler_price_its_wait_for_the_slowest_rank_as_the_jobs(workers):
+    results = workers.run(f"{__name__}:_body_fixed_costs_filled")
+    # before every step, the local ones' (4 warm-up and 2 x 4 timed one by one) as the candidate's
+    assert [r["calls"] for r in results] == [24, 24]
+    assert results[0]["filled"] == results[1]["filled"]
+    # rank 1's 10 ms a step is the tiny profile's compute (5 ms, the ranks' mean) and straggler (5 ms),
+    # priced as the job's: the excess stays near the one without a filler; left out, it would be 5 ms
+    # over, and counted twice 5 ms under
+    assert abs(results[0]["filled"] - results[0]["alone"]) < 0.0025, results
+
+
 def _body_probe_steps(rank: int, world_size: int, warmup) -> list:
     from bunsan.algorithms import cost_model as cm
     from bunsan.bench.measure import measure_fixed_costs

@@ -125,6 +125,9 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
         # the wait of steps run free, and the row priced with that of steps started together
         assert r["straggler_s"] >= 0 and r["synced_straggler_s"] >= 0 and r["predicted_synced_straggler_s"] > 0, r
         assert len(r["fixed_rounds_s"]) == 2 and r["fixed_s"] == pytest.approx(sum(r["fixed_rounds_s"]) / 2), r
+        # and again after a step of the compute (this model's is short): the row priced with those beside it
+        assert len(r["fixed_filled_rounds_s"]) == 2 and r["predicted_filled_s"] > 0, r
+        assert ("fixed_filled_remote_rounds_s" in r) == (r["label"] == "async"), r
         # bytes: counted by the algorithm, predicted by the arithmetic; the gradients' or parameters' bytes
         # exactly, plus the few metadata elements every exchange carries and the model leaves out (the
         # step's counts and each tensor's flag: 10 float32 = 40 bytes a step for this 8-tensor model, in
@@ -186,12 +189,14 @@ def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
             r["measured_median_s"]
         )
         assert reprice.reprice(r, job, 64, "pooled") == pytest.approx(r["predicted_pooled_s"], rel=1e-9), r
+        assert reprice.reprice(r, job, 64, "filled") == pytest.approx(r["predicted_filled_s"], rel=1e-9), r
         if r["label"] == "exact":  # a variant moves the straggler it prices with
             assert reprice.reprice(r, job, 64, "synced") == pytest.approx(r["predicted_synced_straggler_s"]), r
     out = capsys.readouterr().out
     assert "quantized rows: " in out and "with the straggler of compute steps started together" in out
     assert "with each side's median over the rounds instead of their mean" in out
     assert "async measured over a common window of time, every rank stepping through it" in out
+    assert "with the fixed costs timed after a step of the model's compute" in out
     assert (tmp_path / "predict.png").stat().st_size > 1000
 
 
