@@ -714,12 +714,14 @@ def predict(
             exposed = exposed_communication(forward, backward, buckets, exchange)
         else:
             exposed = communication
-        # a token-bucket link refilled during the compute passes its burst at once (network_model)
-        exposed = max(0.0, exposed - burst_credit(network, sent, compute, rate)) if n > 1 else 0.0
+        # a token-bucket link refilled while it idled passes its burst at once (network_model): during the
+        # compute and the step's own costs off the wire (the wait for the slowest rank, the fixed costs:
+        # where the compute is short, as MNIST-1D's 0.7 ms, they refill more than the compute alone)
         straggler = profile.straggler_s
         if exact_released_together(profile, candidate, n, overlap):
             straggler = float(profile.synced_straggler_s or 0.0)
         wait = (straggler + profile.fixed(candidate.label)) if n > 1 else 0.0
+        exposed = max(0.0, exposed - burst_credit(network, sent, compute + max(0.0, wait), rate)) if n > 1 else 0.0
         return Prediction(
             candidate.label, n, compute, compute + wait + exposed + codec, communication, wait + exposed, codec, sent
         )
@@ -732,8 +734,10 @@ def predict(
         update = per_element * profile.params if n > 1 else 0.0
         wait = profile.straggler_s * math.sqrt(k) if n > 1 else 0.0
         fixed = profile.fixed(candidate.label) if n > 1 else 0.0  # per block
-        # a token-bucket link refills over the block's k steps of compute
-        credit = burst_credit(network, ring_allreduce_bytes(nbytes, n), k * compute) if n > 1 else 0.0
+        # a token-bucket link refills while it idles: over the block's k steps of compute and the round's
+        # own costs before its bytes leave
+        idle = k * compute + max(0.0, update + wait + fixed)
+        credit = burst_credit(network, ring_allreduce_bytes(nbytes, n), idle) if n > 1 else 0.0
         exposed = (communication - credit + update + wait + fixed) / k
         sent = ring_allreduce_bytes(nbytes, n) / k
         return Prediction(candidate.label, n, compute, compute + exposed, communication / k, exposed, 0.0, sent)

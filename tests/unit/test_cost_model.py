@@ -669,6 +669,25 @@ def test_the_burst_shortens_the_exchange_of_a_step_and_of_a_block():
     )
 
 
+def test_the_bucket_refills_over_the_steps_costs_off_the_wire_as_over_its_compute():
+    # 0.5 ms of compute refills 6250 B of the 16 KiB bucket; the step's 1 ms of fixed costs (off the wire:
+    # the link idles) fills it: 16384 B pass at once, 0.5 + 1 + 2.62144 - 1.31072 = 2.81072 ms (with the
+    # compute alone refilling, 0.5 + 1 + 2.62144 - 0.5 = 3.62144)
+    bucket = Network(0.0, 12.5e6, burst_bytes=16384)
+    exact = Candidate("data_parallel")
+    profile = Profile(compute_s=0.0005, params=8192, batch=32, fixed_s=((exact.label, 0.001),))
+    assert cm.predict(profile, bucket, exact, 2, overlap=False).step_s == pytest.approx(2.81072e-3)
+    # a fixed cost timed below nothing (the tiny model's step faster than priced) does not shorten the idle
+    faster = replace(profile, fixed_s=((exact.label, -0.0002),))
+    assert cm.predict(faster, bucket, exact, 2, overlap=False).step_s == pytest.approx(
+        0.0005 - 0.0002 + 32768 / 12.5e6 - 6250 / 12.5e6
+    )
+    # a block of 8 steps: 4 ms of compute refill 50,000 B already; its fixed cost per block changes nothing
+    block = Candidate("model_averaging", {"block_size": 256})
+    blocked = replace(profile, fixed_s=((block.label, 0.001),))
+    assert cm.predict(blocked, bucket, block, 2).step_s == pytest.approx(0.0005 + (2.62144e-3 - 1.31072e-3 + 0.001) / 8)
+
+
 def test_async_push_and_pull_get_the_burst_of_their_links():
     # 32768 B messages at 12.5e6 B/s (2.62144 ms each) after 2 ms of compute, 16 KiB bursts
     net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
