@@ -32,7 +32,10 @@ Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
    CNNs), again with a step of the model's compute before each tiny step (the ``filler`` of
    :func:`~bunsan.algorithms.measure.measure_fixed_costs`), which prices ``predicted_filled_s``
    beside the row's prediction. A row's prediction is the mean over the rounds of
-   each round priced with its own slice of the compute, fixed costs and codec
+   each round priced with the job's compute (every slice of every round: a row's own
+   slice of a round, recorded as ``compute_rounds_s``, is a tenth of a second of steps
+   whose noise moved the price: priced with it, eleven runs expected 4.65 rows outside
+   20% a run, with the job's 3.35) and the round's own fixed costs and codec
    (:func:`round_profiles`, :func:`paired_prediction`; the job's profile pooled over
    the rounds prices ``predicted_pooled_s`` beside it). The pooled compute is the mean
    of the local steps, the straggler wait the mean excess of the slowest rank
@@ -280,15 +283,21 @@ def round_profiles(
     codec_rounds: Sequence[tuple[dict[str, float], Sequence[Sequence[float]]]],
 ) -> list[Any]:
     """One :class:`~bunsan.algorithms.cost_model.Profile` per timed round: ``profile`` (the job's, pooled
-    over the rounds) with that round's own compute (``compute_rounds[r]``: the compute alone timed just
-    before the row's algorithm in round ``r``), fixed costs and codec; the straggler wait and the sizes
+    over the rounds) with the compute ``compute_rounds[r]`` (the bench passes the job's pooled compute for
+    every round; up to predict-34 each row's own slice of the compute alone, timed just before its
+    algorithm in round ``r``) and that round's own fixed costs and codec; the straggler wait and the sizes
     stay the pooled ones (a round's few compute steps set a mean, not a slowest rank's excess), and the
     compute of one rank per core (``core_compute_s``, where timed) moves with the round's compute.
 
     A row's prediction is the mean of its rounds' (:func:`paired_prediction`): the machine's
     speed, which moved a whole round 1.3-1.4x on a busy day (ResNet-20's model averaging at 2
     workers ran 226, 159 and 160 ms a step in predict-21's three rounds), then moves the priced
-    compute with the measured step instead of pricing every round with one pooled mean."""
+    compute with the measured step instead of pricing every round with one pooled mean. Over eleven
+    runs (predict-23 to predict-34-small) the row's own slice, a tenth of a second of steps, moved the
+    price more by its own noise than it followed the machine: 4.65 rows expected outside 20% a run
+    against 3.35 with the job's compute in every round (3.36 with the round's, every slice of that
+    round; ``docs/experiments/predict_reprice.py --variant own-compute``), so the bench now prices
+    each round with the job's compute; the fixed costs, codec and probe of each round stay paired."""
     from dataclasses import replace
 
     if not (len(compute_rounds) == len(fixed_rounds) == len(codec_rounds)) or not compute_rounds:
@@ -600,6 +609,9 @@ def _worker(spec: dict[str, Any]) -> int:
             "fixed_rounds": fixed_rounds,
             **({"fixed_filled_rounds": filled_rounds} if filled else {}),
         }
+        # every round priced with the job's compute, the mean of every slice of every round: a row's own
+        # slice (a tenth of a second) moved its price by its noise (below, "round_profiles")
+        job_compute = [profile.compute_s] * spec["rounds"]
         for i, ((candidate, _, optimizer, before, times), count, compute_rounds) in enumerate(
             zip(trainers, steps, slice_means, strict=True)
         ):
@@ -642,13 +654,14 @@ def _worker(spec: dict[str, Any]) -> int:
             rank_steps_s = [float(v) for v in mine[2 : 2 + n]]
             rounds_s = [n / float(v) for v in mine[2 + n :]]
             measured_s = measured_step(rounds_s)
-            # the row's prediction: each round priced with its own compute, fixed costs, codec and probe of
-            # the link, the mean of the rounds (round_profiles) against the rounds' mean step; the job's
+            # the row's prediction: each round priced with the job's compute and the round's own fixed costs,
+            # codec and probe of the link, the mean of the rounds (round_profiles) against the rounds' mean
+            # step (the row's own slices, compute_rounds_s, recorded beside it); the job's
             # pooled profile's beside it, on the median of the job's probes (median_network)
             step_of = partial(_step_of, cm=cm, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
             predicted_s, predicted_rounds = paired_prediction(
                 step_of,
-                list(zip(round_profiles(profile, compute_rounds, fixed_rounds, codec_rounds), network_rounds)),
+                list(zip(round_profiles(profile, job_compute, fixed_rounds, codec_rounds), network_rounds)),
             )
             predicted = cm.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
@@ -672,7 +685,7 @@ def _worker(spec: dict[str, Any]) -> int:
                 filled_fields = {
                     "predicted_filled_s": paired_prediction(
                         step_of,
-                        list(zip(round_profiles(profile, compute_rounds, filled_rounds, codec_rounds), network_rounds)),
+                        list(zip(round_profiles(profile, job_compute, filled_rounds, codec_rounds), network_rounds)),
                     )[0],
                     "fixed_filled_rounds_s": [f[candidate.label] for f in filled_rounds],
                 }
@@ -685,7 +698,7 @@ def _worker(spec: dict[str, Any]) -> int:
                 list(
                     zip(
                         round_profiles(
-                            replace(profile, straggler_s=synced_straggler_s), compute_rounds, fixed_rounds, codec_rounds
+                            replace(profile, straggler_s=synced_straggler_s), job_compute, fixed_rounds, codec_rounds
                         ),
                         network_rounds,
                     )

@@ -21,6 +21,9 @@ Variants (what they change, for the rows they touch):
 * ``filled``: each round's fixed costs as timed after a step of the model's compute
   (``fixed_filled_rounds``: the bench's ``predicted_filled_s``, since it timed them, for the models
   whose step is short, ``bunsan.bench.predict.FILLER_CAP_S``); a model without them is priced as is.
+* ``own-compute``: each round priced with the row's own slice of the compute alone, timed just
+  before its steps in that round (``compute_rounds_s``; the bench's price up to predict-34), instead
+  of the job's compute (every slice of every round).
 * ``pooled``: every row priced once with its job's profile pooled over the rounds (the bench's
   prediction before each round was priced with its own compute slice, fixed costs and codec:
   ``bunsan.bench.predict.round_profiles``; a record without the rounds is priced so anyway).
@@ -68,7 +71,7 @@ from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
 from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
 
-VARIANTS = ("synced", "synced-exact", "pooled", "core-copy", "filled")
+VARIANTS = ("synced", "synced-exact", "pooled", "core-copy", "filled", "own-compute")
 
 
 def profile_of(record: dict[str, Any]) -> cm.Profile:
@@ -95,11 +98,13 @@ def reprice(
     *,
     fill_core_copy: float | None = None,
     medians: bool = False,
+    own_compute: bool = False,
 ) -> float:
     """The row's step priced again from its job's recorded profile, under ``variant`` (None: the model as
     is); ``core_copy`` (variant ``core-copy``): the ``core_copy_s_per_element`` to price it with;
     ``fill_core_copy`` (any variant): the one to price with where the record has none timed. The mean of
-    the rounds' prices (``medians``: their median)."""
+    the rounds' prices (``medians``: their median). ``own_compute`` (or variant ``own-compute``): each round
+    at the row's own slice of the compute, as the bench priced up to predict-34."""
     record = job["models"][row["model"]]
     profile = profile_of(record)
     if variant == "core-copy" and core_copy is not None and profile.ranks_per_core > 1:
@@ -120,7 +125,10 @@ def reprice(
         return step((profile, network))
     codec_rounds = [(c["codec"], c["codecs"]) for c in record["codec_rounds"]]
     fixed_rounds = record["fixed_filled_rounds"] if variant == "filled" and "fixed_filled_rounds" in record else None
-    rounds = round_profiles(profile, row["compute_rounds_s"], fixed_rounds or record["fixed_rounds"], codec_rounds)
+    # each round at the job's compute (the bench since predict-34), or at the row's own slice of it
+    own = own_compute or variant == "own-compute"
+    compute_rounds = row["compute_rounds_s"] if own else [profile.compute_s] * len(codec_rounds)
+    rounds = round_profiles(profile, compute_rounds, fixed_rounds or record["fixed_rounds"], codec_rounds)
     # each round on its own probe of the link where recorded (since the probe in every round), else the job's
     networks = [network_of(net) for net in record.get("network_rounds", [])] or [network] * len(rounds)
     mean, each = paired_prediction(step, list(zip(rounds, networks, strict=True)))

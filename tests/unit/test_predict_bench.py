@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import statistics
+from functools import partial
 from dataclasses import replace
 from pathlib import Path
 
@@ -229,8 +230,11 @@ def test_the_core_copy_variant_prices_a_record_before_it_with_its_runs_one_rank_
     timed = job["models"]["mlp-10m"]["core_copy_s_per_element"]
     # (the record's prediction is its rounds' median; the mean of the same rounds' prices is the price now)
     mean = statistics.fmean(row["predicted_rounds_s"])
-    assert reprice.reprice(row, job, 256, "core-copy", timed) == pytest.approx(mean, rel=1e-9)
-    assert reprice.reprice(row, job, 256, "core-copy", timed, medians=True) == pytest.approx(row["predicted_s"])
+    # (each round at the row's own compute slice, as the bench priced it then: own_compute)
+    assert reprice.reprice(row, job, 256, "core-copy", timed, own_compute=True) == pytest.approx(mean, rel=1e-9)
+    assert reprice.reprice(row, job, 256, "core-copy", timed, medians=True, own_compute=True) == pytest.approx(
+        row["predicted_s"]
+    )
     # predict-24 did not: priced at the 2-worker job's copy on the same link, rank 0's passes cost less
     data, row, slug = async_mlp("predict-24.json")
     job = data["profiles"][slug]
@@ -713,7 +717,7 @@ def test_a_record_with_a_network_field_the_model_does_not_take_is_priced_as_the_
     for row in data["rows"]:
         if row["network"] != "rate=100mbit":
             continue
-        priced = reprice.reprice(row, job, 256)
+        priced = reprice.reprice(row, job, 256, own_compute=True)  # each round at its own compute, as then
         if row["label"] in ("1-bit", "8-bit"):
             assert priced < row["predicted_s"], row["label"]  # the all-to-all at the faster all-gather rate
         elif row["label"] == "exact":  # since: its ranks leave the wire together (exact_released_together)
@@ -733,11 +737,20 @@ def test_a_record_priced_again_counts_only_rows_the_model_moved_by_either_measur
     # the model moved once since predict-27 (50c38a9): exact at 4 workers on 2 cores over the two shaped
     # links waits the straggler of steps started together (cost_model.exact_released_together), 4 models
     # x 2 links = 8 rows priced differently by either measure, and no other
+    # (each round at its own compute slice, as the bench priced them: own_compute; since predict-34 the
+    # job's compute prices every round, which moves every row)
     records = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "predict"
     for name in ("predict-27.json", "predict-28.json", "predict-30.json"):
-        for flags in ([], ["--medians"]):
-            assert reprice.main([str(records / name), *flags]) == 0
-            assert "(8 rows priced differently)" in capsys.readouterr().out, (name, flags)
+        data = json.loads((records / name).read_text())
+        for medians in (False, True):
+            moved = sum(
+                reprice.reprice(r, data["profiles"][reprice.row_slug(r)], 256, medians=medians, own_compute=True)
+                != pytest.approx(reprice.recorded_price(r, medians=medians), rel=1e-9)
+                for r in data["rows"]
+            )
+            assert moved == 8, (name, medians)
+        assert reprice.main([str(records / name)]) == 0
+        assert "rows priced differently)" in capsys.readouterr().out
 
 
 def test_a_record_that_timed_the_compute_per_core_prices_rank_0s_async_worker_at_it():
@@ -755,13 +768,14 @@ def test_a_record_that_timed_the_compute_per_core_prices_rank_0s_async_worker_at
         job = data["profiles"][reprice.row_slug(row)]
         timed = job["models"][row["model"]]["core_compute_s"]
         assert (timed > 0) == (row["workers"] == 4 and row["ranks_per_core"] > 1)
-        assert reprice.reprice(row, job, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
+        as_then = partial(reprice.reprice, own_compute=True)  # each round at its own compute, as recorded
+        assert as_then(row, job, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
         before = copy.deepcopy(job)
         before["models"][row["model"]]["core_compute_s"] = 0.0
         if timed:
-            moved += reprice.reprice(row, before, 256) != pytest.approx(row["predicted_s"], rel=1e-6)
+            moved += as_then(row, before, 256) != pytest.approx(row["predicted_s"], rel=1e-6)
         else:
-            assert reprice.reprice(row, before, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
+            assert as_then(row, before, 256) == pytest.approx(row["predicted_s"], rel=1e-9)
     assert moved == 12  # every async row at 4 workers: 4 models on 3 networks
 
 
@@ -807,7 +821,8 @@ def test_a_models_rows_are_priced_on_each_rounds_probe_and_the_median_of_the_pro
     job = data["profiles"]["rate_1gbit-np4"]
     row = next(r for r in data["rows"] if r["network"] == "rate=1gbit" and r["workers"] == 4 and r["label"] == "fp16")
     record = job["models"][row["model"]]
-    assert reprice.reprice(row, job, 256) == pytest.approx(row["predicted_s"], rel=1e-9)  # one probe: as recorded
+    # one probe, each round at its own compute: as recorded
+    assert reprice.reprice(row, job, 256, own_compute=True) == pytest.approx(row["predicted_s"], rel=1e-9)
     as_fields = lambda net: {k: getattr(net, k) for k in Network.__dataclass_fields__}
     probed = {
         **job,
@@ -823,7 +838,7 @@ def test_a_models_rows_are_priced_on_each_rounds_probe_and_the_median_of_the_pro
     assert len(row["compute_rounds_s"]) == 3
     # two of the three rounds on the good probes: the fp16 step priced lower than on the bad one alone,
     # and the pooled on the median, lower too
-    assert reprice.reprice(row, probed, 256) < row["predicted_s"]
+    assert reprice.reprice(row, probed, 256, own_compute=True) < row["predicted_s"]
     assert reprice.reprice(row, probed, 256, "pooled") < row["predicted_pooled_s"]
     # the pooled on the median alone: the bad probe as the third round's does not move it
     only_median = {**probed, "models": {**probed["models"], row["model"]: {**record, "network": as_fields(median)}}}
@@ -842,11 +857,12 @@ def test_predict_32s_exact_rows_over_the_links_at_4_workers_are_priced_with_the_
     for row in data["rows"]:
         if row["network"] != "rate=1gbit" or row["workers"] != 4 or row["label"] not in ("exact", "fp16"):
             continue
-        priced = reprice.reprice(row, job, 256)
+        priced = reprice.reprice(row, job, 256, own_compute=True)  # each round at its own compute, as then
         if row["label"] == "fp16":
             assert priced == pytest.approx(row["predicted_s"], rel=1e-9), row["model"]
             continue
-        assert priced == pytest.approx(reprice.reprice(row, job, 256, "synced"), rel=1e-9), row["model"]
+        synced = reprice.reprice(row, job, 256, "synced", own_compute=True)
+        assert priced == pytest.approx(synced, rel=1e-9), row["model"]
         assert priced != pytest.approx(row["predicted_s"], rel=1e-6), row["model"]
         if row["model"] == "digits_cnn":
             assert row["error"] > 0.25 and abs(priced / row["measured_s"] - 1) < 0.10
