@@ -483,7 +483,9 @@ def measure_fixed_costs(
     missed by 13-17% on ten runs' means. The filler's own wait for the slowest rank is priced as the
     job's is: the local steps (filler and tiny step) timed one by one on every rank give the tiny
     profile's compute and straggler (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`),
-    so that the excess holds only what the model does not price.
+    so that the excess holds only what the model does not price. Timed so in every round of
+    ``bunsan bench predict`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
+    better than the tiny model alone (docs/plan.md, "A faster machine"): Auto does not use it.
     """
     import torch.nn.functional as F
 
