@@ -515,34 +515,19 @@ def _worker(spec: dict[str, Any]) -> int:
             # rest (taken once at the job's start, exact's moved from 0.8 to 2.8 ms a step at 1 Gbit/s
             # and 2 workers between two runs, model averaging's from 15 to 6 ms a block at 4: the
             # small CNNs' rows rest on it); the median of the rounds
-            fixed_rounds.append(
-                dict(
-                    measure_fixed_costs(  # beyond the model's price on this round's own probe
-                        candidates,
-                        round_network,
-                        overlap=overlap,
-                        distribute=bunsan.distribute,
-                        steps=fixed_steps,
-                        warmup=block,
-                        spare_core=spare_core,
-                    )
-                )
+            fixed_costs = partial(  # beyond the model's price on this round's own probe
+                measure_fixed_costs,
+                candidates,
+                round_network,
+                overlap=overlap,
+                distribute=bunsan.distribute,
+                steps=fixed_steps,
+                warmup=block,
+                spare_core=spare_core,
             )
-            if filled:
-                filled_rounds.append(
-                    dict(
-                        measure_fixed_costs(
-                            candidates,
-                            round_network,
-                            overlap=overlap,
-                            distribute=bunsan.distribute,
-                            steps=fixed_steps,
-                            warmup=block,
-                            spare_core=spare_core,
-                            filler=partial(time_steps, model, local, [(x, y)]),
-                        )
-                    )
-                )
+            fixed_rounds.append(dict(fixed_costs()))
+            if filled:  # and after a step of the model's compute
+                filled_rounds.append(dict(fixed_costs(filler=partial(time_steps, model, local, [(x, y)]))))
             for _ in range(per_round):  # the same steps started together: the wait a synchronous step sees
                 comm.barrier()
                 synced_times.append(time_steps(model, local, [(x, y)]))
