@@ -4,7 +4,8 @@ The striped quantized exchange (``DataParallelSGD(bits=...)`` at 3 workers or mo
 all-to-all of the coded stripes and an all-gather of the owners' sums; the cost model prices
 both at the all-gather's rate (``Network.gather_bandwidth``, which the job's probe fits from
 all-gathers). This times, for stripes of ``--sizes`` bytes, an all-gather of one stripe a rank,
-an all-to-all of one stripe to every other rank, and an all-reduce of the whole ``N`` stripes
+an all-to-all of one stripe to every other rank (Gloo's one call, as the exchange makes it, and
+:func:`pairwise_all_to_all`'s rounds), and an all-reduce of the whole ``N`` stripes
 (its time halved: a ring all-reduce is a reduce-scatter and an all-gather, each rank sending
 ``N - 1`` stripes in each), each the median of 6 timed calls (two passes of 3 after an untimed
 one, a barrier before each), through :mod:`bunsan.comm` as the exchange calls them. It prints
@@ -31,6 +32,27 @@ import torch.distributed as dist
 from bunsan import comm
 
 
+def pairwise_all_to_all(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The all-to-all as ``N - 1`` rounds of one message each way: in round ``i`` rank ``r`` sends its
+    slice for ``r + i`` and receives ``r - i``'s, and starts the next round when both are done (the
+    pairwise exchange of Thakur, Rabenseifner and Gropp 2005, MPICH's all-to-all for long messages):
+    every rank receives from one other at a time, where Gloo's one call has each rank's link receive
+    from ``N - 1`` senders at once. Tried as the exchange's schedule; on the shaped links it was
+    slower than the one call (docs/plan.md, "The all-to-all in rounds of one message")."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    size = tensor.numel() // n
+
+    def piece(t: torch.Tensor, r: int) -> torch.Tensor:
+        return t[r * size : (r + 1) * size]
+
+    piece(output, rank).copy_(piece(tensor, rank))
+    for i in range(1, n):
+        to, source = (rank + i) % n, (rank - i) % n
+        works = [dist.isend(piece(tensor, to), to), dist.irecv(piece(output, source), source)]
+        for work in works:
+            work.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,330000,650000,1300000,2600000", help="stripe bytes, comma-separated")
@@ -46,7 +68,8 @@ def main() -> None:
         piece = torch.zeros(elements)
         calls = {
             "all-gather": partial(comm.all_gather_into, received, piece),
-            "all-to-all": partial(comm.all_to_all, received, whole),
+            "all-to-all (one call)": partial(comm.all_to_all, received, whole),
+            "all-to-all (pairwise)": partial(pairwise_all_to_all, received, whole),
             "all-reduce / 2": partial(comm.all_reduce, whole),
         }
         times: dict[str, list[float]] = {name: [] for name in calls}
