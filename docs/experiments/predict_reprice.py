@@ -72,6 +72,7 @@ from bunsan.algorithms.network_model import Network
 from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
 
 VARIANTS = ("synced", "synced-exact", "pooled", "core-copy", "filled", "own-compute")
+ROW_PRIOR_DOF = 4  # degrees of freedom of the pooled variance in each row's own (noise_and_bias)
 
 
 def profile_of(record: dict[str, Any]) -> cm.Profile:
@@ -158,10 +159,13 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """How the recorded rounds' errors move: ``round_sd``, the spread of a round's error (the log of its
     recorded price over its job step) about its run's mean, pooled over the rows and runs (``round_dof``);
     ``run_sd``, the spread of those means about the row's mean over the runs (``run_dof``); ``rounds``,
-    the median rounds per row. Rows with one round, or fewer than two runs, add nothing.
-    Independent rounds give ``run_sd`` = ``round_sd / sqrt(rounds)``."""
+    the median rounds per row; ``measured_round_sd``, the spread of a round's measured job step alone (its
+    log about its run's mean), which no model of the row's expected step can take away. Rows with one
+    round, or fewer than two runs, add nothing. Independent rounds give ``run_sd`` = ``round_sd /
+    sqrt(rounds)``."""
     means: dict[tuple[str, int, str, str], list[float]] = {}
     within, within_dof, counts = 0.0, 0, []
+    measured_within = 0.0
     for data in records:
         for row in data["rows"]:
             priced, measured = row.get("predicted_rounds_s"), row.get("rounds_s")
@@ -170,6 +174,8 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
             errors = [math.log(p / m) for p, m in zip(priced, measured, strict=True)]
             mean = statistics.fmean(errors)
             within += sum((e - mean) ** 2 for e in errors)
+            steps = [math.log(m) for m in measured]
+            measured_within += sum((t - statistics.fmean(steps)) ** 2 for t in steps)
             within_dof += len(errors) - 1
             counts.append(len(errors))
             means.setdefault(row_key(row), []).append(mean)
@@ -179,6 +185,7 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         raise ValueError("need rows of two rounds or more in two runs or more")
     return {
         "round_sd": math.sqrt(within / within_dof),
+        "measured_round_sd": math.sqrt(measured_within / within_dof),
         "round_dof": within_dof,
         "run_sd": math.sqrt(between / between_dof),
         "run_dof": between_dof,
@@ -197,6 +204,13 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
     that no row misses (rows apart); ``floor_misses`` and ``p_none_floor`` the same with every
     row's mean at 0 (a model without bias, the runs' noise alone). A mean over ``k`` runs holds
     ``sd / sqrt(k)`` of the noise too, so on few runs the bias and the expected misses lean high.
+
+    The rows' noise is not one: the small CNNs' short steps move more from run to run than the
+    larger models' (12 runs: 4-14% by row). ``row_sd[row]`` is the row's own spread, its runs'
+    squares about its mean with ``ROW_PRIOR_DOF`` degrees of freedom of the pooled variance added
+    (so that a row of few runs is not taken as certain); ``row_expected_misses``, ``row_p_none``,
+    ``row_floor_misses`` and ``row_p_none_floor`` are the four figures above with each row's own
+    spread instead of the pooled one.
     """
     if not errors or any(len(runs) == 0 for runs in errors.values()):
         raise ValueError("need at least one run of every row")
@@ -217,6 +231,22 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
     p_outside = {row: outside(mean) for row, mean in bias.items()}
     expected = sum(p_outside.values())
     floor = len(errors) * outside(0.0)
+    # each row's own spread, its runs' variance taken with ROW_PRIOR_DOF degrees of freedom of the pooled one
+    own_sd = {
+        row: math.sqrt(
+            (sum((e - bias[row]) ** 2 for e in runs) + ROW_PRIOR_DOF * sd * sd) / (len(runs) - 1 + ROW_PRIOR_DOF)
+        )
+        for row, runs in errors.items()
+    }
+
+    def outside_own(row: Any, mean: float) -> float:
+        if own_sd[row] == 0:
+            return 0.0 if low < mean < high else 1.0
+        normal = statistics.NormalDist(mean, own_sd[row])
+        return 1.0 - (normal.cdf(high) - normal.cdf(low))
+
+    own_outside = {row: outside_own(row, mean) for row, mean in bias.items()}
+    own_floor = {row: outside_own(row, 0.0) for row in errors}
     return {
         "rows": len(errors),
         "dof": dof,
@@ -228,6 +258,11 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
         "p_none": math.prod(1 - p for p in p_outside.values()),
         "floor_misses": floor,
         "p_none_floor": (1 - outside(0.0)) ** len(errors),
+        "row_sd": own_sd,
+        "row_expected_misses": sum(own_outside.values()),
+        "row_p_none": math.prod(1 - p for p in own_outside.values()),
+        "row_floor_misses": sum(own_floor.values()),
+        "row_p_none_floor": math.prod(1 - p for p in own_floor.values()),
     }
 
 
@@ -284,6 +319,12 @@ def runs_together(
             f"{found['expected_misses']:.2f} (none: {100 * found['p_none']:.1f}%); without bias "
             f"{found['floor_misses']:.2f} (none: {100 * found['p_none_floor']:.0f}%)"
         )
+        print(
+            f"  with each row's own noise ({min(found['row_sd'].values()) * 100:.1f}% to "
+            f"{max(found['row_sd'].values()) * 100:.1f}%): expected rows outside 20% "
+            f"{found['row_expected_misses']:.2f} (none: {100 * found['row_p_none']:.1f}%); without bias "
+            f"{found['row_floor_misses']:.2f} (none: {100 * found['row_p_none_floor']:.0f}%)"
+        )
         ranked = sorted(found["p_outside"].items(), key=lambda item: -item[1])[:top]
         for key, p in ranked:
             runs = " ".join(f"{100 * math.expm1(e):+.0f}%" for e in errors[key])
@@ -299,7 +340,8 @@ def runs_together(
         f"rounds (as recorded): a round's error moves {100 * moved['round_sd']:.1f}% about its run's mean "
         f"({moved['round_dof']} degrees of freedom), the mean of a run's {moved['rounds']:g} rounds "
         f"{100 * moved['run_sd']:.1f}% from run to run ({moved['run_dof']}); independent rounds: "
-        f"{100 * moved['round_sd'] / math.sqrt(moved['rounds']):.1f}%"
+        f"{100 * moved['round_sd'] / math.sqrt(moved['rounds']):.1f}%; a round's measured step alone moves "
+        f"{100 * moved['measured_round_sd']:.1f}% about its run's mean"
     )
 
 

@@ -645,6 +645,19 @@ def test_noise_and_bias_parts_a_rows_runs_into_its_mean_and_the_pooled_spread():
     assert found["p_none"] == pytest.approx((1 - 0.155961) * (1 - 0.291407), rel=1e-5)
     assert found["floor_misses"] == pytest.approx(2 * 0.155961, rel=1e-5)
     assert found["p_none_floor"] == pytest.approx((1 - 0.155961) ** 2, rel=1e-5)
+    # each row's own spread: a's squares 0.02 (1 degree of freedom) and 4 of the pooled variance 0.02
+    assert found["row_sd"]["a"] == pytest.approx(0.1414214, rel=1e-6)  # sqrt((0.02 + 4 * 0.02) / 5)
+    # rows apart: a moves (0.1, -0.1), b not at all; pooled variance 0.02 / 2 = 0.01, so a's own is
+    # (0.02 + 4 * 0.01) / 5 = 0.012 and b's (0 + 0.04) / 5 = 0.008; outside 20% at sd sqrt(0.012) and
+    # sqrt(0.008) with mean 0: 0.0688446 and 0.0270552 (normal tails at log 1.2 / sd and log 0.8 / sd)
+    apart = reprice.noise_and_bias({"a": [0.1, -0.1], "b": [0.0, 0.0]})
+    assert apart["noise_sd"] == pytest.approx(0.1)
+    assert apart["row_sd"]["a"] == pytest.approx(math.sqrt(0.012)) and apart["row_sd"]["b"] == pytest.approx(
+        math.sqrt(0.008)
+    )
+    assert apart["row_floor_misses"] == pytest.approx(0.0688446 + 0.0270552, rel=1e-5)
+    assert apart["row_expected_misses"] == pytest.approx(0.0688446 + 0.0270552, rel=1e-5)  # both means 0
+    assert apart["row_p_none_floor"] == pytest.approx((1 - 0.0688446) * (1 - 0.0270552), rel=1e-5)
     # a row of one run adds its bias but no degree of freedom; without two runs of any row: refused
     assert reprice.noise_and_bias({"a": [0.1, -0.1], "c": [0.5]})["p_outside"]["c"] > 0.95
     with pytest.raises(ValueError, match="two runs"):
@@ -701,6 +714,13 @@ def test_round_noise_parts_the_rounds_spread_from_the_runs():
     # sd sqrt(0.02 / 1)
     found = reprice.round_noise([record([0.1, 0.0, -0.1]), record([0.3, 0.2, 0.1])])
     assert found["round_sd"] == pytest.approx(0.1) and found["round_dof"] == 4
+    assert found["measured_round_sd"] == 0.0  # every round measured 1.0 s: the errors are the price's alone
+    # measured steps e^0.1, 1, e^-0.1 in both runs, priced 1 s: the errors' spread is the measurement's, 0.1
+    steady = [record([-0.1, 0.0, 0.1]) for _ in range(2)]
+    for data in steady:
+        row = data["rows"][0]
+        row["rounds_s"], row["predicted_rounds_s"] = [math.exp(0.1), 1.0, math.exp(-0.1)], [1.0] * 3
+    assert reprice.round_noise(steady)["measured_round_sd"] == pytest.approx(0.1)
     assert found["run_sd"] == pytest.approx(math.sqrt(0.02)) and found["run_dof"] == 1 and found["rounds"] == 3
     with pytest.raises(ValueError, match="two rounds or more in two runs"):
         reprice.round_noise([record([0.1, 0.0, -0.1])])
