@@ -155,17 +155,27 @@ def recorded_price(row: dict[str, Any], *, medians: bool = False) -> float:
     return statistics.fmean(float(p) for p in row["predicted_rounds_s"])
 
 
-def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+def round_noise(records: Sequence[dict[str, Any]], bar: float = 0.20) -> dict[str, float]:
     """How the recorded rounds' errors move: ``round_sd``, the spread of a round's error (the log of its
     recorded price over its job step) about its run's mean, pooled over the rows and runs (``round_dof``);
     ``run_sd``, the spread of those means about the row's mean over the runs (``run_dof``); ``rounds``,
     the median rounds per row; ``measured_round_sd``, the spread of a round's measured job step alone (its
     log about its run's mean), which no model of the row's expected step can take away. Rows with one
     round, or fewer than two runs, add nothing. Independent rounds give ``run_sd`` = ``round_sd /
-    sqrt(rounds)``."""
+    sqrt(rounds)``.
+
+    ``oracle_misses`` and ``oracle_p_none``: the rows outside ``bar`` in one more run, and the chance of
+    none, for a predictor that knew each row's expected step in that run exactly: only the measured
+    mean of the row's rounds moves, by its own rounds' spread (its squares with ``ROW_PRIOR_DOF``
+    degrees of freedom of the pooled measured spread) over the square root of its rounds a run,
+    rounds taken as independent. A model that prices the row's expected step does no better; one
+    that follows the machine's state round by round (the bench pairs each round's price with that
+    round's own fixed costs, codec and probe) could, by as much as its prices move with the rounds'
+    steps: on the records so far a round's error moves more than its measured step alone."""
     means: dict[tuple[str, int, str, str], list[float]] = {}
     within, within_dof, counts = 0.0, 0, []
     measured_within = 0.0
+    own: dict[tuple[str, int, str, str], list[float]] = {}  # per row: measured squares, their dof, rounds
     for data in records:
         for row in data["rows"]:
             priced, measured = row.get("predicted_rounds_s"), row.get("rounds_s")
@@ -175,7 +185,12 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
             mean = statistics.fmean(errors)
             within += sum((e - mean) ** 2 for e in errors)
             steps = [math.log(m) for m in measured]
-            measured_within += sum((t - statistics.fmean(steps)) ** 2 for t in steps)
+            squares = sum((t - statistics.fmean(steps)) ** 2 for t in steps)
+            measured_within += squares
+            found = own.setdefault(row_key(row), [0.0, 0.0, 0.0])
+            found[0] += squares
+            found[1] += len(steps) - 1
+            found[2] += len(steps)
             within_dof += len(errors) - 1
             counts.append(len(errors))
             means.setdefault(row_key(row), []).append(mean)
@@ -183,6 +198,17 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     between_dof = sum(len(ms) - 1 for ms in means.values())
     if within_dof == 0 or between_dof == 0:
         raise ValueError("need rows of two rounds or more in two runs or more")
+    pooled = measured_within / within_dof
+    low, high = math.log(1 - bar), math.log(1 + bar)
+    oracle = []  # per row: the chance that its measured mean alone falls 20% from the row's expected step
+    for squares, dof, rounds in own.values():
+        variance = (squares + ROW_PRIOR_DOF * pooled) / (dof + ROW_PRIOR_DOF)
+        per_run = rounds / (rounds - dof)  # rounds a run: each run holds rounds - 1 degrees of freedom
+        if variance == 0:  # rounds that never moved: the oracle's price is the measurement
+            oracle.append(0.0)
+            continue
+        normal = statistics.NormalDist(0.0, math.sqrt(variance / per_run))
+        oracle.append(1.0 - (normal.cdf(high) - normal.cdf(low)))
     return {
         "round_sd": math.sqrt(within / within_dof),
         "measured_round_sd": math.sqrt(measured_within / within_dof),
@@ -190,6 +216,8 @@ def round_noise(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         "run_sd": math.sqrt(between / between_dof),
         "run_dof": between_dof,
         "rounds": statistics.median(counts),
+        "oracle_misses": sum(oracle),
+        "oracle_p_none": math.prod(1 - p for p in oracle),
     }
 
 
@@ -341,7 +369,9 @@ def runs_together(
         f"({moved['round_dof']} degrees of freedom), the mean of a run's {moved['rounds']:g} rounds "
         f"{100 * moved['run_sd']:.1f}% from run to run ({moved['run_dof']}); independent rounds: "
         f"{100 * moved['round_sd'] / math.sqrt(moved['rounds']):.1f}%; a round's measured step alone moves "
-        f"{100 * moved['measured_round_sd']:.1f}% about its run's mean"
+        f"{100 * moved['measured_round_sd']:.1f}% about its run's mean, so that a predictor of each row's "
+        f"expected step without error would leave {moved['oracle_misses']:.2f} rows outside 20% in a run "
+        f"(none: {100 * moved['oracle_p_none']:.0f}%)"
     )
 
 

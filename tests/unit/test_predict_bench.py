@@ -720,7 +720,12 @@ def test_round_noise_parts_the_rounds_spread_from_the_runs():
     for data in steady:
         row = data["rows"][0]
         row["rounds_s"], row["predicted_rounds_s"] = [math.exp(0.1), 1.0, math.exp(-0.1)], [1.0] * 3
-    assert reprice.round_noise(steady)["measured_round_sd"] == pytest.approx(0.1)
+    moved = reprice.round_noise(steady)
+    assert moved["measured_round_sd"] == pytest.approx(0.1)
+    # an oracle's misses: the row's measured variance (0.04 + 4 * 0.01) / (4 + 4) = 0.01 over its 3 rounds a
+    # run, a normal of sd sqrt(0.01 / 3) outside (log 0.8, log 1.2): 0.000850
+    assert moved["oracle_misses"] == pytest.approx(0.000850099, rel=1e-5)
+    assert moved["oracle_p_none"] == pytest.approx(1 - 0.000850099, rel=1e-7)
     assert found["run_sd"] == pytest.approx(math.sqrt(0.02)) and found["run_dof"] == 1 and found["rounds"] == 3
     with pytest.raises(ValueError, match="two rounds or more in two runs"):
         reprice.round_noise([record([0.1, 0.0, -0.1])])
