@@ -353,6 +353,8 @@ def runs_together(
             f"{found['row_expected_misses']:.2f} (none: {100 * found['row_p_none']:.1f}%); without bias "
             f"{found['row_floor_misses']:.2f} (none: {100 * found['row_p_none_floor']:.0f}%)"
         )
+        within = [row for row, mean in found["bias"].items() if math.log(0.8) < mean < math.log(1.2)]
+        print(f"  rows whose mean over the runs is within 20%: {len(within)} of {found['rows']}")
         ranked = sorted(found["p_outside"].items(), key=lambda item: -item[1])[:top]
         for key, p in ranked:
             runs = " ".join(f"{100 * math.expm1(e):+.0f}%" for e in errors[key])

@@ -677,6 +677,7 @@ def test_reprice_runs_together_on_the_records(tmp_path, capsys):
     assert "84 degrees of freedom" in line  # the 84 small-CNN rows are in both runs, the other 84 in one
     listed = [t for t in out.splitlines() if " outside, mean " in t]
     assert len(listed) == 3
+    assert "  rows whose mean over the runs is within 20%: " in out
     assert "rounds (as recorded): a round's error moves " in out
     assert reprice.main([*paths, "--top", "0", "--medians"]) == 0
     out = capsys.readouterr().out
