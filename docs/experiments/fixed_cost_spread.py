@@ -14,7 +14,8 @@ This calls ``measure_fixed_costs`` on ``--workers`` local ranks over loopback (G
 each) on the bench's default candidates and their own probe, ``--calls`` times, alternating the
 bench's 3 runs a call with ``--many`` runs, and prints for each candidate the median and the
 spread (sd) of its fixed cost over the calls at each setting, in ms (a block algorithm's per
-block), and the ratio of the spreads::
+block), and the ratio of the spreads. The overlap and spare-core rules are
+``measure_fixed_costs``' own defaults for local ranks, which the bench also takes on loopback::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/fixed_cost_spread.py --workers 2
 """

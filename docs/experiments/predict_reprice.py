@@ -155,6 +155,16 @@ def recorded_price(row: dict[str, Any], *, medians: bool = False) -> float:
     return statistics.fmean(float(p) for p in row["predicted_rounds_s"])
 
 
+def outside(mean: float, sd: float, bar: float = 0.20) -> float:
+    """The chance that a normal of ``mean`` and ``sd`` (a log error) falls outside ``(log(1 - bar), log(1 + bar))``:
+    a row predicted more than ``bar`` away from its measurement. With ``sd`` 0, 0 or 1."""
+    low, high = math.log(1 - bar), math.log(1 + bar)
+    if sd == 0:
+        return 0.0 if low < mean < high else 1.0
+    normal = statistics.NormalDist(mean, sd)
+    return 1.0 - (normal.cdf(high) - normal.cdf(low))
+
+
 def round_noise(records: Sequence[dict[str, Any]], bar: float = 0.20) -> dict[str, float]:
     """How the recorded rounds' errors move: ``round_sd``, the spread of a round's error (the log of its
     recorded price over its job step) about its run's mean, pooled over the rows and runs (``round_dof``);
@@ -175,7 +185,7 @@ def round_noise(records: Sequence[dict[str, Any]], bar: float = 0.20) -> dict[st
     means: dict[tuple[str, int, str, str], list[float]] = {}
     within, within_dof, counts = 0.0, 0, []
     measured_within = 0.0
-    own: dict[tuple[str, int, str, str], list[float]] = {}  # per row: measured squares, their dof, rounds
+    own: dict[tuple[str, int, str, str], list[float]] = {}  # per row: measured squares, their dof, its runs
     for data in records:
         for row in data["rows"]:
             priced, measured = row.get("predicted_rounds_s"), row.get("rounds_s")
@@ -190,7 +200,7 @@ def round_noise(records: Sequence[dict[str, Any]], bar: float = 0.20) -> dict[st
             found = own.setdefault(row_key(row), [0.0, 0.0, 0.0])
             found[0] += squares
             found[1] += len(steps) - 1
-            found[2] += len(steps)
+            found[2] += 1
             within_dof += len(errors) - 1
             counts.append(len(errors))
             means.setdefault(row_key(row), []).append(mean)
@@ -199,16 +209,11 @@ def round_noise(records: Sequence[dict[str, Any]], bar: float = 0.20) -> dict[st
     if within_dof == 0 or between_dof == 0:
         raise ValueError("need rows of two rounds or more in two runs or more")
     pooled = measured_within / within_dof
-    low, high = math.log(1 - bar), math.log(1 + bar)
-    oracle = []  # per row: the chance that its measured mean alone falls 20% from the row's expected step
-    for squares, dof, rounds in own.values():
+    oracle = []  # per row: the chance that its measured mean alone falls ``bar`` from the row's expected step
+    for squares, dof, runs in own.values():
         variance = (squares + ROW_PRIOR_DOF * pooled) / (dof + ROW_PRIOR_DOF)
-        per_run = rounds / (rounds - dof)  # rounds a run: each run holds rounds - 1 degrees of freedom
-        if variance == 0:  # rounds that never moved: the oracle's price is the measurement
-            oracle.append(0.0)
-            continue
-        normal = statistics.NormalDist(0.0, math.sqrt(variance / per_run))
-        oracle.append(1.0 - (normal.cdf(high) - normal.cdf(low)))
+        per_run = (dof + runs) / runs  # rounds a run: each run holds its rounds less one degrees of freedom
+        oracle.append(outside(0.0, math.sqrt(variance / per_run), bar))
     return {
         "round_sd": math.sqrt(within / within_dof),
         "measured_round_sd": math.sqrt(measured_within / within_dof),
@@ -234,11 +239,11 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
     ``sd / sqrt(k)`` of the noise too, so on few runs the bias and the expected misses lean high.
 
     The rows' noise is not one: the small CNNs' short steps move more from run to run than the
-    larger models' (12 runs: 4-14% by row). ``row_sd[row]`` is the row's own spread, its runs'
+    larger models' (13 runs: 3.8% to 12.8% by row). ``row_sd[row]`` is the row's own spread, its runs'
     squares about its mean with ``ROW_PRIOR_DOF`` degrees of freedom of the pooled variance added
     (so that a row of few runs is not taken as certain); ``row_expected_misses``, ``row_p_none``,
     ``row_floor_misses`` and ``row_p_none_floor`` are the four figures above with each row's own
-    spread instead of the pooled one.
+    spread instead of the pooled one; ``rows_within``, the rows whose mean is within ``bar``.
     """
     if not errors or any(len(runs) == 0 for runs in errors.values()):
         raise ValueError("need at least one run of every row")
@@ -248,17 +253,9 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
     bias = {row: statistics.fmean(runs) for row, runs in errors.items()}
     squares = sum((e - bias[row]) ** 2 for row, runs in errors.items() for e in runs)
     sd = math.sqrt(squares / dof)
-    low, high = math.log(1 - bar), math.log(1 + bar)
-
-    def outside(mean: float) -> float:
-        if sd == 0:
-            return 0.0 if low < mean < high else 1.0
-        normal = statistics.NormalDist(mean, sd)
-        return 1.0 - (normal.cdf(high) - normal.cdf(low))
-
-    p_outside = {row: outside(mean) for row, mean in bias.items()}
+    p_outside = {row: outside(mean, sd, bar) for row, mean in bias.items()}
     expected = sum(p_outside.values())
-    floor = len(errors) * outside(0.0)
+    floor = len(errors) * outside(0.0, sd, bar)
     # each row's own spread, its runs' variance taken with ROW_PRIOR_DOF degrees of freedom of the pooled one
     own_sd = {
         row: math.sqrt(
@@ -266,15 +263,8 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
         )
         for row, runs in errors.items()
     }
-
-    def outside_own(row: Any, mean: float) -> float:
-        if own_sd[row] == 0:
-            return 0.0 if low < mean < high else 1.0
-        normal = statistics.NormalDist(mean, own_sd[row])
-        return 1.0 - (normal.cdf(high) - normal.cdf(low))
-
-    own_outside = {row: outside_own(row, mean) for row, mean in bias.items()}
-    own_floor = {row: outside_own(row, 0.0) for row in errors}
+    own_outside = {row: outside(mean, own_sd[row], bar) for row, mean in bias.items()}
+    own_floor = {row: outside(0.0, own_sd[row], bar) for row in errors}
     return {
         "rows": len(errors),
         "dof": dof,
@@ -285,7 +275,8 @@ def noise_and_bias(errors: Mapping[Any, Sequence[float]], bar: float = 0.20) -> 
         "expected_misses": expected,
         "p_none": math.prod(1 - p for p in p_outside.values()),
         "floor_misses": floor,
-        "p_none_floor": (1 - outside(0.0)) ** len(errors),
+        "p_none_floor": (1 - outside(0.0, sd, bar)) ** len(errors),
+        "rows_within": sum(outside(mean, 0.0, bar) == 0.0 for mean in bias.values()),
         "row_sd": own_sd,
         "row_expected_misses": sum(own_outside.values()),
         "row_p_none": math.prod(1 - p for p in own_outside.values()),
@@ -353,8 +344,7 @@ def runs_together(
             f"{found['row_expected_misses']:.2f} (none: {100 * found['row_p_none']:.1f}%); without bias "
             f"{found['row_floor_misses']:.2f} (none: {100 * found['row_p_none_floor']:.0f}%)"
         )
-        within = [row for row, mean in found["bias"].items() if math.log(0.8) < mean < math.log(1.2)]
-        print(f"  rows whose mean over the runs is within 20%: {len(within)} of {found['rows']}")
+        print(f"  rows whose mean over the runs is within 20%: {found['rows_within']} of {found['rows']}")
         ranked = sorted(found["p_outside"].items(), key=lambda item: -item[1])[:top]
         for key, p in ranked:
             runs = " ".join(f"{100 * math.expm1(e):+.0f}%" for e in errors[key])

@@ -658,6 +658,7 @@ def test_noise_and_bias_parts_a_rows_runs_into_its_mean_and_the_pooled_spread():
     assert apart["row_floor_misses"] == pytest.approx(0.0688446 + 0.0270552, rel=1e-5)
     assert apart["row_expected_misses"] == pytest.approx(0.0688446 + 0.0270552, rel=1e-5)  # both means 0
     assert apart["row_p_none_floor"] == pytest.approx((1 - 0.0688446) * (1 - 0.0270552), rel=1e-5)
+    assert found["rows_within"] == 2 and reprice.noise_and_bias({"a": [0.1, 0.3], "b": [0.0, 0.0]})["rows_within"] == 1
     # a row of one run adds its bias but no degree of freedom; without two runs of any row: refused
     assert reprice.noise_and_bias({"a": [0.1, -0.1], "c": [0.5]})["p_outside"]["c"] > 0.95
     with pytest.raises(ValueError, match="two runs"):
