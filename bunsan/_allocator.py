@@ -6,7 +6,7 @@ their gradients, the exchange's buffers). glibc's malloc serves blocks above its
 to the kernel once it exceeds ``M_TRIM_THRESHOLD``; both thresholds move with the sizes
 freed so far, so whether a step's memory comes back warm or as fresh pages depends on
 the order in which earlier steps freed it. Fresh pages cost a page fault each on first
-touch. Measured on ResNet-20 (batch 32, 2 workers, docs/design-notes.md, "Page faults"):
+touch. Measured on ResNet-20 (batch 32, 2 workers, docs/experiments/design-notes.md, "Page faults"):
 the forward pass of bunsan's trainer took about 3,700 minor page faults per step against
 340 for DDP's in the same process, mostly because bunsan frees the autograd-allocated
 gradients at the end of backward (their values live in the exchange's buckets) where DDP

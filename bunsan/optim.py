@@ -450,7 +450,7 @@ def distribute(
         # What bunsan.init() does for the CPU workers it starts, also for a group the script made itself
         # (torchrun + dist.init_process_group): keep the memory a step frees for the next one. Without
         # it, ResNet-20's exact steps at 2 workers took 4,000-8,800 minor page faults each
-        # (docs/design-notes.md, "Page faults"). BUNSAN_MALLOC_TUNING=0 leaves malloc alone.
+        # (docs/experiments/design-notes.md, "Page faults"). BUNSAN_MALLOC_TUNING=0 leaves malloc alone.
         _allocator.tune()
     with torch.no_grad():
         tensors = [p.data for p in model.parameters()] + [b for b in model.buffers()]

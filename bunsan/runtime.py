@@ -103,7 +103,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
 
     On CPU each worker of a job of several (or of any job ``bunsan run`` started)
     uses one intra-op thread unless ``OMP_NUM_THREADS`` is set: several workers on
-    one machine each using every core slow each other down (docs/design-notes.md,
+    one machine each using every core slow each other down (docs/experiments/design-notes.md,
     "Launcher, runtime and CLI"). A lone process keeps torch's default. The same
     workers keep memory freed by a step for the next one (glibc malloc's thresholds
     fixed, :mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off).

@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 # NCCL: its own processes and every job it starts inherit the variable. NCCL needs a GPU per rank
 # (it refuses two ranks on one GPU); the tests marked gpu (`pytest -m gpu`) name NCCL themselves.
 # On one H200 without this, 27 of the suite's tests failed on NCCL: jobs of 2 ranks on its one GPU,
-# and single-process tests that expect the Gloo world of a CPU machine (docs/plan.md, "On a GPU").
+# and single-process tests that expect the Gloo world of a CPU machine (docs/experiments/plan.md, "On a GPU").
 os.environ.setdefault("BUNSAN_BACKEND", "gloo")
 
 

@@ -40,7 +40,7 @@ algorithms (``warm_start`` adds to it, in global samples); a block is the smalle
 4, 8, 16 or 32 steps whose amortized exchange costs at most 5% of the compute, as small
 blocks stay closest to exact SGD, and at decision time never longer than 32 steps even
 where the exchange then costs more (past it, see below). The cap is bunsan's block-length sweep
-(``docs/experiments/block_sweep.sh``, docs/plan.md): each model's block algorithm at 8
+(``docs/experiments/block_sweep.sh``, docs/experiments/plan.md): each model's block algorithm at 8
 to 128 steps per block against exact SGD, seeds 0-2, on loopback and at 100 Mbit/s. On
 the digits CNN the epochs to exact's final error plus a point stay at 8-10 from 8 to 32
 steps and grow to 9-11 at 64 and 14 at 128; on MNIST-1D they stay at 26-29 up to 128. In
@@ -73,7 +73,7 @@ never builds): it kept the 10.5M MLP at 100 Mbit/s and 4 workers at 32 steps wit
 exchange 3.15 times its 58 ms local step (1.32 of the best setting's time to accuracy; 1.16
 with its blocks lengthened to 64 steps by this rule), and MNIST-1D's model averaging at 32
 steps at 4 workers, where this rule lengthens 12 of 18 runs to 64 and shortens their whole
-runs without moving their time to accuracy (docs/plan.md, runs 45-47). The first
+runs without moving their time to accuracy (docs/experiments/plan.md, runs 45-47). The first
 step cannot decide this (its compute is only an upper bound), nor the exact steps on a
 slow link (each costs a whole exchange); the first block times the steps the job will
 take. The check and its figures go into the decision (``block_check``), so a resumed run
@@ -88,7 +88,7 @@ table), so from momentum 0.5 the tie goes to model averaging, the plain local SG
 et al. Without momentum the block momentum is what the optimizer lacks: on the digits
 CNN at 4 workers (SGD, no momentum) Auto's block momentum with blocks of 16 steps was at
 0.8% test error after 10 epochs and model averaging at 4.4% (exact SGD ends at 1.1%
-after 30; time-to-accuracy campaign, docs/plan.md), so below 0.5 it goes to block
+after 30; time-to-accuracy campaign, docs/experiments/plan.md), so below 0.5 it goes to block
 momentum.
 
 Where the timed steps keep exact and a block algorithm is predicted faster than exact by at least
@@ -101,7 +101,7 @@ otherwise returns to exact, the local optimizers' states averaged as the round a
 rank that has joined keeps the block: the hand-over needs every rank). On ResNet-20 at 2 workers on
 1 Gbit/s (2 shared cores) Auto kept exact predicting block momentum 4.0-9.1% faster, while the block
 algorithms' epochs ran 9-13% shorter and reached the target in 5 epochs to exact's 6 (time to accuracy
-1.29 of the best setting; docs/plan.md, run 60); with the trial, 0.96 (run 61). Its timed local steps
+1.29 of the best setting; docs/experiments/plan.md, run 60); with the trial, 0.96 (run 61). Its timed local steps
 matched the compute measured in exact steps within 1-3% (runs 61-62): the prediction fell short by
 pricing the block-size rule's block of 2-4 steps, whose round of 10-33 ms still cost 3-8 ms a step,
 where the trial's verdict prices the cap's (about 1 ms). A trial costs 16 steps of short blocks, about as fast as exact where it
@@ -131,7 +131,7 @@ would add are unlikely to fall far outside what 3 have shown, and within that sp
 cannot change the choice. Otherwise measuring goes on to the budget or ``measure_steps``, and the decision
 there reuses the network, codec and probes measured (no probe twice). On MNIST-1D's CNN at
 2 workers, 10 exact measuring steps act as a warm start that delayed model averaging by a
-median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (docs/plan.md).
+median of 2 epochs to target over 8 seeds, and a warm start of 4 steps by none (docs/experiments/plan.md).
 
 The first step may decide at once: its time (from distribute() on, on the slowest rank) is an
 upper bound of the step's (the first step also pays one-time costs), and where predictions
@@ -143,14 +143,14 @@ true one; where it is shorter, Auto decides at the cap and the first block's tim
 and round set the length by the same 5% rule (:func:`block_from_timed`, never under the bound's
 block; past the cap as below). The 10.5M MLP at 100 Mbit/s, 2 workers, needs the early decision
 most: its exact steps take 3.9 s, and Auto's 3 of them cost 10 s of a 34 s time to accuracy
-against the same block setting trained from the start (docs/plan.md, run 15); at 1 Gbit/s, where
+against the same block setting trained from the start (docs/experiments/plan.md, run 15); at 1 Gbit/s, where
 its exact steps take 0.4-0.6 s, deciding at step 0 took its time to accuracy from 1.00 to 0.73 of
-the rule before (a first step of 1 s or more) side by side (docs/plan.md, after run 39). From
+the rule before (a first step of 1 s or more) side by side (docs/experiments/plan.md, after run 39). From
 53c86f5 to 2026-11-28 Auto decided at step 0 only where the bound's block was at the cap and 2
 more exact steps would cost ``measure_budget_s`` (0.1 s) over it; that left MNIST-1D's CNN at 4
 workers measuring 4 exact steps and deciding twice (0.2 s and more of a 3.7 s time to accuracy)
 at the seeds where the first step had already settled model averaging (1-2 of 6 at 100 Mbit/s
-and 1 Gbit/s, docs/plan.md, run 48: its bound's gain sits near ``min_gain``). Exact measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4
+and 1 Gbit/s, docs/experiments/plan.md, run 48: its bound's gain sits near ``min_gain``). Exact measuring steps are no warm start worth keeping: on MNIST-1D's CNN 4
 of them delayed model averaging by no epoch at 2 workers, 10 by a median of 2 (above), and at 4
 workers its crossing came 1.5-2.5 epochs after the same setting trained from step 0 (runs 45-47).
 Where the first step leaves the choice open, the second decides the same way, before its exchange:
@@ -172,7 +172,7 @@ the choice is still open (on the 10.5M MLP at 4 workers it was about 0.7 s of 1.
 measuring; the record then says ``codec_measured: False``). The decided algorithm starts at
 step 0 from the broadcast model, whose backward becomes its first local step (the run equals
 that algorithm's from the start, bit for bit: tests/dist/test_auto.py). On the 10.5M MLP at 100 Mbit/s and 4 workers that exchange, a 42 MB
-all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/plan.md, run 17). Where it does not
+all-reduce, was 5.8 s of Auto's 48 s to accuracy (docs/experiments/plan.md, run 17). Where it does not
 settle, the exchange goes on, and the network and codec measured serve the later decision; the
 first step's time leaves their measuring out. The price is one exchange not overlapped with
 backward, once. Not with a user's ``warm_start`` (it asks for exact steps first). A rank whose
@@ -271,13 +271,13 @@ MIN_TIMED = 3  # the fewest timed steps an early end of measuring rests on (meas
 MIN_AGREEING = 2  # ... or these many, where they agree within min_gain (Auto._budget_spent)
 BLOCK_BUDGET = 0.05  # a block's amortized exchange may cost this share of the compute
 # Past the cap (module docstring): by block algorithm as Auto builds it, the most a doubling of the
-# block past 32 steps cost in epochs to target in bunsan's sweeps (docs/plan.md): block momentum at
+# block past 32 steps cost in epochs to target in bunsan's sweeps (docs/experiments/plan.md): block momentum at
 # block_learning_rate 1, the digits CNN at 4 workers, 64 -> 128 steps, 9 -> 14 epochs (median of
 # seeds 0-2); model averaging, the digits CNN at 4 workers, 32 -> 64 steps, 13 -> 15. And the
 # longest block they measured.
 EPOCH_GROWTH = {"block_momentum": 14 / 9, "model_averaging": 15 / 13}
 # The second step's compute, one sample, counts as a bound at this multiple: over 79 span checks of
-# bunsan's campaigns (docs/plan.md) the median of 3 timed exact steps was at most 1.86 times the fastest
+# bunsan's campaigns (docs/experiments/plan.md) the median of 3 timed exact steps was at most 1.86 times the fastest
 SECOND_STEP_MARGIN = 2.0
 MAX_BLOCK_STEPS = 256
 BLOCK_ALGORITHMS = ("block_momentum", "model_averaging")
@@ -287,14 +287,14 @@ BLOCK_TIE = 0.01
 # min_gain less this share, blocks of TRIAL_STEPS local steps run until the round after the first one,
 # whose timed local steps and round keep the block algorithm or return to exact. On ResNet-20 at 2 workers
 # on 1 Gbit/s the block algorithms were predicted 4.0-9.1% faster than exact where their epochs ran 9-13%
-# shorter (docs/plan.md, run 60); timed, a step at the 32-step cap was 7.5-13.5% faster (runs 61-62).
+# shorter (docs/experiments/plan.md, run 60); timed, a step at the 32-step cap was 7.5-13.5% faster (runs 61-62).
 TRIAL_WINDOW = 0.1
 TRIAL_STEPS = 8
 # The fixed-cost probe's steps per candidate: 2 untimed (one block of the block probe, 2 steps),
 # then 3 timed runs of 4 (14 steps, against 24 with runs of 6 warmed up by one whole run): the 4
 # probes of risk="high" took 0.13 s instead of 0.20 at 2 workers and 0.49 s instead of 0.79 at 4
 # on 2 cores (medians of 6 trials), with fixed costs that spread over the trials about as much
-# as before (docs/experiments/probe_cost.py; docs/plan.md)
+# as before (docs/experiments/probe_cost.py; docs/experiments/plan.md)
 PROBE_STEPS, PROBE_WARMUP, PROBE_REPEATS = 4, 2, 3
 # What a decision may build, by registry name. Imported directly, not through the registry in
 # bunsan.algorithms, which imports this module (no import cycle).
@@ -361,7 +361,7 @@ def split_compute(
     prediction is still the measured step. It matters where ranks share cores: on the 2-core machine
     of the docs, the MNIST-1D CNN's exact step at 4 workers took 12-15 ms, of which 3.7-3.8 ms outside
     the exchange on each rank, and the inferred compute was 9.4 ms where model averaging's local steps
-    took 2.8-6.7 ms (docs/plan.md). ``local_s`` not under the inferred compute, or a straggler that
+    took 2.8-6.7 ms (docs/experiments/plan.md). ``local_s`` not under the inferred compute, or a straggler that
     would be negative (the model's exchange already exceeds what the step left), keeps the inferred
     compute, with no straggler.
     """
@@ -472,7 +472,7 @@ def probes_needed(
     Without the probes every candidate is charged exact's fixed cost: it stays in the
     inferred compute, or, where the compute is measured (:func:`split_compute`), in the
     wait for the slowest rank, which a block algorithm pays once a block (as ``sqrt(k)``
-    times it). The probes take it out and charge each candidate its own. In the probe's medians (docs/plan.md) a block algorithm's fixed cost per step is
+    times it). The probes take it out and charge each candidate its own. In the probe's medians (docs/experiments/plan.md) a block algorithm's fixed cost per step is
     below exact's, and exact's below fp16's and the quantized widths', so the probes can
     only lower a block algorithm's prediction against the per-step candidates'. A
     quantized width's probe can only slow it: its striped exchange makes two collectives
@@ -593,7 +593,7 @@ def settled_by_first_step(
     timed local steps and round set the length by the same 5% rule (:func:`block_from_timed`,
     never under the bound's block). Measuring on would confirm the choice with exact steps only:
     on MNIST-1D's CNN at 4 workers (2 cores) its 4 exact steps and a second decision cost 0.25 s of
-    a 3.7 s time to accuracy and shifted model averaging's crossing 1.5-2.5 epochs later (docs/plan.md,
+    a 3.7 s time to accuracy and shifted model averaging's crossing 1.5-2.5 epochs later (docs/experiments/plan.md,
     runs 45-47); until 2026-11-28 Auto decided here only where the bound put the block at the cap
     and 2 more exact steps would cost ``measure_budget_s`` over it.
     """
@@ -630,7 +630,7 @@ def codec_can_settle(
     is within ``min_gain`` of the block, no codec cost can change that, and the codec is left to the
     decision that prices every candidate: on MNIST-1D's CNN at 4 workers (2 cores) the decisions at the
     second step took a median of 0.21 s where the first had measured the codec (17 of 21: fp16 or 1 bit
-    close to the block there) and 0.12 s where it had not (docs/plan.md, run 55)."""
+    close to the block there) and 0.12 s where it had not (docs/experiments/plan.md, run 55)."""
     kept = [i for i, c in enumerate(candidates) if probe_family(c) not in ("fp16", "quantized")]
     return (
         settled_by_first_step([candidates[i] for i in kept], [predictions[i] for i in kept], min_gain, batch)
@@ -644,7 +644,7 @@ def same_choice(a: cm.Candidate, b: cm.Candidate) -> bool:
 
     The block-size rule halves or doubles the block as the compute estimate crosses its 5% budget,
     while the epochs to target barely move with it below the cap: in bunsan's block-length sweep
-    (docs/plan.md, seeds 0-2) MNIST-1D's were 26-29 at every block from 8 to 128 steps and the digits
+    (docs/experiments/plan.md, seeds 0-2) MNIST-1D's were 26-29 at every block from 8 to 128 steps and the digits
     CNN's 8-10 from 8 to 32 steps."""
 
     def settings(c: cm.Candidate) -> tuple[str, dict[str, Any]]:
@@ -683,7 +683,7 @@ def trial_candidate(
     block algorithm it would take (the tie rule's) is predicted faster than exact by ``min_gain`` less
     :data:`TRIAL_WINDOW` or more. The prediction prices the block-size rule's block, whose exchange may
     still cost up to 5% of the step, and rests on a model of the exchange and the wait for the slowest
-    rank; near the bar only timed local steps and rounds tell (run 60, docs/plan.md: 4.0-9.1% predicted,
+    rank; near the bar only timed local steps and rounds tell (run 60, docs/experiments/plan.md: 4.0-9.1% predicted,
     9-13% shorter epochs measured; runs 61-62: 7.5-13.5% faster steps timed at the cap)."""
     index, _ = choose(predictions, min_gain)
     blocks = [i for i, c in enumerate(candidates) if c.algorithm in BLOCK_ALGORITHMS]
@@ -706,7 +706,7 @@ def trial_verdict(
 
     The cap, not the block-size rule's shorter block (its exchange within 5% of the compute): a trial
     runs where the gain is near the bar, and a block shorter than the cap gives up to 5% of the step to
-    its exchange. In bunsan's block-length sweep (docs/plan.md) 32-step blocks reached the target sooner
+    its exchange. In bunsan's block-length sweep (docs/experiments/plan.md) 32-step blocks reached the target sooner
     than 16-step ones in all 8 rows, their epochs to target as few (8-10 on the digits CNN from 8 to 32
     steps, 26-29 on MNIST-1D). On ResNet-20 at 2 workers (runs 61-62) rounds of 10-33 ms against local
     steps of 110-115 ms put the rule's block at 2-4 steps, 3-8 ms a step, against about 1 ms at the cap."""
@@ -1049,7 +1049,7 @@ class Auto(Algorithm):
         (:func:`settled_by_first_step`), decide now: the decided
         algorithm takes this backward's gradients as its first local step, and the exact exchange that the
         choice would make pointless is never sent (on the 10.5M MLP at 100 Mbit/s and 4 workers it cost
-        5.8 s of a 48 s time to accuracy, docs/plan.md). Otherwise the exchange goes on; the network and
+        5.8 s of a 48 s time to accuracy, docs/experiments/plan.md). Otherwise the exchange goes on; the network and
         codec stay measured for the decision, and their time is not counted in the first step.
 
         Where that first check measured the network and left the choice open, the second backward is
@@ -1058,7 +1058,7 @@ class Auto(Algorithm):
         :data:`SECOND_STEP_MARGIN` times (the spread of bunsan's timed exact steps), with the network
         and codec measured at the first. On MNIST-1D's CNN at 4 workers the first step's bound, 20
         times the steady compute, settled model averaging at 1-2 seeds of 6, and the rest measured 4
-        exact steps and decided twice (docs/plan.md, run 48). True where this algorithm was replaced."""
+        exact steps and decided twice (docs/experiments/plan.md, run 48). True where this algorithm was replaced."""
         step = self._measured
         if self.decision is not None or self._started is None or self.world_size < 2 or step > 1:
             return False

@@ -1,6 +1,6 @@
 """Keeping a model's buffers (BatchNorm running statistics, EMA tables) equal on every rank.
 
-Rule (docs/design-notes.md, "Buffers"): after every exchange that makes the
+Rule (docs/experiments/design-notes.md, "Buffers"): after every exchange that makes the
 replicas' parameters equal, every buffer that changed since the last
 synchronization on any rank is replaced by its mean over the ranks that trained.
 

@@ -120,7 +120,7 @@ ASYNC_SERVER_PASSES = 2
 # default) reads two tensors and writes a third: 4, one more. A test counts them in the operations
 # a round dispatches. Timed in the job, the passes of a round on the 10.5M MLP at 2 workers on 2
 # cores took 20-39 ms of a 63-96 ms round, as long as its all-reduce: 5.9-14.2 copies, each copy
-# timed at another moment (this machine's memory bandwidth moves 2x within the hour; docs/plan.md,
+# timed at another moment (this machine's memory bandwidth moves 2x within the hour; docs/experiments/plan.md,
 # "What a block costs beside its all-reduce").
 BLOCK_ROUND_PASSES = 22 / 3
 NESTEROV_START_PASSES = 1 / 3
@@ -167,7 +167,7 @@ class Profile:
             and leaves the ranks staggered, and fp16's and the quantized exchanges' second collective (the
             step's counts) is priced with ``straggler_s`` as before. Priced so, exact's rows at 4 workers on
             2 cores over 1 Gbit/s and 100 Mbit/s links came within 20% (the digits CNN at 1 Gbit/s +12% to
-            +36% in seven runs, MNIST-1D at 100 Mbit/s +11% to +31%), and fp16's did not (docs/plan.md,
+            +36% in seven runs, MNIST-1D at 100 Mbit/s +11% to +31%), and fp16's did not (docs/experiments/plan.md,
             "Exact's ranks leave a wire-bound exchange together").
         tensors: parameter tensors (each is encoded as segments of its own).
         chunks: quantization chunks of 512 when every tensor is cut on its own (its
@@ -180,7 +180,7 @@ class Profile:
             docs one encode (with its error feedback) cost 2-3 decodes, and on the 2-core CPU a
             one-chunk 2-bit encode 4-5 decodes; at 2 workers the one-call codec makes one encode
             and four decodes per bucket, which the mean priced 93% over the exchange's own codec
-            work (docs/plan.md, "On a GPU").
+            work (docs/experiments/plan.md, "On a GPU").
         codec_per_bucket: the striped exchange codes a bucket in one call per phase
             (:func:`bunsan.algorithms.data_parallel.stripes.coded_per_bucket`: on a GPU) instead
             of one call per segment (:func:`codec_calls`).
@@ -211,7 +211,7 @@ class Profile:
             waited (100 Mbit/s), and a rank on a core of its own is slower than half of two
             sharing it (the 2-worker jobs' compute was 1.63-1.94 times less, not 2): the job's
             step, which rank 0's worker sets most, came out +6% to +15% on loopback and -16% to
-            -21% at 100 Mbit/s for those three models (docs/plan.md, "Rank 0's worker on a core
+            -21% at 100 Mbit/s for those three models (docs/experiments/plan.md, "Rank 0's worker on a core
             of its own").
         ranks_per_core: the ranks of a host over its usable cores while ``compute_s`` was timed,
             every rank computing at once (1: a core or more each). Above 1 a rank computes
@@ -475,7 +475,7 @@ def codec_elements(params: int, workers: int) -> tuple[float, float]:
     ``workers`` payloads of its stripe and then the gathered stripes (2 workers: each stripe's two
     payloads into their sum), ``2 params`` either way. Priced at 1.5 ``params`` encodes at 2
     workers before, the CPU's 8-bit rows at 2 workers came out 10-34% over the measured step
-    (the 10.5M MLP's and MNIST-1D's, docs/plan.md "Checking the predictions")."""
+    (the 10.5M MLP's and MNIST-1D's, docs/experiments/plan.md "Checking the predictions")."""
     if workers <= 1:
         return 0.0, 0.0
     return params * (1 + (1 / workers if workers > 2 else 0.0)), 2.0 * params
@@ -607,7 +607,7 @@ def shared_compute(
     100 Mbit/s links, the 10.5M MLP's compute timed with all 4 ranks busy was 88-93 ms, but its
     remote workers spend seconds a step on their round trips, and rank 0's worker stepped in about
     the 40-47 ms of a rank with a core to itself (its 2-worker compute); charging it 88 ms
-    predicted its job 42-58% slow (docs/plan.md, "Async on a shared host").
+    predicted its job 42-58% slow (docs/experiments/plan.md, "Async on a shared host").
     """
     ranks_per_core = max(1.0, ranks_per_core)
     alone = compute_s / ranks_per_core
@@ -794,13 +794,13 @@ def async_rank_steps(
     fills (:func:`shared_compute`), slowing every rank's compute; rank 0's worker is not charged it
     alone. Charged to rank 0's worker, the 10.5M MLP at 4 workers on 2 cores over loopback had
     rank 0's worker at 438-547 ms, measured 108-134 ms, and its job +16% to +52% (predict-21 to
-    predict-23; docs/plan.md, "The server thread as one more thread"). With a
+    predict-23; docs/experiments/plan.md, "The server thread as one more thread"). With a
     core per rank the server's work fills exactly the remotes' round trips and nothing slows.
 
     Rank 0's worker computes at :attr:`Profile.core_compute_s` where ranks share cores and it was
     timed (the compute of a rank on a core of its own), not at the shared compute: that sharing
     prices the remote workers, which wait; rank 0's worker never does, and measured it stepped at
-    about the same speed on loopback as on 100 Mbit/s links (docs/plan.md, "Rank 0's worker on a
+    about the same speed on loopback as on 100 Mbit/s links (docs/experiments/plan.md, "Rank 0's worker on a
     core of its own"). Its passes stay priced at the shared compute's slowdown, as the server's are."""
     check_int("workers", workers, minimum=1)
     n = workers
@@ -852,7 +852,7 @@ def async_fixed_labels(label: str) -> tuple[str, str]:
     waits, takes its local step. Taken as one excess of the slowest rank over the job's step and added
     to the job's step, it charged the remote workers' excess to rank 0's worker too, which is most of
     the job (``N / sum(1 / step_r)``): MNIST-1D's async at 4 workers was predicted +53% to +60%
-    (docs/plan.md, "Checking the predictions"). A profile without the remote label prices the remote
+    (docs/experiments/plan.md, "Checking the predictions"). A profile without the remote label prices the remote
     side with none.
     """
     return label, f"{label}/remote"

@@ -123,7 +123,7 @@ def measure_codec(
     alone. Timed by each rank on its own, the 8-bit codec of the 10.5M-parameter MLP at 4
     workers came out at 64 ms a step in one ``bunsan bench predict`` run and 132 ms in
     another the same day (whether the ranks happened to time it together), and its 8- and
-    1-bit steps were predicted up to 30% short (docs/plan.md); timed together, the codec
+    1-bit steps were predicted up to 30% short (docs/experiments/plan.md); timed together, the codec
     runs as the job's exchange meets it. On separate cores or devices the two agree.
 
     ``device``: where the job's gradients are, so where its codec runs (default the CPU); on a
@@ -312,7 +312,7 @@ def measure_network(
     all-reduce too: a collective of tens of ms moves little from call to call (the
     fitted bandwidth at 100 Mbit/s moved as much with 2 repeats as with 3), and on a
     slow link each repeat costs that long: 0.19 s instead of 0.25 for the probe at 2
-    workers, 0.28 instead of 0.38 at 4 (docs/plan.md).
+    workers, 0.28 instead of 0.38 at 4 (docs/experiments/plan.md).
 
     ``enough_bytes`` (with ``enough_s``): the job's own message (its gradient's bytes): also stop
     before a size that would take ``enough_s`` or longer, by the time of the last size grown in
@@ -424,7 +424,7 @@ def can_overlap(
     second core. Not when the exchange travels through memory (all workers on one host:
     loopback, shared memory) with one core per worker: the backend's thread does the
     copies and sums on the core of the compute, so an overlapped exchange still adds its
-    time to the step (measured: ``bunsan bench predict``, docs/plan.md).
+    time to the step (measured: ``bunsan bench predict``, docs/experiments/plan.md).
     """
     if torch.device(device).type != "cpu" or not over_memory:
         return True
@@ -485,7 +485,7 @@ def measure_fixed_costs(
     profile's compute and straggler (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`),
     so that the excess holds only what the model does not price. Timed so in every round of
     ``bunsan bench predict`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
-    better than the tiny model alone (docs/plan.md, "A faster machine"): Auto does not use it.
+    better than the tiny model alone (docs/experiments/plan.md, "A faster machine"): Auto does not use it.
     """
     import torch.nn.functional as F
 

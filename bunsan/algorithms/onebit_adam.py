@@ -25,7 +25,7 @@ scale, which a chunk's two reconstruction values fit; a raw momentum mixes
 coordinates of very different scales in one chunk, and the small ones, whose
 ``1 / sqrt(v_hat)`` is large, get an error of the chunk's size multiplied by it.
 Measured on the transformer of docs/experiments/transformer_onebit_adam.py (see
-docs/design-notes.md, "1-bit Adam").
+docs/experiments/design-notes.md, "1-bit Adam").
 
 0/1 Adam (Lu et al. 2022, "Maximizing Communication Efficiency for Large-scale
 Training via 0/1 Adam") freezes ``v`` at the end of the learning-rate warm-up,

@@ -295,7 +295,7 @@ def with_recomputed_bn(model: nn.Module, dataset: TensorDataset, batch: int) -> 
     cumulative average over ``dataset``'s inputs in batches of ``batch``, in training mode (Wu and
     Johnson 2021, "Rethinking 'Batch' in BatchNorm": the running statistics, an average over the last
     steps' batches, lag the weights; on ResNet-20 with 16-32-image local batches one epoch's test
-    error read 42.5% with them and 9.7% recomputed, docs/plan.md). The random state is left alone."""
+    error read 42.5% with them and 9.7% recomputed, docs/experiments/plan.md). The random state is left alone."""
     norms = (nn.modules.batchnorm._BatchNorm,)
     if not any(isinstance(m, norms) for m in model.modules()):
         return model

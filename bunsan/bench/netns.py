@@ -14,7 +14,7 @@ one switch::
 Each link direction has a token-bucket filter (``tc qdisc ... tbf``) of the
 given rate; the burst defaults to 1 ms of traffic (at least 16 KiB), so that
 short messages do not slip through at memory speed (what ``tbf`` delivers
-against the rate asked: docs/benchmarks.md and docs/design-notes.md, "bench").
+against the rate asked: docs/benchmarks.md and docs/experiments/design-notes.md, "bench").
 Only the rate can be shaped: delay, jitter and loss need ``tc qdisc ... netem``,
 which the kernel this was built on does not have, so ``delay=...`` and the like
 are refused.

@@ -59,7 +59,7 @@ by algorithm="auto" in your own job: --job CHECKPOINT) and a cluster (--link
 and --latency, measured with --probe over a hostfile, or that job's network).
 Hockney's alpha-beta model: ring all-reduce, striped quantized exchange,
 overlap with backward, block amortization, rank 0's link for async SGD
-(docs/plan.md). Prints a table, writes a PNG of efficiency against workers."""
+(docs/experiments/plan.md). Prints a table, writes a PNG of efficiency against workers."""
 
 EPILOG = """\
 examples:
@@ -177,7 +177,7 @@ PUBLISHED: dict[str, Published] = {
             link="10gbit",
             latency="50us",
             network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
-            "TCP); docs/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
+            "TCP); docs/experiments/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
             workers=(1, 2, 4),
             at=4,
             efficiency=3.80 / 4,

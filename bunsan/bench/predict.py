@@ -230,7 +230,7 @@ def synced_straggler(times: Sequence[Sequence[float]], compute_s: float) -> floa
     Gbit/s, +28% -> 0%; MNIST-1D's exact and block momentum at 100 Mbit/s), but 18 left it: the
     two small CNNs' fp16 and quantized rows at 4 workers on every network and their exact on
     loopback (-20% to -29%), the 10.5M MLP's 1-bit (-20% to -25%); 138 of 168 against 150
-    (6d73f2c, docs/plan.md "Checking the predictions"). The bench prices its rows with the wait
+    (6d73f2c, docs/experiments/plan.md "Checking the predictions"). The bench prices its rows with the wait
     of steps run free and records this one beside it.
     """
     from bunsan.algorithms.cost_model import compute_with_stragglers
@@ -333,7 +333,7 @@ def paired_prediction(step_s: Callable[[Any], float], profiles: Sequence[Any]) -
     run's 3 rounds by 6.4% from run to run, what independent rounds give (``10.8 / sqrt 3`` =
     6.3%), and a row's error between medians by 7.5%: the rounds are independent draws of one
     noise, which the mean of all of them reduces most (``docs/experiments/predict_reprice.py``
-    over those records; docs/plan.md, "The rounds' mean").
+    over those records; docs/experiments/plan.md, "The rounds' mean").
     """
     each = [float(step_s(p)) for p in profiles]
     return statistics.fmean(each), each
@@ -382,7 +382,7 @@ def steps_within(
     its steps while the remote workers are still in their first few (8 steps at 100 Mbit/s and 4
     workers, 0.1 s of rank 0's against 1.8 s of theirs), and the job's step ``N / sum(1 / step_r)``
     then joins speeds of different moments. Every rank stepping through one common window gives
-    the job's steps per second while all of them run (docs/plan.md, "Rank 0's worker on a core of
+    the job's steps per second while all of them run (docs/experiments/plan.md, "Rank 0's worker on a core of
     its own")."""
     if not window_s > 0:
         raise ValueError(f"window_s must be positive, got {window_s!r}")

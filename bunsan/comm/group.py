@@ -203,7 +203,7 @@ def _bind_torch_defaults_before_the_group_exists() -> None:
     after ``init_process_group`` (any torch optimizer imports it, through
     ``torch._dynamo``), that default keeps the group alive past
     ``destroy_process_group()``, and a Gloo thread can end the finished process in
-    ``std::terminate`` at shutdown (docs/design-notes.md, "Launcher, runtime and CLI").
+    ``std::terminate`` at shutdown (docs/experiments/design-notes.md, "Launcher, runtime and CLI").
     """
     with contextlib.suppress(ImportError):
         import torch.distributed.nn  # noqa: F401 - imported for its side effect, see the docstring

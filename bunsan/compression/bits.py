@@ -20,7 +20,7 @@ in a 256-entry table. Codes of more than 8 bits are handled as two uint8
 planes (bits 0-7 and 8-15), so every shift is a uint8 shift.
 
 Codes of 9 to 15 bits have no fast path and are several times slower than the
-others (figures in docs/design-notes.md, "Compression: measurements moved from
+others (figures in docs/experiments/design-notes.md, "Compression: measurements moved from
 docstrings").
 
 Pure tensor code, no state.

@@ -43,7 +43,7 @@ bit for bit the same. On CPU the work runs in blocks of 128 K elements, so that 
 pass reads the cache, not memory; on a GPU it is one block.
 
 The measurements behind these choices (error per bit width and range, the chunk-size
-trade-off, speed per bit width) are in docs/design-notes.md, "Compression:
+trade-off, speed per bit width) are in docs/experiments/design-notes.md, "Compression:
 measurements moved from docstrings"; ``python -m bunsan.bench.quantized --codec-only``
 measures the codec again.
 
@@ -77,7 +77,7 @@ __all__ = ["CLIP_ALPHA", "DEFAULT_CHUNK_SIZE", "Quantizer"]
 DEFAULT_CHUNK_SIZE = 512
 
 # Half-width of the clipped range in standard deviations, per bit width: the MSE optimum
-# on Gaussian chunks of 512 (docs/design-notes.md, "Compression: measurements moved from docstrings").
+# on Gaussian chunks of 512 (docs/experiments/design-notes.md, "Compression: measurements moved from docstrings").
 CLIP_ALPHA: dict[int, float] = {2: 1.50, 3: 2.05, 4: 2.50}
 
 _PARAMS_PER_CHUNK = 2

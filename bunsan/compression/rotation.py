@@ -14,13 +14,13 @@ the plain codec.
 
 Why it matters: with SGD momentum the plain 1-bit exchange drops so much per step
 that the delayed remainder can destabilize training; rotated, the same bytes train
-close to the exact exchange (docs/design-notes.md, "1 bit and heavy momentum").
+close to the exact exchange (docs/experiments/design-notes.md, "1 bit and heavy momentum").
 
 Cost: ``log2(chunk_size)`` butterfly passes in each direction, and a chunk at the end
 of a tensor is padded with zeros to the next power of two (at most doubling that one
 chunk's codes). At 1 bit on CPU the C kernels of :mod:`bunsan.compression.native` do
 the same arithmetic chunk by chunk in L1, with the same bits; on a GPU the torch path
-runs. The error and speed measured are in docs/design-notes.md, "Compression:
+runs. The error and speed measured are in docs/experiments/design-notes.md, "Compression:
 measurements moved from docstrings".
 
 The chunk size must be a power of two. Pure tensor code like
@@ -42,7 +42,7 @@ from bunsan.compression.quantize import DEFAULT_CHUNK_SIZE, Quantizer, _as_flat_
 __all__ = ["ROTATED_CHUNK_SIZE", "RotatedQuantizer", "hadamard"]
 
 # The chunk DataParallelSGD rotates by default: on MNIST-1D with SGD momentum 0.9, rotated chunks
-# of 1024 lost less accuracy than chunks of 512 at every seed (docs/design-notes.md), and send
+# of 1024 lost less accuracy than chunks of 512 at every seed (docs/experiments/design-notes.md), and send
 # 1.0625 bits per element instead of 1.125.
 ROTATED_CHUNK_SIZE = 1024
 _SIGN_SEED = 0x5EED  # the same signs in every process: a rotation is part of the format

@@ -5,7 +5,7 @@ segment of a bucket on its own, as :meth:`Quantizer.encode` needs one flat vecto
 call: a segment lies inside one parameter, so that no chunk mixes two parameters'
 scales. On CPU that costs little (the C kernels of :mod:`bunsan.compression.native`
 run a segment in microseconds). On a GPU every call launches some twenty kernels
-whatever its size: 0.18-0.9 ms per call on an H200 (docs/plan.md, "On a GPU"), and a
+whatever its size: 0.18-0.9 ms per call on an H200 (docs/experiments/plan.md, "On a GPU"), and a
 bucket at 256 workers has about a thousand segments, so the exchange was all launches.
 
 :class:`SegmentCodec` codes all the segments of a plan at once. It lays their chunks out

@@ -140,7 +140,7 @@ def worker_environment(
     a job restarted with ``--max-restarts``), ``BUNSAN_RESTART`` (0 for the
     first attempt, then 1, 2, ...) and ``BUNSAN_LAUNCHER=bunsan``.
     ``OMP_NUM_THREADS`` defaults to 1 when ``base`` does not set it: on CPU,
-    workers that each use every core slow each other down (docs/design-notes.md,
+    workers that each use every core slow each other down (docs/experiments/design-notes.md,
     "Launcher, runtime and CLI").
     """
     env = dict(base)

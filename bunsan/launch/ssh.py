@@ -4,7 +4,7 @@
 client, ``BatchMode=yes``: never a password prompt) and runs ``python -m
 bunsan.launch.remote`` there: an agent that starts that host's workers with the
 same hygiene as a job on one machine and streams their output back. Why an
-agent of our own and not ``torchrun`` per host: docs/design-notes.md,
+agent of our own and not ``torchrun`` per host: docs/experiments/design-notes.md,
 "Launcher: why an agent per host, not torchrun".
 
 What the launcher does, per attempt:

@@ -23,7 +23,7 @@ n_r m_r^2 - N mean^2)``, where the second term, the spread between the ranks'
 means, is a small difference taken in float64. The textbook one-pass form
 ``E[x^2] - E[x]^2`` over float32 sums cancels catastrophically when ``|mean| >>
 std``; the combination above stays accurate where that form fails (the error
-measured per ``|mean| / std`` is in docs/design-notes.md, "nn/, parallel/:
+measured per ``|mean| / std`` is in docs/experiments/design-notes.md, "nn/, parallel/:
 measurements moved from docstrings").
 
 Half-precision inputs are normalized in float32 (float64 inputs in float64) and

@@ -2,7 +2,7 @@
 
 Built on :mod:`torch.distributed.pipelining` (``PipelineStage`` with
 ``ScheduleGPipe`` or ``Schedule1F1B``), which works on Gloo and CPU in torch 2.13
-as well as on NCCL (docs/design-notes.md, "nn/, parallel/: measurements moved from
+as well as on NCCL (docs/experiments/design-notes.md, "nn/, parallel/: measurements moved from
 docstrings"). bunsan adds the argument checks, a loss function that may change from step to step,
 gradients that accumulate across steps, and the average loss on the last stage.
 

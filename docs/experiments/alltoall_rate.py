@@ -38,7 +38,7 @@ def pairwise_all_to_all(output: torch.Tensor, tensor: torch.Tensor) -> None:
     pairwise exchange of Thakur, Rabenseifner and Gropp 2005, MPICH's all-to-all for long messages):
     every rank receives from one other at a time, where Gloo's one call has each rank's link receive
     from ``N - 1`` senders at once. Tried as the exchange's schedule; on the shaped links it was
-    slower than the one call (docs/plan.md, "The all-to-all in rounds of one message")."""
+    slower than the one call (docs/experiments/plan.md, "The all-to-all in rounds of one message")."""
     rank, n = dist.get_rank(), dist.get_world_size()
     size = tensor.numel() // n
 

@@ -6,7 +6,7 @@ rank, the median step and the seconds per push and pull (``sync_s / pushes``: on
 in-process exchange with the server, on a remote worker its round trip), then on rank 0 the
 time of one float32 copy of the model (what ``measure_codec`` reports as
 ``copy_s_per_element``, times the parameters) and of the six passes of rank 0's exchange
-done alone on the model's own tensors (docs/plan.md, "The model")::
+done alone on the model's own tensors (docs/experiments/plan.md, "The model")::
 
     OMP_NUM_THREADS=1 bunsan run -np 1 docs/experiments/async_exchange.py
     OMP_NUM_THREADS=1 bunsan run -np 2 docs/experiments/async_exchange.py

@@ -15,7 +15,7 @@ straggler; the small second all-reduce ends on every rank at about the same mome
 acts as a barrier) and every step starts with all 4 ranks competing at once. The cost model
 prices every synchronous step with the straggler of compute steps run free
 (``Profile.straggler_s``): whether a real step pays it is this pattern, which the bench's own
-loop (``bunsan bench predict``) meets in some runs and not in others (docs/plan.md,
+loop (``bunsan bench predict``) meets in some runs and not in others (docs/experiments/plan.md,
 "Bias and noise"). On loopback (4 local processes)::
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/experiments/exact_stagger.py

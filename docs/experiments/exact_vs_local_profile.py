@@ -6,7 +6,7 @@ times: ``--steps`` steps of each under ``torch.profiler`` (CPU), after 3 untimed
 prints the main-thread CPU time per step of each (``time.thread_time``), the main thread's minor
 page faults per step, and the operators whose self CPU time per step differs most between the two.
 Extra time in the compute kernels themselves (the forward's convolutions too, before any exchange
-of that step) points at memory taken afresh from the kernel (docs/design-notes.md, "Page faults");
+of that step) points at memory taken afresh from the kernel (docs/experiments/design-notes.md, "Page faults");
 ``BUNSAN_MALLOC_TUNING=0`` leaves malloc as a script's own process group had it before
 ``bunsan.distribute`` fixed it::
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of docs/plan.md ("On a GPU") in one command, for a machine lent for minutes.
+# Every GPU check of docs/experiments/plan.md ("On a GPU") in one command, for a machine lent for minutes.
 #
 # Usage, from the repository root on a machine with one CUDA GPU, its python3 holding torch:
 #   bash docs/experiments/gpu_session.sh OUT_DIR [SUITE_SECONDS]

@@ -1,5 +1,5 @@
 """One-process simulation of DataParallelSGD(bits=1) on MNIST-1D, to ask *why* 1 bit
-fails with heavy SGD momentum (docs/design-notes.md, "1 bit and heavy momentum").
+fails with heavy SGD momentum (docs/experiments/design-notes.md, "1 bit and heavy momentum").
 
 N simulated workers take interleaved shares of each global minibatch. Each quantizes
 its mean-scaled gradient with its own residual (stage 1); the decoded sum is quantized

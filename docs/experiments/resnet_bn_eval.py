@@ -4,7 +4,7 @@ training set on a copy of the model (Wu and Johnson 2021, "Rethinking 'Batch' in
 
     bunsan run -np 2 docs/experiments/resnet_bn_eval.py SEED LR
 
-Global batch 64, 10 epochs: the campaign's ResNet-20 setting (docs/plan.md, "ResNet-20: exact SGD's test
+Global batch 64, 10 epochs: the campaign's ResNet-20 setting (docs/experiments/plan.md, "ResNet-20: exact SGD's test
 error does not level off"); its eval-mode curve is the campaign's exact curve at the same seed.
 """
 

@@ -1,7 +1,7 @@
 """Seed statistics of `bunsan bench compare --json` records: is a setting within a point of exact SGD?
 
 The final-epoch test error of one run on MNIST-1D at lr 0.05, momentum 0.9 is a chaotic
-function of the arithmetic (docs/design-notes.md, "1-bit defaults"), so a 3-seed mean
+function of the arithmetic (docs/experiments/design-notes.md, "1-bit defaults"), so a 3-seed mean
 resolves about a point. This script reads one JSON record per seed (each with the exact
 ``data_parallel`` row and the settings to judge, all at the same worker count) and prints,
 per worker count and setting:

@@ -38,7 +38,7 @@ for net in $networks; do
       mnist1d_20k) args=(--model mnist1d_cnn --dataset mnist1d_20k -np "$np" --epochs 20 --batch 128 --lr 0.05 --momentum 0.9) ;;
       # evaluated with batch-norm statistics recomputed over the training set (since the fifth session of
       # 2026-11-26; runs 1-13 used the running statistics, whose lag made exact's test error jump 1% -> 42%
-      # between epochs: docs/plan.md)
+      # between epochs: docs/experiments/plan.md)
       resnet20)    args=(--model resnet20 --dataset digits32 -np "$np" --epochs 10 --batch 64 --lr 0.1 --momentum 0
                          --recompute-bn) ;;
       # its exact SGD at 4 workers on 100 Mbit/s links trains past bench compare's 30-minute job timeout

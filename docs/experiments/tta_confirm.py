@@ -2,7 +2,7 @@
 
 A campaign row (`docs/experiments/tta_campaign.sh`) compares auto's one run with the best of six
 fixed settings' single runs. Where the settings are close, the best is the luckiest draw: on
-this 2-core machine the same job's time moves by 20-25% from run to run (docs/plan.md), so the
+this 2-core machine the same job's time moves by 20-25% from run to run (docs/experiments/plan.md), so the
 minimum of six runs sits below what that setting gives on average, and auto's single run is
 compared with it. Picking the best on one set of runs and measuring it on another removes that
 selection bias: this script reruns the row's auto setting and its best fixed setting

@@ -264,7 +264,7 @@ def _body_heavy_momentum_warning(rank, world_size, bits, momentum, rotate=False,
 
 
 def test_one_bit_with_heavy_momentum_warns_once_on_rank_0(workers):
-    """1 bit with SGD momentum >= 0.7 applied by the workers measured off exact SGD (docs/design-notes.md): say so.
+    """1 bit with SGD momentum >= 0.7 applied by the workers measured off exact SGD (docs/experiments/design-notes.md): say so.
 
     The default caps the workers' momentum at 0.5 while quantizing, so only an uncapped
     (``quantized_momentum=None``) or heavily capped run is warned about.

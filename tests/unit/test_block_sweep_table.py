@@ -1,4 +1,4 @@
-"""docs/experiments/block_sweep_table.py: the medians docs/plan.md's block-length table shows, on hand-made records."""
+"""docs/experiments/block_sweep_table.py: the medians docs/experiments/plan.md's block-length table shows, on hand-made records."""
 
 import json
 import subprocess

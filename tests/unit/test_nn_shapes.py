@@ -283,7 +283,7 @@ def test_one_rank_gloo_group(tmp_path):
     assert dist.get_world_size(mp_group) == 1 and dist.get_world_size(dp_group) == 1
     # The groups are the named dimensions of a torch DeviceMesh: a dimension spanning the whole
     # world is the default group itself under the pinned torch 2.13, a new group of the same
-    # ranks under 2.11 (the H200 machine's; docs/plan.md). bunsan relies on the ranks only.
+    # ranks under 2.11 (the H200 machine's; docs/experiments/plan.md). bunsan relies on the ranks only.
     assert dist.get_process_group_ranks(dp_group) == [0] and dist.get_process_group_ranks(mp_group) == [0]
     if torch.__version__.startswith("2.13"):
         assert dp_group is dist.group.WORLD

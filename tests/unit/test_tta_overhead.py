@@ -1,4 +1,4 @@
-"""docs/experiments/tta_overhead.py: the figures docs/plan.md quotes for run 8, on a hand-made record."""
+"""docs/experiments/tta_overhead.py: the figures docs/experiments/plan.md quotes for run 8, on a hand-made record."""
 
 import json
 import subprocess

@@ -68,7 +68,7 @@ class DataParallelSGD(BucketExchange):
             (averaging commutes with the momentum recursion); with it, the error
             feedback corrects the transmitted momentum itself instead of having its
             delays amplified by the momentum afterwards (measured in
-            docs/design-notes.md, "Algorithms: measurements moved from
+            docs/experiments/design-notes.md, "Algorithms: measurements moved from
             docstrings"). Default True.
         chunk_size: elements per quantization chunk (default: 1024 when rotating, else
             the codec's 512).
@@ -79,14 +79,14 @@ class DataParallelSGD(BucketExchange):
             ``chunk_size`` must be a power of two). Default (None): decided when the
             optimizer is attached: on for ``bits=1`` with Adam/AdamW (1-bit Adam needs
             it), off otherwise (with SGD the capped ``quantized_momentum`` keeps 1 bit
-            as accurate as exact SGD without it); measured in docs/design-notes.md,
+            as accurate as exact SGD without it); measured in docs/experiments/design-notes.md,
             "1-bit defaults".
         quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
             workers apply while quantizing, at most; the gradient is scaled by
             ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
             ``"auto"`` (default): for ``bits=1`` 0.8 with SGD at 2 ranks (one quantization
             stage) and 0.5 otherwise, None (the optimizer's) above 1 bit; measured in
-            docs/design-notes.md, "1-bit defaults" and "1 bit at 2 workers".
+            docs/experiments/design-notes.md, "1-bit defaults" and "1 bit at 2 workers".
         bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
@@ -147,7 +147,7 @@ class DataParallelSGD(BucketExchange):
         if rotate and bits == 32:
             raise ValueError("rotate=True applies to quantized gradients (bits 1..16)")
         # rotate=None: decided by the optimizer at attach_optimizer() (rotated chunks for 1-bit Adam,
-        # plain two-means chunks for SGD); measured in docs/design-notes.md, "1-bit defaults".
+        # plain two-means chunks for SGD); measured in docs/experiments/design-notes.md, "1-bit defaults".
         self._rotate_default = rotate is None
         self._chunk_default = chunk_size is None
         self.rotate = bool(rotate)
@@ -209,7 +209,7 @@ class DataParallelSGD(BucketExchange):
     def _choose_rotation(self, optimizer: torch.optim.Optimizer) -> None:
         """``rotate=None`` at 1 bit: rotated chunks for Adam's preconditioned momentum, plain for SGD.
 
-        Measured (docs/design-notes.md, "1-bit defaults"): with SGD momentum capped while
+        Measured (docs/experiments/design-notes.md, "1-bit defaults"): with SGD momentum capped while
         quantizing, plain two-means chunks of 512 matched exact SGD at 2 and 4 workers and
         encode at about the speed of a memory copy; 1-bit Adam without rotation ended
         several times further from the task's best than exact training, with it within 1.1x.

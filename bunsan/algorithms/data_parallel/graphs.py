@@ -3,7 +3,7 @@
 On a GPU each codec call (:class:`bunsan.compression.segments.SegmentCodec`) launches its
 kernels one by one from Python: tens of them for an encode with error feedback, each some
 microseconds of host time and a gap on the device, so a call costs 0.6-0.9 ms on an H100
-whatever its size (docs/plan.md, "On a GPU"), and a ResNet-20 step makes four to eight of
+whatever its size (docs/experiments/plan.md, "On a GPU"), and a ResNet-20 step makes four to eight of
 them against a 7.6 ms step. A CUDA graph records a call's kernels once and launches them
 all again with one host call (NVIDIA, "CUDA Graphs", CUDA C++ Programming Guide; PyTorch's
 ``torch.cuda.CUDAGraph``).

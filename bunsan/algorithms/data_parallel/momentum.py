@@ -42,16 +42,16 @@ __all__ = [
 ]
 
 # SGD momentum from which 1-bit training without rotation is warned about; measured in
-# docs/design-notes.md, "1 bit and heavy momentum".
+# docs/experiments/design-notes.md, "1 bit and heavy momentum".
 HEAVY_MOMENTUM_1BIT = 0.7
 # The SGD momentum the workers apply while exchanging 1-bit gradients, at most (the step
 # lr / (1 - momentum) is kept): error feedback delays part of every update, and delay acts as
-# extra momentum (Mitliagkas et al. 2016); docs/design-notes.md, "1-bit defaults".
+# extra momentum (Mitliagkas et al. 2016); docs/experiments/design-notes.md, "1-bit defaults".
 QUANTIZED_MOMENTUM_1BIT = 0.5
 # The same at 2 ranks with SGD, where the exchange quantizes once instead of twice (quantized.py,
 # _finish_two_ranks): less delay to absorb, so the workers keep more momentum, and the update's noise
 # per step at the same lr / (1 - momentum) shrinks (variance ~ (1 - a) / (1 + a) at momentum a);
-# docs/design-notes.md, "1 bit at 2 workers".
+# docs/experiments/design-notes.md, "1 bit at 2 workers".
 QUANTIZED_MOMENTUM_1BIT_TWO_RANKS = 0.8
 
 
@@ -114,9 +114,9 @@ def optimizer_warning(
     Adam with local momentum folds the quantization error into its per-coordinate
     statistics; 1 bit without rotation and SGD momentum >= :data:`HEAVY_MOMENTUM_1BIT`
     applied by the workers (``cap``: the ``quantized_momentum`` they apply at most) was
-    measured far off exact SGD (docs/design-notes.md, "1 bit and heavy momentum"); at 2 ranks
+    measured far off exact SGD (docs/experiments/design-notes.md, "1 bit and heavy momentum"); at 2 ranks
     (``two_ranks``: one quantization stage) up to :data:`QUANTIZED_MOMENTUM_1BIT_TWO_RANKS` is not
-    warned about (docs/design-notes.md, "1 bit at 2 workers").
+    warned about (docs/experiments/design-notes.md, "1 bit at 2 workers").
     """
     name = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.SGD):
@@ -141,7 +141,7 @@ def optimizer_warning(
     return (
         f"DataParallelSGD(bits=1) with SGD momentum {heavy}: 1-bit error feedback delays part of every gradient "
         f"by several steps, and momentum >= {HEAVY_MOMENTUM_1BIT} leaves too little damping for such delays "
-        '(measured in docs/design-notes.md, "1 bit and heavy momentum"). Use bits=2, or rotate=True (same '
+        '(measured in docs/experiments/design-notes.md, "1 bit and heavy momentum"). Use bits=2, or rotate=True (same '
         "bytes, more CPU), or momentum <= 0.5 with lr scaled to keep lr / (1 - momentum)"
     )
 
@@ -274,7 +274,7 @@ class LocalMomentum(Algorithm):
         in ``p.grad`` (clipped, unscaled) and updates that state, so an untouched gradient
         gives back ``U`` and a clipped one the update one process would take from the
         clipped gradient; :meth:`_rebase_workers` brings the workers' own buffers in line with
-        it (docs/design-notes.md).
+        it (docs/experiments/design-notes.md).
 
         With ``pieces`` (called before the exchange is decoded, SGD only) the SGD
         inversions are not done here but listed per bucket as ``(lo, hi, B, a, divisor)``

@@ -192,7 +192,7 @@ class QuantizedExchange(Algorithm):
         payloads of both stripes and decodes their sum in rank order, so the replicas
         agree bit for bit. What the owner's second quantization dropped (as much again
         as the first, and the larger part of 1 bit's loss of accuracy with heavy
-        momentum: docs/design-notes.md) is not dropped at all; the owners' residuals
+        momentum: docs/experiments/design-notes.md) is not dropped at all; the owners' residuals
         stay zero.
         """
         assert self._quantizer is not None
