@@ -21,7 +21,6 @@ __all__ = [
     "COMM_COLUMNS",
     "COMM_NETWORK_COLUMNS",
     "COMPARE_COLUMNS",
-    "LARGE_SIZES",
     "THROUGHPUT_COLUMNS",
     "THROUGHPUT_NETWORK_COLUMNS",
     "accuracy_label",
@@ -98,7 +97,6 @@ THROUGHPUT_NETWORK_COLUMNS = (
     "bytes/step",
 )
 COMM_NETWORK_COLUMNS = ("size", "op", "bunsan (ms)", "bunsan busbw (GB/s)", "torch (ms)", "torch busbw (GB/s)")
-LARGE_SIZES = {"1MB", "4MB", "16MB", "64MB"}
 
 
 def render_compare(name: str) -> Callable[[Path], str]:

@@ -65,7 +65,13 @@ def _argv(command: str) -> list[str]:
 
 def _run(command: str) -> str:
     proc = subprocess.run(
-        _argv(command), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL
+        _argv(command),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
