@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bunsan-installed
 
-.PHONY: demo test test-all lint bench golden golden-update bench-docs bench-docs-dry-run clean
+.PHONY: demo test test-all lint docs bench golden golden-update bench-docs bench-docs-dry-run clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,10 +29,16 @@ test-all: lint
 
 # ruff (lint and format) and mypy, versions pinned in the test extra; configured in pyproject.toml.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check bunsan
+	$(VENV)/bin/ruff check bunsan tools
 	$(VENV)/bin/ruff check --select F tests examples  # pyflakes: undefined names, unused imports
-	$(VENV)/bin/ruff format --check bunsan tests examples
+	$(VENV)/bin/ruff format --check bunsan tests examples tools
 	$(VENV)/bin/mypy
+	$(PY) tools/check_docs.py        # README and docs/: no lab notebook, short paragraphs, links resolve
+	$(PY) tools/gen_reference.py --check  # docs/reference/ is what the code generates
+
+# docs/reference/ regenerated from the code (signatures, docstrings, argparse, the env-var table).
+docs: $(STAMP)
+	$(PY) tools/gen_reference.py
 
 bench: $(STAMP)
 	$(VENV)/bin/bunsan run -np 2 $(PY) -m bunsan.bench.ddp_overhead
@@ -46,8 +52,8 @@ golden-update: $(STAMP)
 	$(PY) -m tests.golden --update --verbose
 
 # Every benchmark table and plot of README.md and docs/benchmarks.md, measured again at this
-# commit and written between their <!-- bench:NAME --> markers (bunsan/bench/report.py).
-# 15 min 13 s on the 2-core machine of the docs (last run); the network blocks need root.
+# commit and written between their <!-- bench:NAME --> markers (bunsan/bench/report.py), each
+# stamped with its command, commit, date, machine and load; the shaped-network blocks need root.
 bench-docs: $(STAMP)
 	$(PY) -m bunsan.bench.report
 

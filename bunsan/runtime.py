@@ -412,6 +412,7 @@ def session(backend: str | None = None, timeout_s: float | None = None) -> Itera
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` has run in this process (and :func:`finalize` has not)."""
     return _state.info is not None
 
 

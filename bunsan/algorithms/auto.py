@@ -28,7 +28,7 @@ one without an accuracy cost. Rank 0 broadcasts the decision, every rank builds
 the same algorithm at the same step, and rank 0 prints one short table.
 
 The candidates, by ``risk`` (what bunsan's own accuracy measurements support;
-README "Choosing an algorithm"):
+docs/how-to/choose-algorithm.md):
 
 * ``"low"``: exact; fp16 traffic.
 * ``"medium"`` (default): also 8-bit and 2-bit quantized gradients with error feedback.
@@ -774,16 +774,18 @@ class Auto(Algorithm):
         measure_steps: exact steps timed before deciding (the first is not timed).
         measure_budget_s: decide sooner, once the slowest rank's timed steps add up to this
             many seconds (after at least 3 timed steps, or 2 that agree within ``min_gain``), or
-            after 3 where the choice is the same at their fastest and slowest (module docstring);
+            after 3 where the choice is the same at their fastest and slowest;
             ``None`` always takes ``measure_steps``.
-        risk: ``"low"``, ``"medium"`` or ``"high"``: which candidates are allowed (module docstring).
+        risk: which candidates are allowed: ``"low"`` exact and fp16 traffic; ``"medium"``
+            (default) also 8- and 2-bit quantized gradients with error feedback; ``"high"`` also
+            1 bit, block momentum and model averaging (docs/how-to/choose-algorithm.md).
         min_gain: a candidate replaces exact SGD only when predicted at least this much faster.
         warm_start: samples (global) trained exactly before compression or blocks start, counted
             from the beginning of training; the measuring steps count towards it.
         network: a known :class:`~bunsan.algorithms.cost_model.Network` instead of measuring it.
         fixed_costs: measure every candidate's fixed cost per step on a tiny model first
-            (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: about 0.1 s at
-            2 workers and 0.5 s at 4 on 2 cores), only those that can change the decision
+            (:func:`bunsan.algorithms.measure.measure_fixed_costs`, collective: a few tenths
+            of a second), only those that can change the decision
             (:func:`probes_needed`); ``False`` counts exact's
             fixed cost in every candidate's compute instead.
         verbose: rank 0 prints the decision table.

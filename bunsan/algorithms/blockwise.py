@@ -430,6 +430,7 @@ class BlockwiseSGD(Algorithm):
 
     # -- measurement and state ------------------------------------------------------
     def stats(self) -> dict[str, float]:
+        """The base counters and ``blocks``, the block synchronizations completed."""
         out = super().stats()
         out["blocks"] = self.blocks
         return out

@@ -71,6 +71,7 @@ class Traffic:
 
 
 def is_initialized() -> bool:
+    """Whether torch.distributed has a default process group in this process."""
     return dist.is_available() and dist.is_initialized()
 
 

@@ -42,8 +42,7 @@ models diverge where synchronous SGD would not. What to do:
 Staleness also acts like extra momentum (Mitliagkas et al. 2016, "Asynchrony
 begets momentum, with an application to deep learning"): with the local
 optimizer's momentum on top, long sync periods become unstable: lower the local
-momentum, or the period, when that happens (measured in docs/experiments/design-notes.md,
-"Algorithms: measurements moved from docstrings").
+momentum, or the period, when that happens (docs/explanation/block-algorithms.md).
 
 Recht et al. 2011 ("Hogwild!", NIPS 2011) show that lock-free asynchronous SGD
 converges at nearly the serial rate when updates are sparse and the delay is

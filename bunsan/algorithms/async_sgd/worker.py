@@ -67,7 +67,7 @@ class AsyncSGD(Algorithm):
             to ``sync_period`` samples since its last push, so the default 1 (or
             anything up to the minibatch) pushes and pulls after every step. Longer
             periods send less but make updates staler, which with heavy local
-            momentum can diverge (docs/experiments/design-notes.md; ``bunsan.bench.async_bench``).
+            momentum can diverge (docs/explanation/block-algorithms.md).
         staleness_bound: a worker more than this many pushes ahead of the slowest
             worker still training waits for it; ``None`` (default): never wait.
             ``0`` keeps the workers in lock step.

@@ -67,26 +67,24 @@ class DataParallelSGD(BucketExchange):
             Error-Feedback"). Without compression this is exactly momentum SGD
             (averaging commutes with the momentum recursion); with it, the error
             feedback corrects the transmitted momentum itself instead of having its
-            delays amplified by the momentum afterwards (measured in
-            docs/experiments/design-notes.md, "Algorithms: measurements moved from
-            docstrings"). Default True.
+            delays amplified by the momentum afterwards (docs/explanation/quantized.md).
+            Default True.
         chunk_size: elements per quantization chunk (default: 1024 when rotating, else
             the codec's 512).
         rotate: quantize every chunk after a fixed random rotation (random signs, then
             Walsh-Hadamard; DRIVE, Vargaftik et al. 2021), with the residual kept in
-            the original coordinates (:mod:`bunsan.compression.rotation`). Same bytes,
-            2-5x the codec's CPU (``log2(chunk_size)`` butterfly passes each way;
-            ``chunk_size`` must be a power of two). Default (None): decided when the
+            the original coordinates (:mod:`bunsan.compression.rotation`). The same
+            bytes for ``log2(chunk_size)`` more passes of the codec each way, so
+            ``chunk_size`` must be a power of two. Default (None): decided when the
             optimizer is attached: on for ``bits=1`` with Adam/AdamW (1-bit Adam needs
             it), off otherwise (with SGD the capped ``quantized_momentum`` keeps 1 bit
-            as accurate as exact SGD without it); measured in docs/experiments/design-notes.md,
-            "1-bit defaults".
+            as accurate as exact SGD without it; docs/explanation/quantized.md).
         quantized_momentum: with SGD momentum ``beta`` and local momentum, the momentum the
             workers apply while quantizing, at most; the gradient is scaled by
             ``(1 - applied) / (1 - beta)`` so that the step ``lr / (1 - beta)`` is kept.
             ``"auto"`` (default): for ``bits=1`` 0.8 with SGD at 2 ranks (one quantization
-            stage) and 0.5 otherwise, None (the optimizer's) above 1 bit; measured in
-            docs/experiments/design-notes.md, "1-bit defaults" and "1 bit at 2 workers".
+            stage) and 0.5 otherwise, None (the optimizer's) above 1 bit
+            (docs/explanation/quantized.md).
         bucket_size_mb: approximate size of one message.
         group: process group; ``None`` means every rank.
 
@@ -392,6 +390,8 @@ class DataParallelSGD(BucketExchange):
 
     # -- measurement and state ------------------------------------------------------
     def stats(self) -> dict[str, float]:
+        """The base counters; while quantizing also ``compression_ratio`` (exact bytes over sent
+        bytes), ``encode_s`` and ``decode_s`` (seconds spent in the codec)."""
         stats = super().stats()
         if self._quantizer is not None:
             stats["compression_ratio"] = self._exact_bytes / self._quantized_bytes if self._quantized_bytes else 1.0
