@@ -9,7 +9,9 @@ themselves, so ``bunsan run`` never pays for importing torch. The options of
 :mod:`bunsan.launch.options`.
 
 Exit status 2 means bad input, reported as one line,
-``bunsan <subcommand>: error: <sentence>``, without a traceback.
+``bunsan <subcommand>: error: <sentence>``, without a traceback; or an optional
+extra that the subcommand needs and is not installed, also one line,
+``bunsan: error: bunsan <subcommand> needs <packages> ...: pip install 'bunsan[<extra>]'``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bunsan import _extras
 from bunsan.launch.config import ArgumentParser, LaunchConfig, UsageError, add_run_arguments, config_from_namespace
 from bunsan.launch.quoting import quoted
 
@@ -52,12 +55,15 @@ _COMPARE_HELP = "train every algorithm setting at every worker count; time, spee
 
 
 def _version() -> str:
+    """The installed distribution's version, else (a source tree on sys.path) ``bunsan.__version__``."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("bunsan")
     except PackageNotFoundError:
-        return "unknown (not installed)"
+        from bunsan import __version__  # bunsan/__init__.py imports nothing heavy: no torch here
+
+        return __version__
 
 
 def _add_run(subparsers: argparse._SubParsersAction) -> None:
@@ -178,7 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SystemExit as exit_:  # --help and --version
         return exit_.code if isinstance(exit_.code, int) else 0
-    return int(args.handler(args))
+    try:
+        # A subcommand that needs an optional extra (bunsan bench: matplotlib and the data sets) says so
+        # in one sentence before it starts, rather than in a traceback at its end.
+        _extras.check_command(args.subcommand)
+        return int(args.handler(args))
+    except _extras.MissingExtraError as err:
+        print(f"bunsan: error: {err}", file=sys.stderr)  # the sentence names the command
+        return 2
 
 
 def _master_addr(config: LaunchConfig, all_local: bool, rank0_host: str) -> str:

@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointError",
     "CommunicationError",
     "ConfigurationError",
+    "MissingExtraError",
     "ModelMismatchError",
     "WorkerFailedError",
 ]
@@ -40,3 +41,10 @@ class ModelMismatchError(BunsanError, ValueError):
 
 class CheckpointError(BunsanError, RuntimeError):
     """A checkpoint cannot be written, read, or does not fit the model."""
+
+
+class MissingExtraError(BunsanError, ImportError):
+    """An optional dependency is not installed; the message names the extra of bunsan that installs it.
+
+    An ``ImportError`` too, so ``except ImportError`` around an optional feature keeps working.
+    """

@@ -11,7 +11,7 @@ validation set is 800 samples held out of MNIST-1D's training set; the test set
 is scored once per trial, never searched on. Rank 0 prints the trials and the
 best one and writes the study's plots as PNG files to --out.
 
-Optuna is an optional extra: pip install 'bunsan[hpo]'. Add
+Optuna is an optional extra: pip install 'bunsan[hpo,data]'. Add
 ``--storage sqlite:///hpo.db --study-name mnist1d`` to keep the study in a file
 and go on with it in a later run.
 """

@@ -402,4 +402,13 @@ def command_main(
         allow_abbrev=allow_abbrev,
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if prog.startswith("bunsan bench"):  # also when started as `python -m`, which bypasses bunsan.cli's check
+        from bunsan import _extras
+
+        try:
+            _extras.check_command("bench")
+        except _extras.MissingExtraError as err:
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 2
+    return run(args)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bunsan import _extras
 from bunsan._table import format_table
 from bunsan._validate import check_number
 from bunsan.bench._common import check_at_least, check_positive, command_main, refuse, stop_with_parent
@@ -234,6 +235,13 @@ def format_plan(predictions: Sequence[Any]) -> str:
         for p in predictions
     ]
     return format_table(COLUMNS, rows, right=set(COLUMNS) - {"algorithm", ""})
+
+
+def _png(predictions: Sequence[Any], path: Path, title: str) -> str:
+    """The plot's line of output: its path, or why there is none (matplotlib is optional)."""
+    if not _extras.available("matplotlib"):
+        return f"PNG: none, matplotlib is not installed ({_extras.install_hint('bench')} draws it)"
+    return f"PNG: {plot_plan(predictions, path, title)}"
 
 
 def plot_plan(predictions: Sequence[Any], path: Path, title: str = "") -> Path:
@@ -560,7 +568,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
             f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)"
         )
-        say(f"PNG: {plot_plan(predictions, Path(args.png), case.what)}")
+        say(_png(predictions, Path(args.png), case.what))
         return 0
     given = args.compute_ms is not None or args.params is not None
     sources = (args.model is not None) + given + (args.job is not None)
@@ -696,10 +704,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             "which the job measured at its own worker count and the plan does not carry"
             + (", and the network given instead of the job's)" if args.link or args.latency or args.probe else ")")
         )
-    png = plot_plan(
-        predictions, Path(args.png), f"{args.model or ('job' if args.job else 'profile')}: {params:,} parameters"
-    )
-    say(f"PNG: {png}")
+    say(_png(predictions, Path(args.png), f"{args.model or ('job' if args.job else 'profile')}: {params:,} parameters"))
     if args.json:
         from bunsan.bench import write_json
 

@@ -9,7 +9,9 @@
 
 Figures are drawn with matplotlib's object API on the Agg canvas, without
 pyplot: no global backend is chosen and no window opens, so this runs on a
-machine without a display and inside any process.
+machine without a display and inside any process. matplotlib comes with the
+``bench`` extra (``pip install 'bunsan[bench]'``); without it a plot raises
+:class:`bunsan._extras.MissingExtraError`, one sentence naming the extra.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from bunsan import _extras
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "SWEPT_KEYS",
@@ -42,6 +46,10 @@ def _ok(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def new_figure(panels: int, size: tuple[float, float] | None = None) -> tuple[Figure, list[Any]]:
     """A figure of ``panels`` axes side by side (5.5 x 4.2 inches each unless ``size`` is given), on the Agg canvas."""
+    _extras.check("a benchmark plot", ["matplotlib"], "bench")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=size or (5.5 * panels, 4.2), layout="constrained")
     FigureCanvasAgg(figure)  # the PNG renderer, attached to this figure only
     axes = figure.subplots(1, panels, squeeze=False)[0]

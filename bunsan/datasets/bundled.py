@@ -2,13 +2,15 @@
 
 Both return ``torch.utils.data.TensorDataset`` of ``(inputs, labels)`` with
 float32 inputs and int64 labels, the same on every call and every machine.
+They need the ``data`` extra (``pip install 'bunsan[data]'``: scikit-learn and
+mnist1d); without it they raise :class:`bunsan._extras.MissingExtraError`, an
+ImportError whose one sentence names the extra.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -23,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from bunsan import _extras
 from bunsan._validate import check_int
 
 __all__ = ["digits", "mnist1d"]
@@ -44,9 +47,7 @@ def _load_digits_numpy() -> tuple[np.ndarray, np.ndarray]:
     # importing sklearn: that import costs ~1 s and sets KMP_* environment
     # variables in the caller's process. Fall back to load_digits if the file
     # ever moves.
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
-        raise ImportError("bunsan.datasets.digits needs scikit-learn: pip install scikit-learn")
+    spec = _extras.find_spec("sklearn", "bunsan.datasets.digits()", "data")
     for location in spec.submodule_search_locations or ():
         path = Path(location) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
@@ -163,11 +164,8 @@ def _mnist1d_key(overrides: dict[str, Any]) -> str:
 
 
 def _generate_mnist1d(overrides: dict[str, Any]) -> dict[str, Tensor]:
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as error:
-        raise ImportError("bunsan.datasets.mnist1d needs the mnist1d package: pip install mnist1d") from error
-    args = get_dataset_args()
+    generator = _extras.require("mnist1d.data", "bunsan.datasets.mnist1d()", "data")
+    args = generator.get_dataset_args()
     unknown = sorted(set(overrides) - set(vars(args)) | ({"url"} & set(overrides)))
     if unknown:
         known = sorted(set(vars(args)) - {"url"})
@@ -177,7 +175,7 @@ def _generate_mnist1d(overrides: dict[str, Any]) -> dict[str, Tensor]:
     # caller's state back afterwards.
     numpy_state, python_state = np.random.get_state(), random.getstate()
     try:
-        data = make_dataset(args)  # generated from code; never get_dataset(), which downloads
+        data = generator.make_dataset(args)  # generated from code; never get_dataset(), which downloads
     finally:
         np.random.set_state(numpy_state)
         random.setstate(python_state)

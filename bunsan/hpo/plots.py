@@ -5,7 +5,8 @@ they can be imported; otherwise, or with ``renderer="matplotlib"``, bunsan draws
 equivalents itself with matplotlib's object API on the Agg canvas (no pyplot,
 no global backend, no window), as :mod:`bunsan.bench.plots` does.
 
-Not collective: call it on one rank (rank 0, which holds the study).
+Not collective: call it on one rank (rank 0, which holds the study). Needs Optuna
+and matplotlib, both installed by the ``hpo`` extra (``pip install 'bunsan[hpo]'``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bunsan import _extras
 from bunsan.hpo.search import _import_optuna
 
 if TYPE_CHECKING:
@@ -34,7 +36,8 @@ def save_plots(
 
     Plots (see :data:`PLOTS`): ``optimization_history`` (each complete trial's
     value and the best so far), ``param_importances`` (fANOVA, as Optuna
-    computes it; needs two complete trials and a parameter that varies),
+    computes it; needs two complete trials, a parameter that varies and
+    scikit-learn, from ``bunsan[data]``),
     ``slice`` (value against each parameter) and ``intermediate_values`` (the
     values reported for pruning, per trial). A plot the study has no data for
     is left out.
@@ -52,8 +55,10 @@ def save_plots(
 
     Raises:
         ValueError: ``renderer`` or a plot is unknown, or the study has several directions.
+        MissingExtraError: matplotlib or Optuna is not installed (an ImportError naming the ``hpo`` extra).
         ImportError: ``renderer="optuna"`` and Optuna's matplotlib plots cannot be imported.
     """
+    _extras.check("bunsan.hpo.save_plots()", ["optuna", "matplotlib"], "hpo")
     if renderer not in _RENDERERS:
         raise ValueError(f"renderer must be one of {_RENDERERS}, got {renderer!r}")
     unknown = [name for name in plots if name not in PLOTS]

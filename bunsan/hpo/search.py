@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from bunsan import comm
+from bunsan import _extras, comm
 from bunsan.errors import CommunicationError, WorkerFailedError
 from bunsan.hpo.protocol import Values, _as_values, _check_args, _Message, _Outcome, _resolve
 from bunsan.hpo.trial import DistributedTrial, _CaughtFailure, _TrialClosed
@@ -61,15 +61,8 @@ INSTALL_HINT = "pip install 'bunsan[hpo]'"
 
 
 def _import_optuna() -> Any:
-    """Optuna, or an ImportError that names the extra to install."""
-    try:
-        import optuna
-    except ImportError as error:
-        raise ImportError(
-            f"bunsan.hpo needs Optuna, an optional extra of bunsan: {INSTALL_HINT} (or pip install optuna) "
-            "on every worker"
-        ) from error
-    return optuna
+    """Optuna, or a :class:`~bunsan._extras.MissingExtraError` (an ImportError) that names the extra to install."""
+    return _extras.require("optuna", "bunsan.hpo (on every worker)", "hpo")
 
 
 # -- the search loop -----------------------------------------------------------------------------

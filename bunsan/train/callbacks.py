@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from bunsan import _extras
+
 if TYPE_CHECKING:
     from bunsan.train.metrics import EvalResult
     from bunsan.train.session import TrainingSession
@@ -59,16 +61,24 @@ class ProgressPrinter(Callback):
     The bar shows the epoch's samples, samples per second and rank 0's running
     loss (local to rank 0, so that the bar costs no communication; the epoch
     line has the exact global loss). When stdout is not a terminal there is no
-    bar, only the lines, so logs of batch jobs stay readable.
+    bar, only the lines, so logs of batch jobs stay readable. The bar is drawn by
+    tqdm, the ``progress`` extra (``pip install 'bunsan[progress]'``): without it
+    there is no bar either, only the lines.
 
     Args:
-        bar: Force the bar on or off; ``None`` shows it when stdout is a terminal.
+        bar: Force the bar on or off; ``None`` shows it when stdout is a terminal
+            and tqdm is installed.
         stream: Where to write; default ``sys.stdout``.
         refresh_s: Minimum seconds between two updates of the loss on the bar
             (reading the loss synchronizes with the GPU).
+
+    Raises:
+        MissingExtraError: ``bar=True`` and tqdm is not installed (an ImportError; the message names the extra).
     """
 
     def __init__(self, bar: bool | None = None, stream: IO[str] | None = None, refresh_s: float = 0.5) -> None:
+        if bar:
+            _extras.check("ProgressPrinter(bar=True)", ["tqdm"], "progress")
         self.bar = bar
         self.stream = stream
         self.refresh_s = refresh_s
@@ -83,7 +93,7 @@ class ProgressPrinter(Callback):
         if self.bar is not None:
             return self.bar
         out = self._out()
-        return bool(getattr(out, "isatty", lambda: False)())
+        return bool(getattr(out, "isatty", lambda: False)()) and _extras.available("tqdm")
 
     def _write(self, line: str) -> None:
         if self._tqdm is not None:
@@ -92,8 +102,7 @@ class ProgressPrinter(Callback):
             print(line, file=self._out(), flush=True)
 
     def _open_bar(self, session: TrainingSession, done: int) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _extras.require("tqdm.auto", "the progress bar", "progress").tqdm
         self._tqdm = tqdm(
             total=session.samples_per_epoch,
             initial=done,
@@ -231,16 +240,17 @@ class TensorBoardLogger(Callback):
         log_dir: The run's directory, as for ``torch.utils.tensorboard.SummaryWriter``.
 
     Raises:
-        ImportError: tensorboard is not installed; the message names the extra.
+        MissingExtraError: tensorboard is not installed (an ImportError; the message names the extra).
     """
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError(
-                "TensorBoard logging needs the tensorboard package: pip install 'bunsan[tensorboard]' "
-                f"(or pass tensorboard=None) [{error}]"
+            raise _extras.MissingExtraError(
+                f"TensorBoard logging needs the tensorboard package: {_extras.install_hint('tensorboard')} "
+                f"(or pass tensorboard=None) [{error}]",
+                name="tensorboard",
             ) from None
         self._writer_class = SummaryWriter
         self.log_dir = Path(log_dir)

@@ -1,0 +1,1 @@
+"""The package as a user installs it: the wheel, in a fresh virtual environment."""
