@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan._validate import check_int, check_type
-from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.base import Algorithm, RoundReport
 from bunsan.algorithms.bmuf import reset_momentum_buffers, update_block_start_, update_global_model_
 from bunsan.algorithms.data_parallel import DataParallelSGD
 from bunsan.comm import all_reduce, broadcast_tensors, get_rank, global_rank, wait
@@ -140,19 +140,6 @@ class BlockwiseSGD(Algorithm):
         self._ended_warm_start = False  # this step's round was the last of the warm start
         self._fresh = True  # this rank's model is the others' (False: joined and missed warm steps)
         self._checked_first_step = False
-        # A report that rides on the rounds' count all-reduce (used by Auto to time its first blocks):
-        # ``report_width`` floats appended to every round's counts on every rank (zeros from a rank with
-        # nothing to report, or that does not contribute), their sums handed to ``on_report`` on every
-        # rank, the joined ones included, so that all act alike. The width must be the same on every rank.
-        # sync_replicas()'s rounds (between steps) carry zeros, and a round acts only where no rank made
-        # it from sync_replicas() (one more summed flag: a joined rank's round may meet the others' sync).
-        self.report_width = 0
-        # seconds the whole last round took on this rank: its passes over the parameters and its all-reduces,
-        # waits included (meta's tolist() waits for every all-reduce)
-        self.last_round_s = 0.0
-        self.report_values: list[float] | None = None
-        # called with the report's sums and the number of ranks still training after the round
-        self.on_report: Callable[[list[float], int], None] | None = None
 
     # -- the filter, chosen by subclasses -----------------------------------------
     def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
@@ -299,19 +286,23 @@ class BlockwiseSGD(Algorithm):
         self._block_round(contribute=self.block_steps > 0, still_active=True, report=False)
 
     # -- rounds -----------------------------------------------------------------
-    def _meta(self, samples: int, contributes: bool, still_active: bool, report: bool = True) -> Tensor:
+    def _meta(self, samples: int, contributes: bool, still_active: bool, report: bool, width: int) -> Tensor:
         device = self._flats[0].buffer.device if self._flats else "cpu"
         changed = []
         if self.buffer_sync is not None:
             changed = self.buffer_sync.changed() if contributes else [0.0] * len(self.buffer_sync)
         # float64: sample counts stay exact up to 2**53.
+        # The observer's report rides on the count all-reduce (Auto times its first blocks with it): zeros
+        # from a rank with nothing to report or that does not contribute, and a flag first, summed: the
+        # round acts on the report only where it is n (no rank made its round from sync_replicas(), whose
+        # rounds between steps carry zeros; a joined rank's round may meet the others' sync).
         reported: list[float] = []
-        if self.report_width:
-            mine = self.report_values if report and contributes else None
-            reported = [float(v) for v in mine] if mine is not None else [0.0] * self.report_width
-            if len(reported) != self.report_width:
-                raise ValueError(f"report_values has {len(reported)} values; report_width is {self.report_width}")
-            reported.insert(0, 1.0 if report else 0.0)  # summed: the round acts where it is n
+        if width:
+            mine = self.observer.report_values() if self.observer is not None and report and contributes else None
+            reported = [float(v) for v in mine] if mine is not None else [0.0] * width
+            if len(reported) != width:
+                raise ValueError(f"the observer reported {len(reported)} values; its report_width is {width}")
+            reported.insert(0, 1.0 if report else 0.0)
         values = [float(samples), float(contributes), float(still_active), *changed, *reported]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
@@ -341,12 +332,14 @@ class BlockwiseSGD(Algorithm):
             else:
                 f.buffer.zero_()
         samples = self.block_samples if contribute else 0
-        width = self.report_width + 1 if self.report_width else 0  # the acting flag, then the report
+        # the same on every rank
+        width = self.observer.report_width() if self.observer is not None else 0
+        extra = width + 1 if width else 0  # the acting flag, then the report
         total, contributors, active, changed = self._exchange(
-            self._meta(samples, contribute, still_active, report), "block all-reduce"
+            self._meta(samples, contribute, still_active, report, width), "block all-reduce"
         )
-        extras = changed[len(changed) - width :] if width else []
-        changed = changed[: len(changed) - width]
+        extras = changed[len(changed) - extra :] if extra else []
+        changed = changed[: len(changed) - extra]
         # 2. Filter the average change of the contributing ranks into W and D (identical on all ranks).
         if contributors > 0:
             per_worker = total / contributors if total > 0 else float(self.block_size)
@@ -365,9 +358,10 @@ class BlockwiseSGD(Algorithm):
         self.block_samples = self.block_steps = 0
         if contributors > 0 and self.reset_local_momentum and self.optimizer is not None:
             reset_momentum_buffers(self.optimizer)
-        self.last_round_s = time.perf_counter() - began
-        if extras and extras[0] == n and self.on_report is not None:  # no rank's round was a sync_replicas()
-            self.on_report(extras[1:], active)  # may change block_size and the report itself, alike on every rank
+        if self.observer is not None:  # may change block_size and the report itself, alike on every rank
+            acting = bool(extras) and extras[0] == n  # no rank's round was a sync_replicas()
+            sums = tuple(extras[1:]) if acting else None
+            self.observer.after_round(RoundReport(time.perf_counter() - began, active, sums))
         return active
 
     def _end_warm_start(self) -> None:

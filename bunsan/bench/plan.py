@@ -308,6 +308,13 @@ def _load_job(path: str) -> Any:
             return json.loads(text_path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"--job {path}: not JSON ({err})") from None
+    if text_path.suffix == ".jsonl":  # Auto(record=...): one record a line; the last holds the decision as it ended
+        lines = [line for line in text_path.read_text().splitlines() if line.strip()]
+        try:
+            records = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--job {path}: not JSON lines ({err})") from None
+        return records[::-1]  # the newest first: find_auto_decision takes the first decision it meets
     import pickle
 
     import torch
@@ -441,7 +448,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--job",
         metavar="FILE",
         help='what algorithm="auto" measured in a job of yours: a checkpoint or torch.save\'d optimizer '
-        "state_dict() (or a JSON of auto.decision); its compute per worker, parameters, batch and codec, and "
+        "state_dict(), a JSON of auto.decision, or the JSON lines of Auto(record=...), whose last record "
+        "counts; its compute per worker, parameters, batch and codec, and "
         "its network unless --link, --latency or --probe is given",
     )
     parser.add_argument(

@@ -69,7 +69,7 @@ def main() -> None:
             comm.barrier()
             started = time.perf_counter()
             network = measure.measure_network(
-                None, sizes=probed, repeats=3, enough_s=auto.ENOUGH_S, enough_bytes=enough_bytes
+                None, sizes=probed, repeats=3, enough_s=auto.DEFAULT_POLICY.enough_s, enough_bytes=enough_bytes
             )
             elapsed = time.perf_counter() - started
             record = found[name]

@@ -50,12 +50,14 @@ def _body(rank: int, n: int, port: int, trials: int, results: dict) -> None:
     from bunsan.algorithms import cost_model as cm
 
     network = cm.Network(latency_s=1e-4, bandwidth=5e8)
-    chooser = auto.Auto(risk="high")
-    chooser.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
-    probes, _ = chooser._probes()
+    probes, _ = auto.probes_for("high", momentum=0.9)  # as Auto's under SGD momentum 0.9
     settings = {
         "until 6bc61fb": {"steps": 6, "repeats": 3, "warmup": None},
-        "now": {"steps": auto.PROBE_STEPS, "repeats": auto.PROBE_REPEATS, "warmup": auto.PROBE_WARMUP},
+        "now": {
+            "steps": auto.DEFAULT_POLICY.probe_steps,
+            "repeats": auto.DEFAULT_POLICY.probe_repeats,
+            "warmup": auto.DEFAULT_POLICY.probe_warmup,
+        },
     }
     out: dict[str, list] = {name: [] for name in settings}
     for _ in range(trials):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ OPEN_FIRST_S = 0.4
 def _open_first_step(rank: int, auto) -> None:
     import time
 
-    auto._second_check = False
+    auto.policy = replace(auto.policy, second_step_check=False)
     if rank == 1:
         time.sleep(OPEN_FIRST_S)
 
@@ -248,7 +249,7 @@ def _body_budget(
             return [(c.label, 0.0) for c in candidates]
         return real(candidates, *args, **kwargs)
 
-    real = auto_module.measure_fixed_costs
+    real = auto_module.measuring.measure_fixed_costs
     model = _model()
     auto = bunsan.Auto(
         measure_steps=10, measure_budget_s=budget, risk="high", network=Network(**network), verbose=False
@@ -256,7 +257,7 @@ def _body_budget(
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     _open_first_step(rank, auto)
     decided_at = None
-    with mock.patch.object(auto_module, "measure_fixed_costs", counting):
+    with mock.patch.object(auto_module.measuring, "measure_fixed_costs", counting):
         for i in range(12):
             _train(model, optimizer, rank, 1, start=i)
             if rank == 1:  # only rank 1 is slow: the slowest rank's time decides for all
@@ -331,7 +332,7 @@ def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> l
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5), auto)
     _train(model, optimizer, rank, 3)
     samples = auto.samples
-    auto._apply({"algorithm": algorithm, "options": options, "label": algorithm, "step": 3})  # as after a decision
+    auto.apply_decision({"algorithm": algorithm, "options": options, "label": algorithm, "step": 3})  # as after a decision
     assert type(auto.inner).name == algorithm and auto.samples == samples and auto.step == 3
     _train(model, optimizer, rank, 5, start=3)
     assert auto.step == 8
@@ -451,8 +452,8 @@ def _body_probes_needed(
     from bunsan.algorithms import auto as auto_module
 
     probed: list[list[str]] = []
-    real_measure, real_needed = auto_module.measure_fixed_costs, auto_module.probes_needed
-    real_later = auto_module.later_probes_needed
+    real_measure, real_needed = auto_module.measuring.measure_fixed_costs, auto_module.deciding.probes_needed
+    real_later = auto_module.deciding.later_probes_needed
 
     def measuring(candidates, *args, **kwargs):
         probed.append([c.label for c in candidates])
@@ -468,9 +469,9 @@ def _body_probes_needed(
     auto = bunsan.Auto(measure_steps=3, risk="high", network=Network(**network), verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
     with (
-        mock.patch.object(auto_module, "measure_fixed_costs", measuring),
-        mock.patch.object(auto_module, "probes_needed", needed),
-        mock.patch.object(auto_module, "later_probes_needed", needed_later),
+        mock.patch.object(auto_module.measuring, "measure_fixed_costs", measuring),
+        mock.patch.object(auto_module.deciding, "probes_needed", needed),
+        mock.patch.object(auto_module.deciding, "later_probes_needed", needed_later),
     ):
         _train(model, optimizer, rank, 6)
     measured = auto.decision["measured"]
@@ -657,7 +658,7 @@ def _body_network_retry(rank: int, world_size: int) -> dict:
     from bunsan.algorithms import auto as auto_module
 
     calls: list[dict] = []
-    real = auto_module.measure_network
+    real = auto_module.measuring.measure_network
 
     def first_inconclusive(group, **kwargs):
         calls.append(kwargs)
@@ -668,13 +669,15 @@ def _body_network_retry(rank: int, world_size: int) -> dict:
     model = _model()
     auto = bunsan.Auto(measure_steps=3, risk="high", verbose=False)
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05), auto)
-    with mock.patch.object(auto_module, "measure_network", first_inconclusive):
+    with mock.patch.object(auto_module.measuring, "measure_network", first_inconclusive):
         _train(model, optimizer, rank, 5)
     return {"sizes": [c["sizes"] for c in calls], "why": auto.decision["why"], "label": auto.decision["label"]}
 
 
 def test_an_inconclusive_network_probe_is_retried_larger_before_keeping_exact(workers):
-    from bunsan.algorithms.auto import RETRY_SIZES
+    from bunsan.algorithms.auto import DEFAULT_POLICY
+
+    RETRY_SIZES = DEFAULT_POLICY.retry_sizes
 
     results = workers.run(f"{__name__}:_body_network_retry")
     assert results[0]["sizes"][1] == list(RETRY_SIZES) or tuple(results[0]["sizes"][1]) == RETRY_SIZES
@@ -691,14 +694,14 @@ def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, 
 
     probes: list[int] = []
     codecs: list[int] = []
-    measure_codec = auto_module.measure_codec
+    measure_codec = auto_module.measuring.measure_codec
 
     def fast(group, **kwargs):  # the job's own network, as measured: fast (no real probe, no noise)
-        probes.append(auto._measured)  # the step after which it was measured
+        probes.append(auto.measured_steps)  # the step after which it was measured
         return Network(**FAST)
 
     def counted(*args, **kwargs):
-        codecs.append(auto._measured)
+        codecs.append(auto.measured_steps)
         return measure_codec(*args, **kwargs)
 
     model = _model()
@@ -709,8 +712,8 @@ def _body_first_step(rank: int, world_size: int, network, sleep_s: float = 1.2, 
         time.sleep(sleep_s)
     decided_at = None
     with (
-        mock.patch.object(auto_module, "measure_network", fast),
-        mock.patch.object(auto_module, "measure_codec", counted),
+        mock.patch.object(auto_module.measuring, "measure_network", fast),
+        mock.patch.object(auto_module.measuring, "measure_codec", counted),
     ):
         for i in range(8):
             _train(model, optimizer, rank, 1, start=i)
@@ -786,7 +789,7 @@ def test_a_long_first_step_decides_at_once_only_where_that_settles_it(workers):
 def _body_before_first_exchange(rank: int, world_size: int, network: dict, reference: bool) -> dict:
     import time
 
-    from bunsan.algorithms.auto import _CHOICES
+    from bunsan.algorithms.auto import CHOICES as _CHOICES
 
     model = _model()
     if reference:  # the decided algorithm, with the decided settings, from the first step on
@@ -914,7 +917,7 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float, momentum
         "check": auto.decision.get("block_check"),
         "block_size": auto.inner.block_size,
         "label": auto.decision["label"],
-        "resumed": (resumed.inner.block_size, resumed.decision == auto.decision, resumed.inner.report_width),
+        "resumed": (resumed.inner.block_size, resumed.decision == auto.decision, resumed.report_width()),
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
     }
 
@@ -926,7 +929,7 @@ def _body_lengthen(rank: int, world_size: int, exchange_sleep_s: float, momentum
 def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
     workers, exchange_sleep_s, momentum, algorithm
 ):
-    from bunsan.algorithms.auto import EPOCH_GROWTH, lengthened_block
+    from bunsan.algorithms.auto import DEFAULT_POLICY, lengthened_block
 
     results = workers.run(f"{__name__}:_body_lengthen", exchange_sleep_s=exchange_sleep_s, momentum=momentum)
     # 32 steps of 8: the cap; the tie between the block algorithms goes by the optimizer's momentum
@@ -936,7 +939,7 @@ def test_the_first_blocks_times_lengthen_the_block_where_the_exchange_dominates(
     assert check["steps"] == 32 and check["at_block"] == 2  # the second block's round carried the first's times
     # the recorded times give the recorded length, by the rule
     growth = {"block_momentum": 14 / 9, "model_averaging": 15 / 13}[algorithm]
-    assert check["epoch_growth"] == EPOCH_GROWTH[algorithm] == growth  # the algorithm's own factor
+    assert check["epoch_growth"] == DEFAULT_POLICY.growth(algorithm) == growth  # the algorithm's own factor
     assert check["lengthened_to"] == lengthened_block(32, check["local_step_s"], check["exchange_s"], growth)
     if exchange_sleep_s:  # 1 s a block against ~3 ms a step: 31 ms of exchange a step, 10 times (2.5 needed)
         assert check["exchange_s"] >= 0.9 and check["lengthened_to"] > 32, check
@@ -989,14 +992,14 @@ def _body_first_step_block(rank: int, world_size: int) -> dict:
 
 
 def test_a_first_step_decisions_first_block_sets_its_length_by_the_block_rule(workers):
-    from bunsan.algorithms.auto import EPOCH_GROWTH, block_from_timed
+    from bunsan.algorithms.auto import DEFAULT_POLICY, block_from_timed
 
     results = workers.run(f"{__name__}:_body_first_step_block")
     # decided at step 0 at the cap (32 steps of 8), the bound's block (4 steps) recorded as the floor
     assert results[0]["decision"] == results[1]["decision"] == (0, "block_momentum:256", 256, 4), results
     check = results[0]["check"]
     assert check == results[1]["check"] and check["steps"] == 32 and check["first_step_block_steps"] == 4
-    after = block_from_timed(32, 4, check["local_step_s"], check["exchange_s"], EPOCH_GROWTH["block_momentum"])
+    after = block_from_timed(32, 4, check["local_step_s"], check["exchange_s"], DEFAULT_POLICY.growth("block_momentum"))
     assert check["steps_after"] == after, check
     # 60 ms local steps against a round of 12 ms and more: the rule's block is under the cap (4 where the
     # round takes up to 12 ms, 8 to 24 ms; the cap only past 48 ms), so the block shortens; and never
@@ -1128,7 +1131,7 @@ def _body_decision_in_user_loops(rank: int, world_size: int, loop: str) -> dict:
         world_size,
         loop,
         9,
-        on_step=lambda step: manual._apply(auto.decision) if step == 3 else None,
+        on_step=lambda step: manual.apply_decision(auto.decision) if step == 3 else None,
     )
     handed_optimizer.sync_replicas()
     return {
@@ -1195,7 +1198,7 @@ def test_the_compute_is_the_ranks_time_outside_the_exchange_and_the_rest_is_wait
 def _body_first_step_decision_in_user_loops(rank: int, world_size: int, loop: str, options: dict | None) -> dict:
     import time
 
-    from bunsan.algorithms.auto import _CHOICES
+    from bunsan.algorithms.auto import CHOICES as _CHOICES
 
     model = _dropout_model()
     if options is None:  # Auto, on a link so slow that a first step of over 1 s settles a block at the cap
@@ -1309,7 +1312,7 @@ def _body_second_step_decision_in_user_loops(rank: int, world_size: int, loop: s
 
     def on_step(step: int) -> None:
         if decision is not None and step == 1:
-            auto._apply(copy.deepcopy(decision))
+            auto.apply_decision(copy.deepcopy(decision))
         elif decision is None and auto.decision is not None and not made:
             made.update(copy.deepcopy(auto.decision))  # as decided, before its block check adds to it
 
@@ -1392,7 +1395,7 @@ def _body_trial(rank: int, world_size: int, loop: str, outcome: str, uneven: boo
     )
     model, optimizer = bunsan.distribute(model, _loop_optimizer(model, loop), auto)
     _open_first_step(rank, auto)
-    with mock.patch.object(auto_module, "TRIAL_WINDOW", 10.0):
+    with mock.patch.object(auto, "policy", replace(auto.policy, trial_window=10.0)):
         _user_loop(model, optimizer, rank, world_size, loop, 26, on_step=on_step)
     state = [
         torch.cat([v.reshape(-1).float() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]).tolist()
@@ -1437,7 +1440,9 @@ def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(work
     min_gain stays (its block by the rule), one that does not hands back to exact with the local
     optimizers' states averaged (SGD momentum 0.9, AdamW's moments, under GradScaler, clipping and
     no_sync accumulation), after which the exact steps keep every replica equal without a sync."""
-    from bunsan.algorithms.auto import EPOCH_GROWTH, TRIAL_STEPS, trial_verdict
+    from bunsan.algorithms.auto import DEFAULT_POLICY, trial_verdict
+
+    TRIAL_STEPS = DEFAULT_POLICY.trial_steps
 
     results = workers.run(f"{__name__}:_body_trial", loop=loop, outcome=outcome, uneven=uneven)
     label, trial, block_size = results[0]["started"]
@@ -1450,7 +1455,7 @@ def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(work
     assert trial == results[1]["trial"], results  # the same sums on every rank
     assert trial["at_block"] == 2  # the second block's round carried the first's times
     verdict = trial_verdict(
-        trial["exact_step_s"], trial["local_step_s"], trial["exchange_s"], 0.1, EPOCH_GROWTH[algorithm]
+        trial["exact_step_s"], trial["local_step_s"], trial["exchange_s"], 0.1, DEFAULT_POLICY.growth(algorithm)
     )
     assert (verdict[0], verdict[1]) == (trial["kept"], trial["steps_after"])
     assert trial["exact_step_s"] >= 0.05
@@ -1487,7 +1492,7 @@ def _body_trial_joined(rank: int, world_size: int) -> dict:
     # exact's steps 50 ms, the trial's 60 (a return to exact, were every rank training); rank 1's data ends
     # 3 steps into the second trial block: its join round meets the round that carries the first's times
     steps = 4 + 8 + 3 if rank == 1 else 4 + 16 + 4
-    with mock.patch.object(auto_module, "TRIAL_WINDOW", 10.0):
+    with mock.patch.object(auto, "policy", replace(auto.policy, trial_window=10.0)):
         for i in range(steps):
             _train(model, optimizer, rank, 1, start=i)
             if i + 1 == 12:  # mid-trial (after its first round): a checkpoint
@@ -1506,7 +1511,7 @@ def _body_trial_joined(rank: int, world_size: int) -> dict:
         "label": auto.decision["label"],
         "block_size": auto.inner.block_size,
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
-        "resumed": (resumed.decision["label"], resumed.inner.block_size, resumed.inner.report_width),
+        "resumed": (resumed.decision["label"], resumed.inner.block_size, resumed.report_width()),
     }
 
 

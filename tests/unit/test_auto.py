@@ -89,12 +89,12 @@ def test_block_size_is_capped_at_thirty_two_steps():
 
 def test_one_fixed_cost_probe_per_family():
     # every bit width shares one quantized probe and both block algorithms one block probe
-    probes, shared = auto.Auto(risk="high")._probes()
+    probes, shared = auto.probes_for("high", momentum=0.0)
     assert [p.label for p in probes] == ["exact", "fp16", "1-bit", "block_momentum"]
     assert shared == {"8-bit": "1-bit", "2-bit": "1-bit", "model_averaging": "block_momentum"}
-    probes, shared = auto.Auto(risk="medium")._probes()
+    probes, shared = auto.probes_for("medium", momentum=0.0)
     assert [p.label for p in probes] == ["exact", "fp16", "2-bit"] and shared == {"8-bit": "2-bit"}
-    probes, shared = auto.Auto(risk="low")._probes()
+    probes, shared = auto.probes_for("low", momentum=0.0)
     assert [p.label for p in probes] == ["exact", "fp16"] and shared == {}
 
 
@@ -118,7 +118,11 @@ def test_a_tie_between_the_block_algorithms_goes_by_the_optimizers_momentum():
         found = auto.candidates_for("high", profile, net, 4, momentum=momentum)
         predictions = [cm.predict(profile, net, c, 4) for c in found]
         steps = {p.label.split(":")[0]: p.step_s for p in predictions[5:]}
-        assert steps["model_averaging"] < steps["block_momentum"] <= (1 + auto.BLOCK_TIE) * steps["model_averaging"]
+        assert (
+            steps["model_averaging"]
+            < steps["block_momentum"]
+            <= (1 + auto.DEFAULT_POLICY.block_tie) * steps["model_averaging"]
+        )
         index, _ = auto.choose(predictions, 0.1)
         assert found[index].algorithm == expected, momentum
 
@@ -296,8 +300,8 @@ def test_one_worker_keeps_exact_without_probing_a_network(monkeypatch):
     def no_probe(*args, **kwargs):
         raise AssertionError("a job of one worker has no network to measure")
 
-    monkeypatch.setattr(auto_module, "measure_network", no_probe)
-    monkeypatch.setattr(auto_module, "measure_fixed_costs", no_probe)
+    monkeypatch.setattr(auto_module.measuring, "measure_network", no_probe)
+    monkeypatch.setattr(auto_module.measuring, "measure_fixed_costs", no_probe)
     torch.manual_seed(0)
     auto = bunsan.Auto(measure_steps=3, verbose=False)
     model = torch.nn.Linear(4, 2)
@@ -479,9 +483,12 @@ def test_lengthened_block_doubles_only_while_a_doubling_beats_the_epochs_it_may_
 
 
 def test_epoch_growth_is_given_for_every_block_algorithm_and_orders_them_by_the_sweeps():
-    assert set(auto.EPOCH_GROWTH) == set(auto.BLOCK_ALGORITHMS)
+    policy = auto.DEFAULT_POLICY
+    growth = {name: policy.growth(name) for name in auto.BLOCK_ALGORITHMS}
     # block momentum's epochs grew more with its blocks than model averaging's in every sweep
-    assert auto.EPOCH_GROWTH["model_averaging"] < auto.EPOCH_GROWTH["block_momentum"] < 2
+    assert growth["model_averaging"] < growth["block_momentum"] < 2
+    with pytest.raises(ValueError, match="no block growth"):
+        policy.growth("data_parallel")
     with pytest.raises(ValueError, match="growth"):
         auto.lengthened_block(32, 1.0, 1.0, 0.9)
 
@@ -554,7 +561,7 @@ def test_a_trial_is_asked_only_where_exact_is_kept_and_a_block_is_within_the_win
 
 
 def test_a_trials_verdict_is_its_timed_step_at_the_cap_against_exacts_measured_step():
-    growth = auto.EPOCH_GROWTH["model_averaging"]
+    growth = auto.DEFAULT_POLICY.growth("model_averaging")
     # 10 ms local steps, a 4 ms round: at the 32-step cap 10.125 ms a step (the 5% rule would take 8 steps)
     keep, steps, block_s, gain = auto.trial_verdict(0.0111, 0.010, 0.004, 0.1, growth)
     assert steps == 32 and block_s == pytest.approx(0.010125)

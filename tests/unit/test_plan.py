@@ -215,11 +215,15 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     from bunsan.train.checkpoint import files
 
     files.write_file(tmp_path / "session.pt", {"format": files.FORMAT, **checkpoint})  # a TrainingSession's file
+    # Auto(record=...)'s JSON lines: the last record is the decision as the job left it
+    earlier = {**decision, "step": 99, "label": "exact"}
+    lines = [json.dumps({"event": "decision", **earlier}), json.dumps({"event": "block_check", **decision})]
+    (tmp_path / "records.jsonl").write_text("\n".join(lines) + "\n")
     m = decision["measured"]
     job_network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
     profile = _job_profile()
     expected = cm.predict_all(profile, job_network, cm.default_candidates(1024), [4, 16, 64], overlap=False)
-    for source in ("ckpt.pt", "decision.json", "session.pt"):
+    for source in ("ckpt.pt", "decision.json", "session.pt", "records.jsonl"):
         record = tmp_path / f"{source}.plan.json"
         argv = ["plan", "--job", str(tmp_path / source), "--workers", "4,16,64", "--png", str(tmp_path / "p.png")]
         assert main([*argv, "--json", str(record)]) == 0

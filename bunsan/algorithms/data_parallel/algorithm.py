@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -185,12 +185,9 @@ class DataParallelSGD(BucketExchange):
         self._callback_queued = False  # the current backward will complete the exchange
         self._exchanged = False  # an exchange completed since the last optimizer step
         self._last_quantized = False  # that exchange was quantized (momentum already applied)
-        # seconds this process spent completing exchanges (in _exchange: from the end of backward to the
-        # reduced gradients); Auto reads and resets it per step to tell a step's compute from its wait
-        self.exchange_s = 0.0
-        # Set by Auto for a fresh run's first step: the buckets wait for the end of backward, where this is
-        # called before any collective of the round; True means it replaced this algorithm (no exchange)
-        self.before_exchange: Callable[[], bool] | None = None
+        # this round's exchange waits for the end of backward, where the observer's before_exchange runs
+        # before any collective of the round (Observer.holds_exchange, asked at the round's first gradient)
+        self._round_held = False
 
     def __repr__(self) -> str:
         rotate = ", rotate=True" if self.rotate else ""
@@ -302,6 +299,14 @@ class DataParallelSGD(BucketExchange):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+
+    def release(self) -> None:
+        self.remove_hooks()  # a successor takes over: these gradient hooks must stop firing
+
+    def _take_back_round(self) -> int:
+        taken = self._round[0] if self._round is not None else 0  # taken by this backward's first gradient hook
+        self._round = None
+        return taken
 
     def setup_buffers(self, modules: Sequence[tuple[str, Any, list[str]]]) -> None:
         super().setup_buffers(modules)

@@ -11,13 +11,13 @@ invariants are listed in :mod:`bunsan.algorithms.data_parallel`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import cast
 
 import torch
 from torch import Tensor
 from torch.distributed.algorithms.join import Joinable
 
+from bunsan.algorithms.base import Observer
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.data_parallel.momentum import LocalMomentum, Piece
 from bunsan.algorithms.data_parallel.quantized import QuantizedExchange
@@ -53,8 +53,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
     _exchanged: bool
     _last_quantized: bool
     _quantized_bytes: int
-    exchange_s: float
-    before_exchange: Callable[[], bool] | None
+    _round_held: bool
+    observer: Observer | None
 
     def _update_mode(self) -> None:
         """Whether this step's exchange is quantized: from the global sample count, the same on every rank."""
@@ -77,8 +77,9 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             self._callback_queued = True
             notify_join_context(self)  # inside a torch Join: before this round's collectives
             self._round = (self._take_local_samples(), 1.0)
+            self._round_held = self.observer is not None and self.observer.holds_exchange()
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            if self.buffer_sync is not None and self.before_exchange is None:
+            if self.buffer_sync is not None and not self._round_held:
                 self.buffer_sync.launch_riding(contribute=True)  # final since the forward: overlap with backward
         if self.quantizing:  # per-worker momentum and residuals: one parameter at a time
             self._copy_in(bucket, i)
@@ -88,11 +89,11 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
                 self._launch_in_order()
             return
         bucket.ready.add(i)
-        # Under a before_exchange hook nothing leaves before it has run, nor is filled: a gradient that is
+        # Under a held exchange nothing leaves before before_exchange has run, nor is filled: a gradient that is
         # a bucket's view (the reduced buffer of the last round, kept by zero_grad(set_to_none=False))
         # would be divided in place, and an algorithm that replaces this one there takes p.grad as it is.
-        # The exchange fills what the hook leaves to it.
-        if len(bucket.ready) == len(bucket.params) and self.before_exchange is None:
+        # The exchange fills what the hold leaves to it.
+        if len(bucket.ready) == len(bucket.params) and not self._round_held:
             self._fill(bucket)
             self._launch_in_order()
 
@@ -120,9 +121,9 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        hook, self.before_exchange = self.before_exchange, None
-        if hook is not None and hook():  # replaced by another algorithm before this round's first collective
-            return
+        held, self._round_held = self._round_held, False
+        if held and self.observer is not None and self.observer.before_exchange():
+            return  # replaced by another algorithm before this round's first collective
         self._exchange(active=True)
 
     def _copy_in(self, bucket: Bucket, i: int) -> None:
@@ -147,9 +148,9 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
             torch.div(grad, self._n, out=view)
 
     def _launch_in_order(self) -> None:
-        # Same order on every rank: bucket k leaves only after buckets 0..k-1; none before a
-        # before_exchange hook has run (at the end of backward, or cleared by _exchange).
-        if self.before_exchange is not None:
+        # Same order on every rank: bucket k leaves only after buckets 0..k-1; none while the round is
+        # held for the observer's before_exchange (at the end of backward, or cleared by _exchange).
+        if self._round_held:
             return
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
@@ -194,7 +195,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         of ranks that trained in this round.
         """
         started = time.perf_counter()
-        self.before_exchange = None  # an exchange not started by backward's end (no gradient, join): no hook
+        self._round_held = False  # an exchange not started by backward's end (no gradient, join): no hold
         if self._round is None:
             if active:
                 notify_join_context(self)  # inside a torch Join: before this round's collectives
@@ -271,7 +272,8 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         self._exchanged = True
         self._last_quantized = quantized and active
         self._update_mode()  # the same global count on every rank: the same decision
-        self.exchange_s += time.perf_counter() - started
+        if self.observer is not None:
+            self.observer.after_exchange(time.perf_counter() - started)
         return n_active
 
     def complete_exchange(self) -> None:
@@ -279,8 +281,7 @@ class BucketExchange(LocalMomentum, QuantizedExchange, Joinable):
         if not self._exchanged:
             if self._callback_queued:
                 raise RuntimeError("optimizer.synchronize() was called during backward")
-            # a rank whose backward reached no parameter meets the others' before_exchange hook here
-            hook, self.before_exchange = self.before_exchange, None
-            if hook is not None and hook():
+            # a rank whose backward reached no parameter meets the others' before_exchange here
+            if self.observer is not None and self.observer.holds_exchange() and self.observer.before_exchange():
                 return  # replaced: the new algorithm completes this step
             self._exchange(active=True)
