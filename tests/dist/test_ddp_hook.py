@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -77,10 +78,10 @@ def _grads(step: int, rank: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in _Probe().parameters()]
 
 
-def _body_error_feedback_identity(rank, world_size, bits, steps):
+def _body_error_feedback_identity(rank, world_size, bits, steps, rotate=False):
     """Sum of applied gradients + outstanding residuals == sum of true mean gradients."""
     model = DDP(_Probe(), bucket_cap_mb=SMALL_BUCKETS_MB)
-    state = QuantizedHookState(model, bits=bits, warmup_steps=0)
+    state = QuantizedHookState(model, bits=bits, warmup_steps=0, rotate=rotate)
     model.register_comm_hook(state, quantized_hook)
     params = list(model.parameters())
     applied = [torch.zeros_like(p) for p in params]
@@ -101,6 +102,7 @@ def _body_error_feedback_identity(rank, world_size, bits, steps):
         [t.tolist() for t in true],
         [(residuals["residual"][n] + residuals["owner_residual"][n]).tolist() for n in names],
         state.stats(),
+        [layout.stripes.batched for layout in state._layouts.values()],
     )
 
 
@@ -115,13 +117,13 @@ def _check_identity(results, world_size):
             assert results[r][0][i] == results[0][0][i]  # every replica applies the same gradient
 
 
-@pytest.mark.parametrize("bits", [1, 2, 8])
-def test_error_feedback_loses_nothing(workers, bits):
-    results = workers.run(f"{__name__}:_body_error_feedback_identity", bits=bits, steps=10)
+@pytest.mark.parametrize(("bits", "rotate"), [(1, False), (2, False), (8, False), (1, True)])
+def test_error_feedback_loses_nothing(workers, bits, rotate):
+    results = workers.run(f"{__name__}:_body_error_feedback_identity", bits=bits, steps=10, rotate=rotate)
     _check_identity(results, 2)
     stats = results[0][3]
     # small parameters: padded stripes and chunk means weigh more than in a real model
-    assert stats["quantized_steps"] == 10 and stats["compression_ratio"] > (12 if bits == 1 else 2)
+    assert stats["quantized_steps"] == 10 and stats["compression_ratio"] > (8 if bits == 1 else 2)
 
 
 def test_error_feedback_loses_nothing_with_4_ranks(workers4):
@@ -151,6 +153,25 @@ def test_hook_equals_data_parallel_sgd(workers, bits):
     torch.testing.assert_close(hooked, algorithm, rtol=0, atol=1e-6)
     assert (hooked - exact).abs().max() > 1e-5  # it did quantize
     assert results[0][0] == results[1][0]
+
+
+def _body_one_call_codec(rank, world_size, bits):
+    """The codec in one call per bucket and phase, as on a GPU (stripes.coded_per_bucket), here on CPU."""
+    os.environ["BUNSAN_CODEC_CALLS"] = "bucket"
+    try:
+        identity = _body_error_feedback_identity(rank, world_size, bits, steps=6)
+        equal = _body_equals_data_parallel_sgd(rank, world_size, bits)
+    finally:
+        del os.environ["BUNSAN_CODEC_CALLS"]
+    return identity, equal
+
+
+def test_one_call_codec_of_a_gpu(workers):
+    results = workers.run(f"{__name__}:_body_one_call_codec", bits=2)
+    assert all(results[0][0][4]) and results[0][0][4]  # the one-call codec ran
+    _check_identity([r[0] for r in results], 2)
+    hooked, algorithm, _ = (torch.tensor(v) for v in results[0][1])
+    torch.testing.assert_close(hooked, algorithm, rtol=0, atol=1e-6)
 
 
 def _body_bucket_layouts(rank, world_size, bits, steps=6):

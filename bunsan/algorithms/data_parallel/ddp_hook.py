@@ -113,7 +113,9 @@ class QuantizedHookState:
         total_steps: the steps of the whole training, for the default warm-up.
         rotate: quantize each chunk after a fixed random rotation
             (:class:`bunsan.compression.RotatedQuantizer`); default False, as
-            DataParallelSGD with SGD.
+            DataParallelSGD chooses with SGD (it rotates only for 1-bit Adam, whose
+            frozen-variance optimizer a hook alone does not provide). The codec runs one
+            call per segment on CPU and one per bucket on a GPU, as in DataParallelSGD.
         chunk_size: elements per quantization chunk (default 512, or 1024 rotated).
         grad_scaler: the ``torch.amp.GradScaler`` of the training, if any. Residuals are kept
             in the units of the scaled gradient the hook sees; when the scale changes (it
