@@ -20,8 +20,9 @@ Distributed invariants kept here:
   callback: DDP calls the hook bucket by bucket in index order on every rank, so the
   ranks' collectives match. (Collectives launched from callbacks, as torch's PowerSGD
   hook does, run in different orders on different ranks once there are 2+ buckets, and
-  Gloo aborts with a collective mismatch.) A quantized bucket therefore completes inside
-  the hook and returns a completed future.
+  Gloo aborts with a collective mismatch.) A quantized bucket's hook starts its all-to-all
+  (which overlaps the rest of backward); the last bucket's hook completes every bucket in
+  index order, then their futures.
 * Whether a step quantizes is decided at its first bucket from the step count, the same
   on every rank.
 * Residuals are kept by parameter name, not by bucket: when DDP rebuilds its buckets
@@ -36,7 +37,7 @@ Distributed invariants kept here:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +54,7 @@ from bunsan.algorithms.data_parallel.quantized import (
     reduce_owned_stripe,
 )
 from bunsan.algorithms.data_parallel.stripes import Stripes, build_stripes
-from bunsan.comm import Traffic, all_gather_into, all_reduce, all_to_all, get_rank, get_world_size
+from bunsan.comm import Traffic, all_gather_into, all_reduce, all_to_all, get_rank, get_world_size, wait
 from bunsan.comm.layout import FlatGroup
 from bunsan.compression import DEFAULT_CHUNK_SIZE, Quantizer
 from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
@@ -83,6 +84,15 @@ class _Layout:
             and all(a is b for a, b in zip(params, self.params))
             and buffer.dtype == self.bucket.buffer.dtype
         )
+
+
+class _Pending(NamedTuple):
+    """A quantized bucket between its hook (phase 1 started) and the last bucket's (phases 2 and 3)."""
+
+    layout: _Layout
+    buffer: Tensor
+    work: Any
+    future: torch.futures.Future[Tensor]
 
 
 class QuantizedHookState:
@@ -136,6 +146,7 @@ class QuantizedHookState:
         "_in_step",
         "_layouts",
         "_names",
+        "_pending",
         "_quantized_bytes",
         "_quantizer",
         "_quantizing",
@@ -205,6 +216,7 @@ class QuantizedHookState:
         self._in_step = False
         self._quantizing = False
         self._touched: list[_Layout] = []
+        self._pending: list[_Pending] = []  # this step's quantized buckets, phase 1 under way
         self._sent_finite: list[Tensor] = []
         self._encode_s = self._decode_s = 0.0
         self._exact_bytes = self._quantized_bytes = 0
@@ -361,8 +373,8 @@ def _exact(state: QuantizedHookState, buffer: Tensor) -> torch.futures.Future[Te
     return work.get_future().then(lambda future: future.value()[0])
 
 
-def _quantized(state: QuantizedHookState, index: int, params: list[Tensor], buffer: Tensor) -> Tensor:
-    """The three phases of DataParallelSGD's striped exchange for one bucket, completed here."""
+def _launch(state: QuantizedHookState, index: int, params: list[Tensor], buffer: Tensor) -> _Pending:
+    """Phase 1 of DataParallelSGD's striped exchange for one bucket: quantize, start the all-to-all."""
     quantizer = state._quantizer
     assert quantizer is not None
     group, traffic = state.group, state.traffic
@@ -378,14 +390,27 @@ def _quantized(state: QuantizedHookState, index: int, params: list[Tensor], buff
     else:
         layout.owner_backup.zero_()
     state._touched.append(layout)
-    sent_before = traffic.sent
     buffer.div_(n)  # as DataParallelSGD copies a gradient in: divided before the sum
     start = time.perf_counter()
-    # 1. quantize every stripe with this rank's residual; send stripe j to rank j
+    # 1. quantize every stripe with this rank's residual; send stripe j to rank j (overlaps backward)
     encode_stripes(quantizer, q, buffer, feedback=True)
     state._encode_s += time.perf_counter() - start
     state._sent_finite.append(q.sent_finite())
-    all_to_all(q.received, q.send, group=group, traffic=traffic)
+    sent_before = traffic.sent
+    work = all_to_all(q.received, q.send, group=group, traffic=traffic, async_op=True)
+    state._quantized_bytes += traffic.sent - sent_before
+    return _Pending(layout, buffer, work, torch.futures.Future())
+
+
+def _finish(state: QuantizedHookState, pending: _Pending) -> None:
+    """Phases 2 and 3 for one bucket whose all-to-all was started: the gradient into its buffer."""
+    quantizer = state._quantizer
+    assert quantizer is not None
+    group, traffic = state.group, state.traffic
+    n, me = get_world_size(group), get_rank(group)
+    q, buffer = pending.layout.stripes, pending.buffer
+    wait(pending.work, "quantized gradient exchange")
+    sent_before = traffic.sent
     start = time.perf_counter()
     if n == 2:
         # 2-3. each rank shares its own payload of the stripe it owns; both decode the sum in rank order
@@ -401,7 +426,6 @@ def _quantized(state: QuantizedHookState, index: int, params: list[Tensor], buff
         state._exact_bytes += int(2 * (n - 1) / n * buffer.numel() * 4)
     state._decode_s += time.perf_counter() - start
     state._quantized_bytes += traffic.sent - sent_before
-    return buffer
 
 
 def quantized_hook(state: QuantizedHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
@@ -409,17 +433,31 @@ def quantized_hook(state: QuantizedHookState, bucket: GradBucket) -> torch.futur
 
     Register it with ``ddp_model.register_comm_hook(state, quantized_hook)``; see
     :class:`QuantizedHookState` and docs/how-to/ddp-hooks.md. During the warm-up (and with
-    ``bits=32``) it is DDP's exact all-reduce.
+    ``bits=32``) it is DDP's exact all-reduce. A quantized bucket's all-to-all starts in its
+    own hook and overlaps the rest of backward; the last bucket's hook completes every bucket
+    in index order (phases 2 and 3), agrees on finiteness and completes their futures.
     """
     buffer = bucket.buffer()
     if not state._in_step:
         state._begin_step()
     if state._quantizing:
-        future = _completed(_quantized(state, bucket.index(), bucket.parameters(), buffer))
+        launched = _launch(state, bucket.index(), bucket.parameters(), buffer)
+        state._pending.append(launched)
+        future = launched.future
     else:
         future = _exact(state, buffer)
     if bucket.is_last():
-        state._end_step(bucket.index(), buffer)
+        pending, state._pending = state._pending, []
+        try:
+            for each in pending:  # bucket order, the same on every rank: the collectives match
+                _finish(state, each)
+            state._end_step(bucket.index(), buffer)
+        except Exception as e:  # DDP waits on every future: none may stay pending
+            for each in pending:
+                each.future.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the result
+            raise
+        for each in pending:
+            each.future.set_result(each.buffer)
     return future
 
 
