@@ -1,4 +1,4 @@
-"""Parallel SGD algorithms and their registry by name.
+"""Parallel SGD algorithms and their registry by name; DataParallelSGD's exchange as a DDP communication hook.
 
 >>> from bunsan import algorithms
 >>> algorithms.create("data_parallel", compression="fp16")
@@ -13,7 +13,7 @@ from bunsan.algorithms.async_sgd import AsyncSGD
 from bunsan.algorithms.auto import Auto
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
-from bunsan.algorithms.data_parallel import DataParallelSGD
+from bunsan.algorithms.data_parallel import DataParallelSGD, QuantizedHookState, quantized_hook
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = [
@@ -23,8 +23,10 @@ __all__ = [
     "BlockMomentumSGD",
     "DataParallelSGD",
     "ModelAveragingSGD",
+    "QuantizedHookState",
     "create",
     "names",
+    "quantized_hook",
     "register",
 ]
 

@@ -29,7 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # distributions of the extras (pyproject.toml): none of them may come with the core
-OPTIONAL = ("scikit-learn", "matplotlib", "mnist1d", "tqdm", "optuna", "tensorboard")
+OPTIONAL = ("scikit-learn", "matplotlib", "mnist1d", "tqdm", "optuna", "tensorboard", "lightning", "accelerate")
 
 # The job: two models trained by two algorithms, replicas compared across ranks after each.
 JOB = """\

@@ -35,12 +35,24 @@ Distributed invariants kept here:
   with the division by the world size fused into the copy.
 * Gradients are divided by the world size before the sum, so a half-precision
   sum cannot overflow where the mean would not.
+
+The quantized exchange also runs inside plain DistributedDataParallel as a
+communication hook (:mod:`bunsan.algorithms.data_parallel.ddp_hook`), with the same
+per-bucket functions (:mod:`bunsan.algorithms.data_parallel.quantized`).
 """
 
 from __future__ import annotations
 
 from bunsan.algorithms.data_parallel.algorithm import DataParallelSGD
+from bunsan.algorithms.data_parallel.ddp_hook import QuantizedHookState, quantized_hook
 from bunsan.algorithms.data_parallel.momentum import HEAVY_MOMENTUM_1BIT, QUANTIZED_MOMENTUM_1BIT
 from bunsan.algorithms.data_parallel.stripes import plan_stripes
 
-__all__ = ["HEAVY_MOMENTUM_1BIT", "QUANTIZED_MOMENTUM_1BIT", "DataParallelSGD", "plan_stripes"]
+__all__ = [
+    "HEAVY_MOMENTUM_1BIT",
+    "QUANTIZED_MOMENTUM_1BIT",
+    "DataParallelSGD",
+    "QuantizedHookState",
+    "plan_stripes",
+    "quantized_hook",
+]

@@ -21,16 +21,24 @@ from functools import partial
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.data_parallel.momentum import Piece
 from bunsan.algorithms.data_parallel.stripes import Stripes
-from bunsan.comm import all_gather_into, all_reduce, all_to_all, get_rank, wait
+from bunsan.comm import Traffic, all_gather_into, all_reduce, all_to_all, get_rank, wait
 from bunsan.compression import Quantizer
 from bunsan.compression.rotation import RotatedQuantizer
 
-__all__ = ["QuantizedExchange"]
+__all__ = [
+    "QuantizedExchange",
+    "decode_pair",
+    "decode_stripes",
+    "encode_stripes",
+    "merge_owner_residual",
+    "reduce_owned_stripe",
+]
 
 
 def _within(pieces: list[Piece], lo: int, length: int) -> list[Piece]:
@@ -67,6 +75,157 @@ def _pair_batched(q: Stripes, me: int, n_active: int, out: Tensor) -> None:
         codec.scatter(rows, out)
 
 
+# -- one bucket's phases, local work only (shared with bunsan.algorithms.data_parallel.ddp_hook) --------
+
+
+def encode_stripes(quantizer: Quantizer | RotatedQuantizer, q: Stripes, buffer: Tensor, *, feedback: bool) -> None:
+    """Phase 1's local half: quantize every stripe of ``buffer`` into ``q.send``, in place.
+
+    With ``feedback`` the residual ``q.residual`` is added before quantizing and keeps what
+    the quantization dropped; without it the residual is neither read nor written.
+    """
+    if q.batched:  # one call for every stripe of the bucket (a GPU: stripes.coded_per_bucket)
+        residual = q.residual if feedback else None
+        codec = q.codec(None)  # it reads half types as float32
+        q.run("encode", partial(codec.encode, buffer, q.send, residual), buffer, q.send, residual)
+        return
+    values = buffer if buffer.dtype == torch.float32 else buffer.float()
+    for j, stripe in enumerate(q.segments):
+        base = j * q.payload
+        for lo, length, at in stripe:
+            out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
+            if feedback:
+                quantizer.encode_with_feedback(values[lo : lo + length], q.residual[lo : lo + length], out=out)
+            else:
+                quantizer.encode(values[lo : lo + length], out=out)
+
+
+def _owner_batched(q: Stripes, me: int, n: int, n_active: int, owner_residual: Tensor | None) -> None:
+    """The owner's sum of its stripe and its re-quantization, one call each (a GPU)."""
+    owned = q.codec(me)
+    # the owner alone sums its stripe: one reduction over the ranks' payloads
+    rows = owned.decode_sum_rows(q.received, [i * q.payload for i in range(n)])
+    if n_active != n:
+        rows.mul_(n / n_active)
+    owned.encode_gathered(rows, q.own_payload, owner_residual)
+
+
+def reduce_owned_stripe(
+    quantizer: Quantizer | RotatedQuantizer, q: Stripes, me: int, n: int, n_active: int, *, feedback: bool
+) -> None:
+    """Phase 2's local half (3+ ranks): the owner ``me`` sums its stripe from ``q.received`` and
+    re-quantizes the mean into ``q.own_payload``, with ``q.owner_residual`` where ``feedback``."""
+    if q.batched:
+        owner_residual = q.owner_residual if feedback else None
+        q.run(
+            ("owner", me, n, n_active),
+            partial(_owner_batched, q, me, n, n_active, owner_residual),
+            q.received,
+            q.own_payload,
+            owner_residual,
+        )
+        return
+    position = 0
+    for lo, length, at in q.segments[me]:
+        summed = q.summed[position : position + length]
+        size = quantizer.payload_bytes(length)
+        # rank order: the same sum on whichever rank owns the stripe
+        quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
+        if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
+            summed.mul_(n / n_active)
+        out = q.own_payload[at : at + quantizer.payload_bytes(length)]
+        if feedback:
+            quantizer.encode_with_feedback(summed, q.owner_residual[lo : lo + length], out=out)
+        else:
+            quantizer.encode(summed, out=out)
+        position += length
+
+
+def decode_stripes(
+    quantizer: Quantizer | RotatedQuantizer, q: Stripes, buffer: Tensor, mine: list[Piece] | None = None
+) -> None:
+    """Phase 3's local half (3+ ranks): decode every owner's stripe from ``q.gathered`` into ``buffer``.
+
+    ``mine``: what the decode also takes out of momentum units in its pass (float32 buffers).
+    """
+    mine = mine or []
+    decoded = buffer if buffer.dtype == torch.float32 else None
+    if q.batched:
+        codec = q.codec(None)
+        q.run("decode", partial(codec.decode, q.gathered, buffer), q.gathered, buffer)
+        if decoded is not None:
+            _take_out(decoded, mine)
+        return
+    for j, stripe in enumerate(q.segments):
+        for lo, length, at in stripe:
+            base = j * q.payload + at
+            payload = q.gathered[base : base + quantizer.payload_bytes(length)]
+            if decoded is not None:
+                then = _within(mine, lo, length)
+                if then:
+                    quantizer.decode_sum([payload], length, decoded[lo : lo + length], then=then)
+                else:
+                    quantizer.decode(payload, length, out=decoded[lo : lo + length])
+            else:
+                buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
+
+
+def decode_pair(
+    quantizer: Quantizer | RotatedQuantizer,
+    q: Stripes,
+    me: int,
+    n_active: int,
+    buffer: Tensor,
+    mine: list[Piece] | None = None,
+) -> None:
+    """Phase 3's local half at 2 ranks: the sum of both ranks' first-stage payloads of every stripe
+    (``q.send``, ``q.received``, and ``q.gathered`` after the owners' all-gather) into ``buffer``,
+    in rank order, so both ranks decode the same sum bit for bit."""
+    mine = mine or []
+    other = 1 - me
+    if q.batched:
+        q.run(
+            ("pair", me, n_active),
+            partial(_pair_batched, q, me, n_active, buffer),
+            q.send,
+            q.received,
+            q.gathered,
+            buffer,
+        )
+        if buffer.dtype == torch.float32:
+            _take_out(buffer, mine)
+        return
+    direct = buffer.dtype == torch.float32
+    for j, stripe in enumerate(q.segments):
+        # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
+        # (j == me, in received) or now (j == other, in gathered, which it owns).
+        theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
+        sources = {me: q.send[j * q.payload :], other: theirs}
+        for lo, length, at in stripe:
+            size = quantizer.payload_bytes(length)
+            summed = buffer[lo : lo + length] if direct else q.scratch[:length]
+            # rank order: the same sum on both ranks
+            then = _within(mine, lo, length) if direct else []
+            quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed, then=then)
+            if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
+                summed.mul_(2 / n_active)
+            if not direct:
+                buffer[lo : lo + length].copy_(summed)
+
+
+def merge_owner_residual(q: Stripes, me: int, *, group: ProcessGroup | None, traffic: Traffic | None) -> None:
+    """Collective: give the owner ``me`` of a stripe the whole of its owner residual, in place.
+
+    After a load or a change of buckets, owner residuals sit with the ranks that owned
+    each stripe before; each entry is nonzero on one rank only, so their sum is exact.
+    """
+    all_reduce(q.owner_residual, group=group, traffic=traffic)
+    merged = q.owner_residual.clone()
+    q.owner_residual.zero_()
+    for lo, length, _ in q.segments[me]:
+        q.owner_residual[lo : lo + length].copy_(merged[lo : lo + length])
+
+
 class QuantizedExchange(Algorithm):
     """The quantized half of :class:`~bunsan.algorithms.data_parallel.DataParallelSGD` (a mixin of it)."""
 
@@ -89,20 +248,8 @@ class QuantizedExchange(Algorithm):
         quantizer, q = self._quantizer, self._stripes[bucket.index]
         active = self._round is None or self._round[1] > 0
         start = time.perf_counter()
-        if q.batched:  # one call for every stripe of the bucket (a GPU: stripes.coded_per_bucket)
-            residual = q.residual if active and self.error_feedback else None
-            codec = q.codec(None)  # it reads half types as float32
-            q.run("encode", partial(codec.encode, bucket.buffer, q.send, residual), bucket.buffer, q.send, residual)
-        else:
-            values = bucket.buffer if bucket.buffer.dtype == torch.float32 else bucket.buffer.float()
-            for j, stripe in enumerate(q.segments):
-                base = j * q.payload
-                for lo, length, at in stripe:
-                    out = q.send[base + at : base + at + quantizer.payload_bytes(length)]
-                    if active and self.error_feedback:
-                        quantizer.encode_with_feedback(values[lo : lo + length], q.residual[lo : lo + length], out=out)
-                    else:  # a joined rank sends zeros and keeps its residual for nobody
-                        quantizer.encode(values[lo : lo + length], out=out)
+        # a joined rank sends zeros and keeps its residual for nobody
+        encode_stripes(quantizer, q, bucket.buffer, feedback=active and self.error_feedback)
         self._encode_s += time.perf_counter() - start
         if active:
             self._sent_finite.append(q.sent_finite())
@@ -129,56 +276,15 @@ class QuantizedExchange(Algorithm):
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             start = time.perf_counter()
-            if q.batched:
-                owner_residual = q.owner_residual if self.error_feedback else None
-                q.run(
-                    ("owner", me, n, n_active),
-                    partial(self._owner_batched, q, me, n_active, owner_residual),
-                    q.received,
-                    q.own_payload,
-                    owner_residual,
-                )
-            else:
-                position = 0
-                for lo, length, at in q.segments[me]:
-                    summed = q.summed[position : position + length]
-                    size = quantizer.payload_bytes(length)
-                    # rank order: the same sum on whichever rank owns the stripe
-                    quantizer.decode_sum([q.received[i * q.payload + at :][:size] for i in range(n)], length, summed)
-                    if n_active != n:  # gradients were divided by n before sending; the mean is over active ranks
-                        summed.mul_(n / n_active)
-                    out = q.own_payload[at : at + quantizer.payload_bytes(length)]
-                    if self.error_feedback:
-                        quantizer.encode_with_feedback(summed, q.owner_residual[lo : lo + length], out=out)
-                    else:
-                        quantizer.encode(summed, out=out)
-                    position += length
+            reduce_owned_stripe(quantizer, q, me, n, n_active, feedback=self.error_feedback)
             self._decode_s += time.perf_counter() - start
             q.work = all_gather_into(q.gathered, q.own_payload, group=self.group, traffic=self.traffic, async_op=True)
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             wait(q.work, "quantized gradient gather")
             start = time.perf_counter()
-            decoded = bucket.buffer if bucket.buffer.dtype == torch.float32 else None
             mine = pieces.get(bucket.index, []) if pieces is not None else []
-            if q.batched:
-                codec = q.codec(None)
-                q.run("decode", partial(codec.decode, q.gathered, bucket.buffer), q.gathered, bucket.buffer)
-                if decoded is not None:
-                    _take_out(decoded, mine)
-            else:
-                for j, stripe in enumerate(q.segments):
-                    for lo, length, at in stripe:
-                        base = j * q.payload + at
-                        payload = q.gathered[base : base + quantizer.payload_bytes(length)]
-                        if decoded is not None:
-                            then = _within(mine, lo, length)
-                            if then:
-                                quantizer.decode_sum([payload], length, decoded[lo : lo + length], then=then)
-                            else:
-                                quantizer.decode(payload, length, out=decoded[lo : lo + length])
-                        else:
-                            bucket.buffer[lo : lo + length].copy_(quantizer.decode(payload, length))
+            decode_stripes(quantizer, q, bucket.buffer, mine)
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(2 * (n - 1) / n * bucket.buffer.numel() * 4)
@@ -197,7 +303,6 @@ class QuantizedExchange(Algorithm):
         """
         assert self._quantizer is not None
         quantizer, me = self._quantizer, get_rank(self.group)
-        other = 1 - me
         for bucket in self._buckets:
             q = self._stripes[bucket.index]
             q.work = all_gather_into(
@@ -212,46 +317,10 @@ class QuantizedExchange(Algorithm):
             wait(q.work, "quantized gradient gather")
             start = time.perf_counter()
             mine = pieces.get(bucket.index, []) if pieces is not None else []
-            if q.batched:
-                q.run(
-                    ("pair", me, n_active),
-                    partial(_pair_batched, q, me, n_active, bucket.buffer),
-                    q.send,
-                    q.received,
-                    q.gathered,
-                    bucket.buffer,
-                )
-                if bucket.buffer.dtype == torch.float32:
-                    _take_out(bucket.buffer, mine)
-            else:
-                for j, stripe in enumerate(q.segments):
-                    # Stripe j's first-stage payloads: mine is in send; the other rank's came in phase 1
-                    # (j == me, in received) or now (j == other, in gathered, which it owns).
-                    theirs = q.received[other * q.payload :] if j == me else q.gathered[j * q.payload :]
-                    sources = {me: q.send[j * q.payload :], other: theirs}
-                    direct = bucket.buffer.dtype == torch.float32
-                    for lo, length, at in stripe:
-                        size = quantizer.payload_bytes(length)
-                        summed = bucket.buffer[lo : lo + length] if direct else q.scratch[:length]
-                        # rank order: the same sum on both ranks
-                        then = _within(mine, lo, length) if direct else []
-                        quantizer.decode_sum([sources[r][at : at + size] for r in (0, 1)], length, summed, then=then)
-                        if n_active != 2:  # gradients were divided by 2 before sending; the mean is over active ranks
-                            summed.mul_(2 / n_active)
-                        if not direct:
-                            bucket.buffer[lo : lo + length].copy_(summed)
+            decode_pair(quantizer, q, me, n_active, bucket.buffer, mine)
             self._decode_s += time.perf_counter() - start
             q.work = None
             self._exact_bytes += int(bucket.buffer.numel() * 4)  # 2 * (n - 1) / n * numel * 4 at n = 2
-
-    def _owner_batched(self, q: Stripes, me: int, n_active: int, owner_residual: Tensor | None) -> None:
-        """The owner's sum of its stripe and its re-quantization, one call each (a GPU)."""
-        n, owned = self.world_size, q.codec(me)
-        # the owner alone sums its stripe: one reduction over the ranks' payloads
-        rows = owned.decode_sum_rows(q.received, [i * q.payload for i in range(n)])
-        if n_active != n:
-            rows.mul_(n / n_active)
-        owned.encode_gathered(rows, q.own_payload, owner_residual)
 
     def _local_nonfinite(self) -> float:
         """1.0 if this rank encoded an inf or NaN in this round (its slot in the metadata), else 0.0."""
@@ -273,12 +342,7 @@ class QuantizedExchange(Algorithm):
         """Collective: give each owner the whole of the loaded owner residuals of its stripe."""
         me = get_rank(self.group)
         for bucket in self._buckets:
-            q = self._stripes[bucket.index]
-            all_reduce(q.owner_residual, group=self.group, traffic=self.traffic)
-            merged = q.owner_residual.clone()
-            q.owner_residual.zero_()
-            for lo, length, _ in q.segments[me]:
-                q.owner_residual[lo : lo + length].copy_(merged[lo : lo + length])
+            merge_owner_residual(self._stripes[bucket.index], me, group=self.group, traffic=self.traffic)
         self._merge_owner_residuals = False
 
     def _residual_views(self, which: str) -> dict[str, Tensor]:

@@ -1,0 +1,174 @@
+"""quantized_hook under the real Accelerate and Lightning (2 gloo ranks; skipped without the packages).
+
+The workers already share a process group; torch's launcher variables (RANK, LOCAL_RANK,
+WORLD_SIZE, MASTER_ADDR/PORT) tell both frameworks that the processes exist, so neither starts
+its own. The pool of this module is its own, so the variables stay in its workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import bunsan
+from bunsan.algorithms import DataParallelSGD, QuantizedHookState, quantized_hook
+
+STEPS = 6
+BUCKET_MB = 0.0002
+
+
+def _launcher_environment(rank: int, world_size: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",  # never dialled: the process group exists already
+    )
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 37), nn.Tanh(), nn.Linear(37, 3))
+
+
+def _data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(16 * world_size, 20, generator=g), torch.randn(16 * world_size, 3, generator=g)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _reference(rank: int, world_size: int, bits: int, steps: int = STEPS) -> torch.Tensor:
+    """bunsan.distribute with the same arithmetic: DataParallelSGD(bits, local_momentum=False), plain SGD."""
+    model = _mlp()
+    algorithm = DataParallelSGD(bits=bits, local_momentum=False, bucket_size_mb=BUCKET_MB)
+    model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm)
+    x, y = _data(world_size)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        F.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        optimizer.step()
+    return _flat(model)
+
+
+def _body_accelerate(rank, world_size, bits):
+    from accelerate import Accelerator
+
+    _launcher_environment(rank, world_size)
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == world_size
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(model, DDP)
+    model.register_comm_hook(state := QuantizedHookState(model, bits=bits, warmup_steps=0), quantized_hook)
+    x, y = _data(world_size)
+    for step in range(STEPS):
+        if step == STEPS // 2:  # a checkpoint mid-training: the hook's state goes with it
+            saved = _deep_clone({"model": model.module.state_dict(), "hook": state.state_dict()})
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(model(x[rank::world_size]), y[rank::world_size]))
+        optimizer.step()
+    assert state.quantized_steps == STEPS
+    straight = _flat(model)
+    # resume from the checkpoint in a fresh prepared model
+    resumed = _mlp()
+    resumed.load_state_dict(saved["model"])
+    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    resumed, optimizer = accelerator.prepare(resumed, optimizer)
+    fresh = QuantizedHookState(resumed, bits=bits, warmup_steps=0)
+    fresh.load_state_dict(saved["hook"])
+    assert fresh.step == STEPS // 2
+    resumed.register_comm_hook(fresh, quantized_hook)
+    for _ in range(STEPS - STEPS // 2):
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(resumed(x[rank::world_size]), y[rank::world_size]))
+        optimizer.step()
+    return torch.equal(straight, _flat(resumed)), straight.tolist(), _reference(rank, world_size, bits).tolist()
+
+
+def _deep_clone(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _deep_clone(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="needs accelerate (the accelerate extra)")
+def test_accelerate_trains_resumes_and_equals_distribute(workers):
+    results = workers.run(f"{__name__}:_body_accelerate", bits=1)
+    for resumed_equal, hooked, reference in results:
+        assert resumed_equal
+        torch.testing.assert_close(torch.tensor(hooked), torch.tensor(reference), rtol=0, atol=1e-6)
+    assert results[0][1] == results[1][1]
+
+
+def _body_lightning(rank, world_size, bits):
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class QuantizedDDPStrategy(DDPStrategy):  # the snippet of docs/how-to/ddp-hooks.md
+        def __init__(self, bits=1, total_steps=None, warmup_steps=None, **kwargs):
+            super().__init__(**kwargs)
+            self.bits, self.total_steps, self.warmup_steps = bits, total_steps, warmup_steps
+
+        def configure_ddp(self):
+            super().configure_ddp()
+            self.hook_state = QuantizedHookState(
+                self.model, bits=self.bits, total_steps=self.total_steps, warmup_steps=self.warmup_steps
+            )
+            self.model.register_comm_hook(self.hook_state, quantized_hook)
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    _launcher_environment(rank, world_size)
+    x, y = _data(world_size)
+    # this rank's half, as the reference takes it (Lightning's own sampler would shuffle): one batch per epoch
+    shard = torch.utils.data.TensorDataset(x[rank::world_size], y[rank::world_size])
+    loader = torch.utils.data.DataLoader(shard, batch_size=16)
+    strategy = QuantizedDDPStrategy(bits=bits, warmup_steps=0, bucket_cap_mb=BUCKET_MB)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Module()
+    trainer.fit(module, loader)
+    assert strategy.hook_state.quantized_steps == STEPS
+    return _flat(module.net).tolist(), _reference(rank, world_size, bits).tolist()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning (the lightning extra)")
+def test_lightning_strategy_registers_the_hook_and_equals_distribute(workers):
+    results = workers.run(f"{__name__}:_body_lightning", bits=1)
+    for hooked, reference in results:
+        torch.testing.assert_close(torch.tensor(hooked), torch.tensor(reference), rtol=0, atol=1e-6)
+    assert results[0][0] == results[1][0]
