@@ -551,13 +551,15 @@ def measure_fixed_costs(
             step_s = timed(model, optimizer)
             optimizer.join()
             if candidate.algorithm == "async" and n > 1:  # rank 0's worker's excess and the remote workers'
+                from bunsan.algorithms import async_model  # only plan's campaign probes async; Auto never does
+
                 every = torch.zeros(n, dtype=torch.float64, device=device)
                 every[comm.get_rank(group)] = step_s
                 comm.all_reduce(every, group=group)
-                _, own, remote = cm.async_rank_steps(
+                _, own, remote = async_model.async_rank_steps(
                     profile, network, candidate, n, overlap=overlap, spare_core=spare_core
                 )
-                own_label, remote_label = cm.async_fixed_labels(candidate.label)
+                own_label, remote_label = async_model.async_fixed_labels(candidate.label)
                 fixed += [(own_label, float(every[0]) - own), (remote_label, float(every[1:].mean()) - remote)]
                 continue
             slowest = torch.tensor([step_s], dtype=torch.float64, device=device)

@@ -190,6 +190,7 @@ PUBLISHED: dict[str, Published] = {
 
 def plan_published(name: str) -> tuple[Published, list[Any]]:
     """The predictions of exact data-parallel SGD for published set-up ``name`` at its worker counts."""
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     if name not in PUBLISHED:
@@ -198,7 +199,7 @@ def plan_published(name: str) -> tuple[Published, list[Any]]:
     profile = cm.Profile(compute_s=case.compute_s, params=case.params, batch=case.batch)
     network = cm.Network(parse_latency(case.latency), parse_link(case.link))
     exact = cm.Candidate("data_parallel", {"bucket_size_mb": case.bucket_mb}, "exact")
-    return case, cm.predict_all(profile, network, [exact], list(case.workers), overlap=case.overlap)
+    return case, am.predict_all(profile, network, [exact], list(case.workers), overlap=case.overlap)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -559,6 +560,7 @@ def _measured_profile(args: argparse.Namespace, batch: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     """``bunsan plan``: predictions table, PNG and optional JSON. 0 on success, 2 on bad input."""
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     if args.published is not None:
@@ -686,9 +688,9 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1
-    candidates = cm.default_candidates(args.block_size)
+    candidates = am.default_candidates(args.block_size)
     overlap = not args.no_overlap and (job is None or job["overlap"])
-    predictions = cm.predict_all(profile, network, candidates, workers, global_batch=args.global_batch, overlap=overlap)
+    predictions = am.predict_all(profile, network, candidates, workers, global_batch=args.global_batch, overlap=overlap)
     scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
     say(
         f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {batch} "
@@ -699,7 +701,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
     say(format_plan(predictions))
     if job is not None and "exact_step_s" in job:
         # the check against the job itself: exact at its own worker count, predicted and measured
-        at = cm.predict(
+        at = am.predict(
             profile.at_workers(job["workers"], global_batch=args.global_batch),
             network,
             candidates[0],

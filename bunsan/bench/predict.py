@@ -397,10 +397,10 @@ def steps_within(
             return steps, elapsed
 
 
-def _step_of(round_: tuple[Any, Any], *, cm: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
+def _step_of(round_: tuple[Any, Any], *, model: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
     """The cost model's step time of ``candidate`` at ``n`` workers priced from a round's ``(profile, network)``."""
     profile, network = round_
-    return float(cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
+    return float(model.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
 
 
 def _algorithm(candidate: Any) -> Any:
@@ -417,6 +417,7 @@ def _worker(spec: dict[str, Any]) -> int:
 
     import bunsan
     from bunsan import comm
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
     from bunsan.algorithms.measure import (
         CODEC_NUMEL_CAP,
@@ -442,13 +443,13 @@ def _worker(spec: dict[str, Any]) -> int:
         from bunsan.bench.netns_plan import parse_network
 
         network = replace(network, burst_bytes=float(parse_network(spec["network"]).burst_bytes))
-    candidates = cm.default_candidates(spec["block_size"])
+    candidates = am.default_candidates(spec["block_size"])
     overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
     # async: the server's transfers travel through memory on loopback; they find a spare core
-    # where every worker has one (cost_model.predict)
+    # where every worker has one (async_model.predict)
     spare_core = spec["network"] is not None or usable_cores() >= bunsan.local_size()
     # every rank runs on this machine (loopback, or network namespaces of it): the compute below is
-    # timed with all of them busy on its cores (cost_model.shared_compute)
+    # timed with all of them busy on its cores (async_model.shared_compute)
     ranks_per_core = max(1.0, n / usable_cores())
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
@@ -643,16 +644,16 @@ def _worker(spec: dict[str, Any]) -> int:
             # codec and probe of the link, the mean of the rounds (round_profiles) against the rounds' mean
             # step (the row's own slices, compute_rounds_s, recorded beside it); the job's
             # pooled profile's beside it, on the median of the job's probes (median_network)
-            step_of = partial(_step_of, cm=cm, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
+            step_of = partial(_step_of, model=am, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
             predicted_s, predicted_rounds = paired_prediction(
                 step_of,
                 list(zip(round_profiles(profile, job_compute, fixed_rounds, codec_rounds), network_rounds)),
             )
-            predicted = cm.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
+            predicted = am.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
             before_split = (
                 {
-                    "predicted_mean_call_s": cm.predict(
+                    "predicted_mean_call_s": am.predict(
                         cm.mean_call_profile(profile, min(profile.params, CODEC_NUMEL_CAP)),
                         model_network,
                         candidate,
@@ -675,7 +676,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "fixed_filled_rounds_s": [f[candidate.label] for f in filled_rounds],
                 }
                 if candidate.algorithm == "async":
-                    remote = cm.async_fixed_labels(candidate.label)[1]
+                    remote = am.async_fixed_labels(candidate.label)[1]
                     filled_fields["fixed_filled_remote_rounds_s"] = [f[remote] for f in filled_rounds]
             # and priced with the wait of the compute steps started together (synced_straggler)
             synced_wait = paired_prediction(
@@ -724,9 +725,9 @@ def _worker(spec: dict[str, Any]) -> int:
                     "predicted_synced_straggler_s": synced_wait,
                     "fixed_s": profile.fixed(candidate.label),
                     "fixed_rounds_s": [f[candidate.label] for f in fixed_rounds],
-                    # async: a remote worker's own (rank 0's worker's is fixed_s; cost_model.async_fixed_labels)
+                    # async: a remote worker's own (rank 0's worker's is fixed_s; async_model.async_fixed_labels)
                     **(
-                        {"fixed_remote_s": profile.fixed(cm.async_fixed_labels(candidate.label)[1])}
+                        {"fixed_remote_s": profile.fixed(am.async_fixed_labels(candidate.label)[1])}
                         if candidate.algorithm == "async"
                         else {}
                     ),

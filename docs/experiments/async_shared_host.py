@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms import cost_model as cm
 
 
@@ -28,7 +29,7 @@ def predicted(row: dict, network: cm.Network, ranks_per_core: float) -> float:
         ranks_per_core=ranks_per_core,
     )
     candidate = cm.Candidate("async", {}, "async")
-    return cm.predict(
+    return am.predict(
         profile, network, candidate, row["workers"], overlap=row["overlap"], spare_core=row["spare_core"]
     ).step_s
 

@@ -67,6 +67,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
 from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
@@ -113,14 +114,14 @@ def reprice(
     elif fill_core_copy is not None and profile.ranks_per_core > 1 and not profile.core_copy_s_per_element:
         profile = replace(profile, core_copy_s_per_element=fill_core_copy)
     network = network_of(record.get("network", job["network"]))  # the model's median probe where recorded
-    candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
+    candidate = next(c for c in am.default_candidates(block_size) if c.label == row["label"])
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
         profile = replace(profile, straggler_s=record["synced_straggler_s"])
     n = row["workers"]
 
     def step(round_: tuple[cm.Profile, Network]) -> float:
         p, net = round_
-        return cm.predict(p, net, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
+        return am.predict(p, net, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
 
     if variant == "pooled" or "compute_rounds_s" not in row or "fixed_rounds" not in record:
         return step((profile, network))

@@ -197,6 +197,7 @@ def _job_profile(**changes):
 
 
 def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_json(tmp_path, capsys):
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     decision = _auto_decision()
@@ -222,7 +223,7 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     m = decision["measured"]
     job_network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
     profile = _job_profile()
-    expected = cm.predict_all(profile, job_network, cm.default_candidates(1024), [4, 16, 64], overlap=False)
+    expected = am.predict_all(profile, job_network, am.default_candidates(1024), [4, 16, 64], overlap=False)
     for source in ("ckpt.pt", "decision.json", "session.pt", "records.jsonl"):
         record = tmp_path / f"{source}.plan.json"
         argv = ["plan", "--job", str(tmp_path / source), "--workers", "4,16,64", "--png", str(tmp_path / "p.png")]
@@ -267,6 +268,7 @@ def _plan_job_at_2_and_16(tmp_path, capsys, **measured):
 
 
 def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, capsys):
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     split = {
@@ -276,15 +278,15 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
     }
     got, network = _plan_job_at_2_and_16(tmp_path, capsys, **split)
     profile = _job_profile(encode_call_s=9e-6, decode_call_s=1e-6, codecs=tuple(tuple(c) for c in split["codecs"]))
-    expected = cm.predict_all(profile, network, cm.default_candidates(1024), [2, 16], overlap=False)
+    expected = am.predict_all(profile, network, am.default_candidates(1024), [2, 16], overlap=False)
     assert [p["label"] for p in got] == [p.label for p in expected]
     for p, q in zip(got, expected):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
     # the split moves the quantized rows: the same record with every call at the mean predicts otherwise
-    mean = cm.predict_all(
+    mean = am.predict_all(
         cm.Profile(**{**vars(profile), "encode_call_s": None, "decode_call_s": None, "codecs": ()}),
         network,
-        cm.default_candidates(1024),
+        am.default_candidates(1024),
         [2],
         overlap=False,
     )
@@ -293,12 +295,12 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
 
 
 def test_job_prices_the_block_rounds_and_copies_its_auto_timed(tmp_path, capsys):
-    from bunsan.algorithms import cost_model as cm
+    from bunsan.algorithms import async_model as am
 
     timed = {"update_s_per_element": 7e-9, "copy_s_per_element": 1e-9}
     got, network = _plan_job_at_2_and_16(tmp_path, capsys, **timed)
-    expected = cm.predict_all(_job_profile(**timed), network, cm.default_candidates(1024), [2, 16], overlap=False)
-    untimed = cm.predict_all(_job_profile(), network, cm.default_candidates(1024), [2, 16], overlap=False)
+    expected = am.predict_all(_job_profile(**timed), network, am.default_candidates(1024), [2, 16], overlap=False)
+    untimed = am.predict_all(_job_profile(), network, am.default_candidates(1024), [2, 16], overlap=False)
     for p, q, r in zip(got, expected, untimed):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
         if p["label"].startswith(("block_momentum", "model_averaging", "async")):  # what the two price

@@ -29,8 +29,6 @@ MODULE_LINES, FUNCTION_LINES, AUTO_FUNCTION_LINES = 500, 100, 80
 
 # module -> why it is still long, and the issue that will split it
 LONG_MODULES = {
-    "algorithms/cost_model.py": "the synchronous model Auto uses and the async and core-sharing pricing only "
-    "plan/predict use, still together (issue 65: apart)",
     "algorithms/measure.py": "the job's probes (network, codec, copy, fixed costs) and core-sharing timings "
     "of bench predict (issue 65: the campaign's part out of the package)",
     "bench/predict.py": "the cost model's validation harness, campaign tooling users do not run (issue 65: "
@@ -47,8 +45,6 @@ LONG_MODULES = {
 }
 # "module:function" -> why it is still long, and the issue that will split it
 LONG_FUNCTIONS = {
-    "algorithms/cost_model.py:predict": "one branch per algorithm family (issue 65: the async and "
-    "core-sharing branches apart)",
     "algorithms/measure.py:measure_codec": "encode, decode, cast and copy timed in one collective pass (issue 65)",
     "algorithms/measure.py:measure_fixed_costs": "the tiny-model probe's set-up, runs and fit (issue 65)",
     "bench/plan.py:run": "the CLI's sources of profile and network (issue 65)",
