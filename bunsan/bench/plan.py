@@ -6,7 +6,8 @@ user's own, read from its checkpoint) and a cluster (``--link``/``--latency`` gi
 measured by a probe job over ``--hostfile``/``-H``, or with ``--job`` that job's own
 network); the arithmetic is
 :mod:`bunsan.algorithms.cost_model`. ``--published NAME`` runs one of the
-published set-ups this model was checked against (:data:`PUBLISHED`).
+published set-ups this model was checked against (:data:`PUBLISHED`, read from the package
+data file ``published.json``).
 
 This module imports no torch at the top: ``bunsan`` builds its
 command-line parser from it without importing torch.
@@ -40,6 +41,7 @@ __all__ = [
     "find_auto_decision",
     "format_plan",
     "job_profile",
+    "load_published",
     "parse_latency",
     "parse_link",
     "plan_published",
@@ -121,71 +123,20 @@ class Published:
     overlap: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Published:
+        """A record of ``published.json`` (its worker counts as a list)."""
+        return cls(**{**record, "workers": tuple(record["workers"])})
 
-PUBLISHED: dict[str, Published] = {
-    p.name: p
-    for p in (
-        Published(
-            name="horovod-resnet101",
-            what="Horovod, ResNet-101 (tf_cnn_benchmarks, synthetic data), 512 Pascal GPUs",
-            source="Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, RoCE-capable 25 Gbit/s network, "
-            "90% scaling efficiency for ResNet-101; batch 64 per GPU; 16 GPUs: total images/sec 1656.82",
-            compute_s=64 / (1656.82 / 16),
-            compute_note="64 images / (1656.82 / 16 images/s per GPU at 16 GPUs) = 0.618 s per step",
-            params=44_549_160,
-            batch=64,
-            link="25gbit",
-            latency="10us",
-            network_note="one flat ring over all GPUs: each server's NIC carries one ring edge each way, so the "
-            "per-link bandwidth is the NIC's 25 Gbit/s; latency 10 us assumed (RoCE); Horovod's "
-            "64 MB fusion buffer",
-            workers=(4, 16, 64, 128, 256, 512),
-            at=512,
-            efficiency=0.90,
-            bucket_mb=64.0,
-        ),
-        Published(
-            name="goyal-resnet50",
-            what="Goyal et al. 2017, ResNet-50 on ImageNet, 8 to 256 P100 GPUs (32 servers of 8)",
-            source="Goyal et al. 2017, 'Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour': ~90% scaling "
-            "efficiency from 8 to 256 GPUs; Big Basin servers (8 P100, NVLink) on 50 Gbit/s Ethernet; "
-            "32 images per GPU; 29 hours for 90 epochs on 8 GPUs (minibatch 256)",
-            compute_s=29 * 3600 / (90 * 1_281_167 / 256),
-            compute_note="29 h / (90 epochs x 1,281,167 images / 256 per iteration) = 0.232 s per iteration of one "
-            "8-GPU server (intra-server reduction included)",
-            params=25_557_032,
-            batch=256,
-            link="50gbit",
-            latency="50us",
-            network_note="a worker is one 8-GPU server (the paper all-reduces within a server first, then across "
-            "servers); latency 50 us assumed (TCP over Ethernet, Gloo); all-reduce overlapped with "
-            "backprop as in the paper",
-            workers=(1, 2, 4, 8, 16, 32),
-            at=32,
-            efficiency=0.90,
-        ),
-        Published(
-            name="cntk-resnet20",
-            what="CNTK 2.2 article, ResNet-20 on CIFAR-10, 4 nodes of one K80 each, exact data-parallel SGD: 3.80x",
-            source="CNTK 2.2 Python API article (2), section 4-1 (1), ResNet-20 table: 1 node 47m54.594s, "
-            "4 nodes 12m37.295s, speed ratio 3.80 (100 epochs); Azure NC VMs, Tesla K80",
-            compute_s=(47 * 60 + 54.594) / (100 * 50_000 / 128),
-            compute_note="1 node: 2874.6 s / (100 epochs x 50,000 / 128 samples per step) = 73.6 ms per step of "
-            "128 samples. The example's scale_up flag (type=bool, default 'False') reads as True, so "
-            "each worker keeps 128 samples per step: weak scaling",
-            params=272_474,
-            batch=128,
-            link="10gbit",
-            latency="50us",
-            network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
-            "TCP); docs/experiments/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
-            workers=(1, 2, 4),
-            at=4,
-            efficiency=3.80 / 4,
-            overlap=False,
-        ),
-    )
-}
+
+def load_published(path: Path | None = None) -> dict[str, Published]:
+    """The published set-ups by name, from ``path`` (default: ``published.json`` beside this module,
+    shipped as package data): data with their sources and notes, not code."""
+    text = (path or Path(__file__).with_name("published.json")).read_text(encoding="utf-8")
+    return {p.name: p for p in (Published.from_dict(r) for r in json.loads(text)["setups"])}
+
+
+PUBLISHED: dict[str, Published] = load_published()
 
 
 def plan_published(name: str) -> tuple[Published, list[Any]]:

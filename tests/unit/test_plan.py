@@ -1,6 +1,7 @@
 """``bunsan plan``: the published figures it must reproduce, its parsing, its output and its refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ def test_published_compute_times_are_the_stated_arithmetic():
     assert plan.PUBLISHED["horovod-resnet101"].compute_s == pytest.approx(0.61804, rel=1e-4)  # 64 / (1656.82 / 16)
     assert plan.PUBLISHED["goyal-resnet50"].compute_s == pytest.approx(0.23179, rel=1e-4)  # 104400 / 450410
     assert plan.PUBLISHED["cntk-resnet20"].compute_s == pytest.approx(0.073590, rel=1e-4)  # 2874.594 / 39062.5
+
+
+def test_the_published_set_ups_are_data_read_from_the_package(tmp_path):
+    shipped = json.loads((Path(plan.__file__).with_name("published.json")).read_text())
+    assert [r["name"] for r in shipped["setups"]] == list(plan.PUBLISHED)
+    assert plan.PUBLISHED["cntk-resnet20"].workers == (1, 2, 4) and not plan.PUBLISHED["cntk-resnet20"].overlap
+    record = {**shipped["setups"][0], "name": "mine", "workers": [2, 8], "at": 8}
+    (tmp_path / "mine.json").write_text(json.dumps({"setups": [record]}))
+    assert plan.load_published(tmp_path / "mine.json")["mine"].workers == (2, 8)
 
 
 def test_parse_link_and_latency():

@@ -33,8 +33,8 @@ LONG_MODULES = {
     "of bench predict (issue 65: the campaign's part out of the package)",
     "bench/predict.py": "the cost model's validation harness, campaign tooling users do not run (issue 65: "
     "to tools/ or docs/experiments/)",
-    "bench/plan.py": "bunsan plan's CLI, the published-figure table in code and the --job replay (issue 65: "
-    "the table as data)",
+    "bench/plan.py": "bunsan plan's CLI, its sources of profile and network and the --job replay (issue 65: "
+    "the sources apart from the CLI)",
     "bench/compare.py": "the comparison benchmark's run, table and plots in one module (issue 65's shape "
     "rule, a follow-up)",
     "comm/group.py": "process-group life cycle, failure reports and the abort channel together (issue 65's "
