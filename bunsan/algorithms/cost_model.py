@@ -204,7 +204,7 @@ def mean_call_profile(profile: Profile, timed_numel: int) -> Profile:
     at their mean (``codec_call_s``), and each per-element cost net of that mean instead of its own
     call. ``timed_numel``: the elements of the whole encode and decode that measured the per-element
     costs (:func:`bunsan.algorithms.measure.measure_codec` caps it at ``CODEC_NUMEL_CAP``). For checks
-    that compare both models on one measured profile (``bunsan bench predict``,
+    that compare both models on one measured profile (``tools/predict.py``,
     ``docs/experiments/gpu_codec_calibration.py``); a profile without the split comes back unchanged."""
 
     def renet(per_element: float, own_call: float, mean: float) -> float:

@@ -1,7 +1,7 @@
 """Measurements an algorithm can take of its own job: the codec's speed and the network's alpha and beta.
 
 They feed :mod:`bunsan.algorithms.cost_model` at run time (``Auto``) and in the
-benchmarks (:mod:`bunsan.bench.measure`, :mod:`bunsan.bench.predict`).
+benchmarks (:mod:`bunsan.bench.measure`, ``tools/predict.py``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def measure_codec(
     figures. A synchronous exchange encodes on every worker at once, so where workers share
     cores (4 on 2 in bunsan's benchmarks) each encoder runs at about half the speed it has
     alone. Timed by each rank on its own, the 8-bit codec of the 10.5M-parameter MLP at 4
-    workers came out at 64 ms a step in one ``bunsan bench predict`` run and 132 ms in
+    workers came out at 64 ms a step in one ``tools/predict.py`` run and 132 ms in
     another the same day (whether the ranks happened to time it together), and its 8- and
     1-bit steps were predicted up to 30% short (docs/experiments/plan.md); timed together, the codec
     runs as the job's exchange meets it. On separate cores or devices the two agree.
@@ -254,11 +254,11 @@ def measure_copy(
 def in_turns(fn: Callable[[], T], ranks_per_core: float, *, group: Any = None) -> T:
     """Collective: ``fn()`` on this rank with one rank per core running at once: the ranks of ``group``
     take ``ceil(ranks_per_core)`` turns by their rank modulo the turns (ranks numbered along one host,
-    as ``bunsan bench predict``'s are), the others waiting at a barrier; this rank's result.
+    as ``tools/predict.py``'s are), the others waiting at a barrier; this rank's result.
 
     Where ranks share cores, what a rank does while the others wait on the network runs as fast as on
     a core of its own: async SGD's rank 0 worker beside remote workers in their round trips
-    (:func:`measure_core_copy`, and ``bunsan bench predict``'s compute per core,
+    (:func:`measure_core_copy`, and ``tools/predict.py``'s compute per core,
     :attr:`bunsan.algorithms.cost_model.Profile.core_compute_s`)."""
     if not ranks_per_core >= 1:
         raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
@@ -275,7 +275,7 @@ def in_turns(fn: Callable[[], T], ranks_per_core: float, *, group: Any = None) -
 def measure_core_copy(numel: int, ranks_per_core: float, *, repeats: int = 3, group: Any = None) -> dict[str, float]:
     """``{"core_copy_s_per_element": s}`` (collective): :func:`measure_copy` timed with one rank per
     core copying at once: the ranks of ``group`` take ``ceil(ranks_per_core)`` turns by their rank
-    modulo the turns (ranks numbered along one host, as ``bunsan bench predict``'s are), the others
+    modulo the turns (ranks numbered along one host, as ``tools/predict.py``'s are), the others
     waiting at a barrier; every rank returns the slowest copy.
 
     :func:`measure_codec` times the copy with every rank at once, as a synchronous exchange meets
@@ -424,7 +424,7 @@ def can_overlap(
     second core. Not when the exchange travels through memory (all workers on one host:
     loopback, shared memory) with one core per worker: the backend's thread does the
     copies and sums on the core of the compute, so an overlapped exchange still adds its
-    time to the step (measured: ``bunsan bench predict``, docs/experiments/plan.md).
+    time to the step (measured: ``tools/predict.py``, docs/experiments/plan.md).
     """
     if torch.device(device).type != "cpu" or not over_memory:
         return True
@@ -484,7 +484,7 @@ def measure_fixed_costs(
     job's is: the local steps (filler and tiny step) timed one by one on every rank give the tiny
     profile's compute and straggler (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`),
     so that the excess holds only what the model does not price. Timed so in every round of
-    ``bunsan bench predict`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
+    ``tools/predict.py`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
     better than the tiny model alone (docs/experiments/plan.md, "A faster machine"): Auto does not use it.
     """
     import torch.nn.functional as F

@@ -1,6 +1,6 @@
 """How much of the fixed costs' move from round to round is their own timing's noise: few runs against many.
 
-``bunsan bench predict`` times every candidate's fixed cost (:func:`bunsan.algorithms.measure.
+``tools/predict.py`` times every candidate's fixed cost (:func:`bunsan.algorithms.measure.
 measure_fixed_costs`: the tiny model's step less the local step and the model's price, the median
 of ``repeats`` runs of whole blocks) once in every round, and prices that round with it. On the
 small CNNs, whose rows are half fixed cost, a row's price moves from round to round more than its

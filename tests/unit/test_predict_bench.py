@@ -1,18 +1,27 @@
-"""``bunsan bench predict``: its parsing, its table and plot, its refusals, and one tiny real run."""
+"""``tools/predict.py``, the cost model's validation harness: its parsing, its table and plot, its refusals, and one
+tiny real run; and the lab notebook's scripts that price its records again."""
 
 import importlib.util
 import json
 import math
 import statistics
+import sys
 from functools import partial
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bunsan.bench import predict
 from bunsan.cli import main
 from bunsan.launch.hosts import usable_cores
+
+# campaign tooling, not in the installed package: loaded from the checkout as its users run it
+_spec = importlib.util.spec_from_file_location(
+    "tools_predict", Path(__file__).resolve().parents[2] / "tools" / "predict.py"
+)
+assert _spec and _spec.loader
+predict = sys.modules.setdefault("tools_predict", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(predict)
 
 
 def test_parse_networks():
@@ -73,17 +82,15 @@ def test_round_steps_lengthen_short_rounds_by_whole_multiples():
     ],
 )
 def test_bad_input_exit_2(argv, message, capsys):
-    assert main(["bench", "predict", *argv]) == 2
+    assert predict.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
 def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
-    code = main(
+    code = predict.main(
         [
-            "bench",
-            "predict",
             "--models",
             "mnist1d_cnn",
             "-np",

@@ -1,11 +1,16 @@
-"""``bunsan bench predict``: the cost model's predicted step time against the measured one, side by side.
+"""The cost model's validation harness: its predicted step time against the measured one, side by side.
+
+Campaign tooling, run from a checkout (not part of the installed package; ``bunsan plan`` is what users
+run)::
+
+    python tools/predict.py --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
 
 For every network (loopback, or links shaped with ``--network``-style specs),
 every worker count and every model, one job measures what the cost model needs
 over its own process group, predicts every algorithm's step time, then trains
 every algorithm for a few steps and measures it::
 
-    bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+    python tools/predict.py --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
         --networks loopback,rate=1gbit,rate=100mbit
 
 Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
@@ -71,8 +76,8 @@ the fastest's: how far the measurement itself moved within the job), and the byt
 step predicted and counted. Timings on a
 shared machine are noisy: re-measure on an idle one.
 
-This module imports no torch at the top; the same module is
-the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
+This script imports no torch at the top; the same script is
+the job every worker runs (``python tools/predict.py --worker SPEC``).
 """
 
 from __future__ import annotations
@@ -87,9 +92,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bunsan._table import format_table
-from bunsan.bench import write_json
-from bunsan.bench._common import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's bunsan, for the harness and for every worker it starts
+
+from bunsan._table import format_table  # noqa: E402
+from bunsan.bench import write_json  # noqa: E402
+from bunsan.bench._common import (  # noqa: E402
     check_at_least,
     command_main,
     job_command,
@@ -99,8 +108,8 @@ from bunsan.bench._common import (
     report_failures,
     run_recorded_job,
 )
-from bunsan.bench.specs import parse_workers
-from bunsan.bench.synthetic import time_steps
+from bunsan.bench.specs import parse_workers  # noqa: E402
+from bunsan.bench.synthetic import time_steps  # noqa: E402
 
 __all__ = [
     "DESCRIPTION",
@@ -121,7 +130,7 @@ __all__ = [
     "table_rows",
 ]
 
-PROG = "bunsan bench predict"
+PROG = "tools/predict.py"
 MODELS = ("digits_cnn", "mnist1d_cnn", "mlp-10m", "resnet20")
 
 DESCRIPTION = """\
@@ -135,8 +144,8 @@ bytes per step predicted and counted; writes JSON and a PNG."""
 
 EPILOG = """\
 examples:
-  bunsan bench predict --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
-  bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+  python tools/predict.py --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
+  python tools/predict.py --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
       --networks loopback,rate=1gbit,rate=100mbit --out runs/predict"""
 
 
@@ -160,7 +169,7 @@ def parse_networks(text: str) -> list[str | None]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``bunsan bench predict`` to ``parser``."""
+    """Add the options of the harness to ``parser``."""
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated; default %(default)s")
     parser.add_argument("-np", "--np", dest="workers", default="2,4", help="worker counts; default %(default)s")
     parser.add_argument(
@@ -832,7 +841,7 @@ def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
-    """``bunsan bench predict``: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
+    """The harness: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
     try:
         workers = parse_workers(args.workers)
         networks = parse_networks(args.networks)
@@ -880,7 +889,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "timeout_s": min(args.timeout_s, 300.0),
                 "result": str(result),
             }
-            command = job_command("bunsan.bench.predict", "--worker", spec, n, network)
+            command = job_command(str(Path(__file__).resolve()), "--worker", spec, n, network)
             record: dict[str, Any] = {"label": slug, "workers": n, "dir": str(directory)}
             job = run_recorded_job(command, directory, result, record, args.timeout_s, env)
             if job is None:
@@ -957,7 +966,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bunsan.bench.predict`` (or ``--worker SPEC`` inside a job)."""
+    """``python tools/predict.py`` (or ``--worker SPEC`` inside a job)."""
     return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, worker=_worker, allow_abbrev=True)
 
 
