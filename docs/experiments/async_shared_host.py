@@ -1,5 +1,5 @@
 """Async rows of a `tools/predict.py` record priced by the model before and after async on a
-shared host (cost_model.shared_compute, 47f013b), on the same measurements: each 4-worker row's
+shared host (now async_model.shared_compute, 47f013b), on the same measurements: each 4-worker row's
 measured step, the prediction at ``ranks_per_core`` 1 and at the recorded one, as a Markdown
 table, and how many async rows each puts within 20%.
 

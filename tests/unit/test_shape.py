@@ -43,8 +43,6 @@ LONG_MODULES = {
 }
 # "module:function" -> why it is still long, and the issue that will split it
 LONG_FUNCTIONS = {
-    "algorithms/measure.py:measure_codec": "encode, decode, cast and copy timed in one collective pass (issue 65)",
-    "algorithms/measure.py:measure_fixed_costs": "the tiny-model probe's set-up, runs and fit (issue 65)",
     "bench/report.py:blocks": "make bench-docs' block writer (issue 65's shape rule, a follow-up)",
     "cli.py:_run": "bunsan run's argument handling (issue 65's shape rule, a follow-up)",
     "hpo/search.py:optimize": "the search loop with its pruning and records (issue 65's shape rule, a follow-up)",
