@@ -1,5 +1,5 @@
-"""The ``bunsan`` command: ``run``, ``bench`` (``compare``, ``throughput``, ``comm``, ``predict``,
-``tta``), ``doctor`` and ``plan``.
+"""The ``bunsan`` command: ``run``, ``bench`` (``compare``, ``throughput``, ``comm``, ``tta``),
+``doctor`` and ``plan``.
 
 One argparse subparser per subcommand; each registers a handler that takes
 the parsed namespace and returns the exit status, through a ``_add_<name>``
@@ -80,7 +80,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     # These modules import only the standard library at the top: `bunsan run` stays free of torch.
-    from bunsan.bench import comm_bench, compare, netns, predict, throughput, tta
+    from bunsan.bench import comm_bench, compare, netns, throughput, tta
 
     parser = subparsers.add_parser(
         "bench",
@@ -95,7 +95,6 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     for name, module, summary in (
         ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
         ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
-        ("predict", predict, "the cost model's predicted step time of every algorithm against the measured one"),
         ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
     ):
         _add_module(benchmarks, name, module, summary)

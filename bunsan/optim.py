@@ -501,4 +501,4 @@ def _check_same_values(model: nn.Module, group: Any) -> None:
         )
 
 
-_measure.register_distribute(distribute)  # the probe of fixed costs (Auto, bench predict) builds tiny jobs
+_measure.register_distribute(distribute)  # the probe of fixed costs (Auto, tools/predict.py) builds tiny jobs

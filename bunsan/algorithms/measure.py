@@ -1,7 +1,7 @@
 """Measurements an algorithm can take of its own job: the codec's speed and the network's alpha and beta.
 
 They feed :mod:`bunsan.algorithms.cost_model` at run time (``Auto``) and in the
-benchmarks (:mod:`bunsan.bench.measure`, :mod:`bunsan.bench.predict`).
+benchmarks (:mod:`bunsan.bench.measure`, ``tools/predict.py``).
 """
 
 from __future__ import annotations
@@ -100,51 +100,15 @@ CODEC_FIELDS = (
 )
 
 
-def measure_codec(
-    numel: int,
-    bits: int = 1,
-    *,
-    repeats: int = 3,
-    collective: bool = False,
-    group: Any = None,
-    device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
-    fixed seconds of one encode call and of one decode call (``encode_call_s``, ``decode_call_s``: a
-    one-chunk encode and decode, timed apart; ``codec_call_s`` their mean), and the seconds per element
-    of a cast to float16 and
-    back (``cast_s_per_element``), and of one float32 copy (``copy_s_per_element``: a pass over the
-    parameters in memory, as async SGD's in-process exchange makes).
-
-    ``collective``: every rank of ``group`` calls this at the same step and times the codec at
-    the same moment (a barrier before each timing), and every rank returns the slowest rank's
-    figures. A synchronous exchange encodes on every worker at once, so where workers share
-    cores (4 on 2 in bunsan's benchmarks) each encoder runs at about half the speed it has
-    alone. Timed by each rank on its own, the 8-bit codec of the 10.5M-parameter MLP at 4
-    workers came out at 64 ms a step in one ``bunsan bench predict`` run and 132 ms in
-    another the same day (whether the ranks happened to time it together), and its 8- and
-    1-bit steps were predicted up to 30% short (docs/experiments/plan.md); timed together, the codec
-    runs as the job's exchange meets it. On separate cores or devices the two agree.
-
-    ``device``: where the job's gradients are, so where its codec runs (default the CPU); on a
-    GPU each timing waits for the device's kernels.
-    """
-    from bunsan.compression import Quantizer
+def _codec_calls(quantizer: Any, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> tuple[Any, ...]:
+    """``(encode, decode, one-call encode, one-call decode)`` of :func:`measure_codec`, each a callable
+    over ``x``'s elements (the one-call pair over one chunk): as the exchange codes there, one call per
+    bucket where it codes so (a GPU, replayed as CUDA graphs where it replays its calls), else the
+    quantizer's own calls."""
     from bunsan.compression.segments import SegmentCodec
 
-    def timed(fn: Any, count: int) -> float:
-        if collective:
-            comm.barrier(group)
-        return median_time(fn, count, device)
-
-    device = torch.device(device if device is not None else "cpu")
-    numel = max(1, min(numel, CODEC_NUMEL_CAP))  # per-element cost is flat past a few MB; spare the memory
-    quantizer = Quantizer(bits)
-    # not the global RNG: training's draws stay
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
-    residual = torch.zeros(numel, device=device)
+    numel, device = x.numel(), x.device
     payload = torch.empty(quantizer.payload_bytes(numel), dtype=torch.uint8, device=device)
-    out = torch.empty(numel, device=device)
     small = min(quantizer.chunk_size, numel)
     if coded_per_bucket(quantizer, device):
         # the exchange's own codec there (a GPU): one call for all of a bucket's segments, cut here
@@ -187,6 +151,53 @@ def measure_codec(
         def decode_call_fn() -> None:
             quantizer.decode(small_payload, small, out=out[:small])
 
+    return encode_fn, decode_fn, encode_call_fn, decode_call_fn
+
+
+def measure_codec(
+    numel: int,
+    bits: int = 1,
+    *,
+    repeats: int = 3,
+    collective: bool = False,
+    group: Any = None,
+    device: torch.device | str | None = None,
+) -> dict[str, float]:
+    """Seconds per element of encoding (with error feedback) and decoding ``numel`` float32 values, the
+    fixed seconds of one encode call and of one decode call (``encode_call_s``, ``decode_call_s``: a
+    one-chunk encode and decode, timed apart; ``codec_call_s`` their mean), and the seconds per element
+    of a cast to float16 and
+    back (``cast_s_per_element``), and of one float32 copy (``copy_s_per_element``: a pass over the
+    parameters in memory, as async SGD's in-process exchange makes).
+
+    ``collective``: every rank of ``group`` calls this at the same step and times the codec at
+    the same moment (a barrier before each timing), and every rank returns the slowest rank's
+    figures. A synchronous exchange encodes on every worker at once, so where workers share
+    cores (4 on 2 in bunsan's benchmarks) each encoder runs at about half the speed it has
+    alone. Timed by each rank on its own, the 8-bit codec of the 10.5M-parameter MLP at 4
+    workers came out at 64 ms a step in one ``tools/predict.py`` run and 132 ms in
+    another the same day (whether the ranks happened to time it together), and its 8- and
+    1-bit steps were predicted up to 30% short (docs/experiments/plan.md); timed together, the codec
+    runs as the job's exchange meets it. On separate cores or devices the two agree.
+
+    ``device``: where the job's gradients are, so where its codec runs (default the CPU); on a
+    GPU each timing waits for the device's kernels.
+    """
+    from bunsan.compression import Quantizer
+
+    def timed(fn: Any, count: int) -> float:
+        if collective:
+            comm.barrier(group)
+        return median_time(fn, count, device)
+
+    device = torch.device(device if device is not None else "cpu")
+    numel = max(1, min(numel, CODEC_NUMEL_CAP))  # per-element cost is flat past a few MB; spare the memory
+    quantizer = Quantizer(bits)
+    # not the global RNG: training's draws stay
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    residual = torch.zeros(numel, device=device)
+    out = torch.empty(numel, device=device)
+    encode_fn, decode_fn, encode_call_fn, decode_call_fn = _codec_calls(quantizer, x, residual, out)
     captured = coded_per_bucket(quantizer, device) and graphs_enabled(device)
     # warm up; each call that becomes a graph runs eagerly once and is captured the second time
     for fn in (encode_fn, decode_fn, encode_call_fn, decode_call_fn) if captured else (encode_fn,):
@@ -254,11 +265,11 @@ def measure_copy(
 def in_turns(fn: Callable[[], T], ranks_per_core: float, *, group: Any = None) -> T:
     """Collective: ``fn()`` on this rank with one rank per core running at once: the ranks of ``group``
     take ``ceil(ranks_per_core)`` turns by their rank modulo the turns (ranks numbered along one host,
-    as ``bunsan bench predict``'s are), the others waiting at a barrier; this rank's result.
+    as ``tools/predict.py``'s are), the others waiting at a barrier; this rank's result.
 
     Where ranks share cores, what a rank does while the others wait on the network runs as fast as on
     a core of its own: async SGD's rank 0 worker beside remote workers in their round trips
-    (:func:`measure_core_copy`, and ``bunsan bench predict``'s compute per core,
+    (:func:`measure_core_copy`, and ``tools/predict.py``'s compute per core,
     :attr:`bunsan.algorithms.cost_model.Profile.core_compute_s`)."""
     if not ranks_per_core >= 1:
         raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core!r}")
@@ -275,7 +286,7 @@ def in_turns(fn: Callable[[], T], ranks_per_core: float, *, group: Any = None) -
 def measure_core_copy(numel: int, ranks_per_core: float, *, repeats: int = 3, group: Any = None) -> dict[str, float]:
     """``{"core_copy_s_per_element": s}`` (collective): :func:`measure_copy` timed with one rank per
     core copying at once: the ranks of ``group`` take ``ceil(ranks_per_core)`` turns by their rank
-    modulo the turns (ranks numbered along one host, as ``bunsan bench predict``'s are), the others
+    modulo the turns (ranks numbered along one host, as ``tools/predict.py``'s are), the others
     waiting at a barrier; every rank returns the slowest copy.
 
     :func:`measure_codec` times the copy with every rank at once, as a synchronous exchange meets
@@ -424,7 +435,7 @@ def can_overlap(
     second core. Not when the exchange travels through memory (all workers on one host:
     loopback, shared memory) with one core per worker: the backend's thread does the
     copies and sums on the core of the compute, so an overlapped exchange still adds its
-    time to the step (measured: ``bunsan bench predict``, docs/experiments/plan.md).
+    time to the step (measured: ``tools/predict.py``, docs/experiments/plan.md).
     """
     if torch.device(device).type != "cpu" or not over_memory:
         return True
@@ -471,9 +482,9 @@ def measure_fixed_costs(
     :attr:`bunsan.algorithms.cost_model.Profile.fixed_s`.
 
     Async SGD's workers step at different rates (rank 0's reaches the server in-process), so it gets
-    two entries (:func:`bunsan.algorithms.cost_model.async_fixed_labels`): rank 0's worker's step and
+    two entries (:func:`bunsan.algorithms.async_model.async_fixed_labels`): rank 0's worker's step and
     the remote workers' mean step, each less the model's prediction for that side
-    (:func:`bunsan.algorithms.cost_model.async_rank_steps`, with ``spare_core`` as the job's).
+    (:func:`bunsan.algorithms.async_model.async_rank_steps`, with ``spare_core`` as the job's).
 
     ``filler``: a compute run on every rank before each step, the local one's as every
     candidate's (a step of the job's own model, with no communication): the tiny model's
@@ -484,13 +495,12 @@ def measure_fixed_costs(
     job's is: the local steps (filler and tiny step) timed one by one on every rank give the tiny
     profile's compute and straggler (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`),
     so that the excess holds only what the model does not price. Timed so in every round of
-    ``bunsan bench predict`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
+    ``tools/predict.py`` (its ``predicted_filled_s``), it priced the two small CNNs' rows no
     better than the tiny model alone (docs/experiments/plan.md, "A faster machine"): Auto does not use it.
     """
     import torch.nn.functional as F
 
     from bunsan import runtime
-    from bunsan.algorithms import cost_model as cm
 
     distribute = distribute or _distribute
     if distribute is None:
@@ -521,28 +531,17 @@ def measure_fixed_costs(
         torch.manual_seed(0)
         local_model = torch.nn.Linear(4, 2).to(device)
         local_sgd = torch.optim.SGD(local_model.parameters(), lr=1e-3)
-        tiny_profile = functools.partial(  # the tiny one
-            cm.Profile, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2
-        )
         if filler is None:
             local = torch.tensor([timed(local_model, local_sgd)], dtype=torch.float64, device=device)
             comm.all_reduce(local, op="max", group=group)  # the same on every rank, as the steps below
-            profile = tiny_profile(compute_s=float(local[0]))
+            profile = _tiny_profile(compute_s=float(local[0]))
         else:  # every local step timed on its own: the compute and its straggler, as the job's are priced
             run(local_model, local_sgd, steps if warmup is None else warmup)
             comm.barrier(group)
-            local_steps = []
-            for _ in range(repeats * steps):
-                synchronize(device)
-                start = time.perf_counter()
-                run(local_model, local_sgd, 1)
-                synchronize(device)
-                local_steps.append(time.perf_counter() - start)
-            mine = torch.tensor(local_steps, dtype=torch.float64, device=device)
-            every = torch.empty(n * mine.numel(), dtype=torch.float64, device=device)
-            comm.all_gather_into(every, mine, group=group)
-            compute_s, straggler_s = cm.compute_with_stragglers(every.view(n, -1).tolist())
-            profile = tiny_profile(compute_s=compute_s, straggler_s=straggler_s)
+            compute_s, straggler_s = _local_steps(
+                functools.partial(run, local_model, local_sgd, 1), repeats * steps, n, device, group
+            )
+            profile = _tiny_profile(compute_s=compute_s, straggler_s=straggler_s)
         for candidate in candidates:
             torch.manual_seed(0)
             tiny = torch.nn.Linear(4, 2).to(device)
@@ -550,21 +549,68 @@ def measure_fixed_costs(
             model, optimizer = distribute(tiny, sgd, candidate.algorithm, group=group, **dict(candidate.options))
             step_s = timed(model, optimizer)
             optimizer.join()
-            if candidate.algorithm == "async" and n > 1:  # rank 0's worker's excess and the remote workers'
-                every = torch.zeros(n, dtype=torch.float64, device=device)
-                every[comm.get_rank(group)] = step_s
-                comm.all_reduce(every, group=group)
-                _, own, remote = cm.async_rank_steps(
-                    profile, network, candidate, n, overlap=overlap, spare_core=spare_core
-                )
-                own_label, remote_label = cm.async_fixed_labels(candidate.label)
-                fixed += [(own_label, float(every[0]) - own), (remote_label, float(every[1:].mean()) - remote)]
-                continue
-            slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
-            comm.all_reduce(slowest, op="max", group=group)
-            predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
-            excess = float(slowest[0]) - predicted.step_s
-            if candidate.algorithm in ("block_momentum", "model_averaging"):  # per block: its steps
-                excess *= cm.block_steps(int(candidate.options.get("block_size", 1024)), profile.batch)
-            fixed.append((candidate.label, excess))
+            fixed += _excess(candidate, step_s, profile, network, n, overlap, spare_core, device, group)
     return tuple(fixed)
+
+
+def _tiny_profile(compute_s: float, straggler_s: float = 0.0) -> Any:
+    """The cost model's profile of :func:`measure_fixed_costs`'s tiny model (a linear layer of 4 to 2)."""
+    from bunsan.algorithms import cost_model as cm
+
+    return cm.Profile(
+        compute_s=compute_s, params=10, batch=FIXED_COST_BATCH, tensors=2, chunks=2, straggler_s=straggler_s
+    )
+
+
+def _local_steps(step: Callable[[], None], count: int, n: int, device: Any, group: Any) -> tuple[float, float]:
+    """Collective: ``count`` local steps timed one by one on every rank, gathered; ``(mean compute, straggler)``
+    (:func:`bunsan.algorithms.cost_model.compute_with_stragglers`)."""
+    from bunsan.algorithms import cost_model as cm
+
+    local_steps = []
+    for _ in range(count):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        local_steps.append(time.perf_counter() - start)
+    mine = torch.tensor(local_steps, dtype=torch.float64, device=device)
+    every = torch.empty(n * mine.numel(), dtype=torch.float64, device=device)
+    comm.all_gather_into(every, mine, group=group)
+    return cm.compute_with_stragglers(every.view(n, -1).tolist())
+
+
+def _excess(
+    candidate: Any,
+    step_s: float,
+    profile: Any,
+    network: Network,
+    n: int,
+    overlap: bool,
+    spare_core: bool | None,
+    device: Any,
+    group: Any,
+) -> list[tuple[str, float]]:
+    """Collective: ``candidate``'s :attr:`~bunsan.algorithms.cost_model.Profile.fixed_s` entries from this
+    rank's timed step: the slowest rank's step less the model's prediction (per block for a block
+    algorithm); async SGD's two sides apart."""
+    from bunsan.algorithms import cost_model as cm
+
+    if candidate.algorithm == "async" and n > 1:  # rank 0's worker's excess and the remote workers'
+        from bunsan.algorithms import async_model  # only plan's campaign probes async; Auto never does
+
+        every = torch.zeros(n, dtype=torch.float64, device=device)
+        every[comm.get_rank(group)] = step_s
+        comm.all_reduce(every, group=group)
+        _, own, remote = async_model.async_rank_steps(
+            profile, network, candidate, n, overlap=overlap, spare_core=spare_core
+        )
+        own_label, remote_label = async_model.async_fixed_labels(candidate.label)
+        return [(own_label, float(every[0]) - own), (remote_label, float(every[1:].mean()) - remote)]
+    slowest = torch.tensor([step_s], dtype=torch.float64, device=device)
+    comm.all_reduce(slowest, op="max", group=group)
+    predicted = cm.predict(profile, network, candidate, n, overlap=overlap)
+    excess = float(slowest[0]) - predicted.step_s
+    if candidate.algorithm in ("block_momentum", "model_averaging"):  # per block: its steps
+        excess *= cm.block_steps(int(candidate.options.get("block_size", 1024)), profile.batch)
+    return [(candidate.label, excess)]

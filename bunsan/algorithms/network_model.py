@@ -78,7 +78,7 @@ class Network:
         burst_bytes: a token-bucket link's burst: bytes that pass at once after the link
             idled long enough to refill (:func:`burst_credit`); 0 for a link without one.
             Not measured by the job's probe (its back-to-back messages keep the bucket
-            empty): given, as ``bunsan bench predict`` gives its shaped links' burst.
+            empty): given, as ``tools/predict.py`` gives its shaped links' burst.
     """
 
     latency_s: float

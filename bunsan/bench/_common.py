@@ -99,9 +99,12 @@ def check_positive(name: str, value: Any) -> None:
 def job_command(module: str, flag: str, spec: dict[str, Any], workers: int, network: str | None = None) -> list[str]:
     """``bunsan run -np WORKERS -- python -m MODULE FLAG SPEC``, or the shaped-network launcher's equivalent.
 
-    The launcher and the workers both run with this Python (and so this environment).
+    ``module`` may also be the path of a script (ending in ``.py``: ``python PATH FLAG SPEC``), as the
+    campaign tools of a checkout's ``tools/`` run their jobs. The launcher and the workers both run
+    with this Python (and so this environment).
     """
-    worker = [sys.executable, "-u", "-m", module, flag, json.dumps(spec)]
+    target = [module] if module.endswith(".py") else ["-m", module]
+    worker = [sys.executable, "-u", *target, flag, json.dumps(spec)]
     if network is not None:  # workers in network namespaces joined by shaped links
         from bunsan.bench import netns
 
@@ -149,7 +152,7 @@ def stop_with_parent() -> Callable[[], None] | None:
     that stops its workers, and removes its namespaces, on SIGTERM. Ctrl-C and a
     timeout stop it through :func:`run_job`; without this a benchmark ended by
     ``kill``, a scheduler's SIGTERM or SIGKILL left its running job behind, workers
-    and all (seen: a ``bunsan bench predict`` killed at 100 Mbit/s left its job
+    and all (seen: a ``tools/predict.py`` killed at 100 Mbit/s left its job
     training on). ``PR_SET_PDEATHSIG`` fires when the starting thread ends, so
     start jobs from the main thread (as every benchmark here does).
     """

@@ -6,7 +6,8 @@ user's own, read from its checkpoint) and a cluster (``--link``/``--latency`` gi
 measured by a probe job over ``--hostfile``/``-H``, or with ``--job`` that job's own
 network); the arithmetic is
 :mod:`bunsan.algorithms.cost_model`. ``--published NAME`` runs one of the
-published set-ups this model was checked against (:data:`PUBLISHED`).
+published set-ups this model was checked against (:data:`PUBLISHED`, read from the package
+data file ``published.json``).
 
 This module imports no torch at the top: ``bunsan`` builds its
 command-line parser from it without importing torch.
@@ -40,6 +41,7 @@ __all__ = [
     "find_auto_decision",
     "format_plan",
     "job_profile",
+    "load_published",
     "parse_latency",
     "parse_link",
     "plan_published",
@@ -121,75 +123,25 @@ class Published:
     overlap: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Published:
+        """A record of ``published.json`` (its worker counts as a list)."""
+        return cls(**{**record, "workers": tuple(record["workers"])})
 
-PUBLISHED: dict[str, Published] = {
-    p.name: p
-    for p in (
-        Published(
-            name="horovod-resnet101",
-            what="Horovod, ResNet-101 (tf_cnn_benchmarks, synthetic data), 512 Pascal GPUs",
-            source="Horovod docs/benchmarks.rst: 128 servers x 4 Pascal GPUs, RoCE-capable 25 Gbit/s network, "
-            "90% scaling efficiency for ResNet-101; batch 64 per GPU; 16 GPUs: total images/sec 1656.82",
-            compute_s=64 / (1656.82 / 16),
-            compute_note="64 images / (1656.82 / 16 images/s per GPU at 16 GPUs) = 0.618 s per step",
-            params=44_549_160,
-            batch=64,
-            link="25gbit",
-            latency="10us",
-            network_note="one flat ring over all GPUs: each server's NIC carries one ring edge each way, so the "
-            "per-link bandwidth is the NIC's 25 Gbit/s; latency 10 us assumed (RoCE); Horovod's "
-            "64 MB fusion buffer",
-            workers=(4, 16, 64, 128, 256, 512),
-            at=512,
-            efficiency=0.90,
-            bucket_mb=64.0,
-        ),
-        Published(
-            name="goyal-resnet50",
-            what="Goyal et al. 2017, ResNet-50 on ImageNet, 8 to 256 P100 GPUs (32 servers of 8)",
-            source="Goyal et al. 2017, 'Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour': ~90% scaling "
-            "efficiency from 8 to 256 GPUs; Big Basin servers (8 P100, NVLink) on 50 Gbit/s Ethernet; "
-            "32 images per GPU; 29 hours for 90 epochs on 8 GPUs (minibatch 256)",
-            compute_s=29 * 3600 / (90 * 1_281_167 / 256),
-            compute_note="29 h / (90 epochs x 1,281,167 images / 256 per iteration) = 0.232 s per iteration of one "
-            "8-GPU server (intra-server reduction included)",
-            params=25_557_032,
-            batch=256,
-            link="50gbit",
-            latency="50us",
-            network_note="a worker is one 8-GPU server (the paper all-reduces within a server first, then across "
-            "servers); latency 50 us assumed (TCP over Ethernet, Gloo); all-reduce overlapped with "
-            "backprop as in the paper",
-            workers=(1, 2, 4, 8, 16, 32),
-            at=32,
-            efficiency=0.90,
-        ),
-        Published(
-            name="cntk-resnet20",
-            what="CNTK 2.2 article, ResNet-20 on CIFAR-10, 4 nodes of one K80 each, exact data-parallel SGD: 3.80x",
-            source="CNTK 2.2 Python API article (2), section 4-1 (1), ResNet-20 table: 1 node 47m54.594s, "
-            "4 nodes 12m37.295s, speed ratio 3.80 (100 epochs); Azure NC VMs, Tesla K80",
-            compute_s=(47 * 60 + 54.594) / (100 * 50_000 / 128),
-            compute_note="1 node: 2874.6 s / (100 epochs x 50,000 / 128 samples per step) = 73.6 ms per step of "
-            "128 samples. The example's scale_up flag (type=bool, default 'False') reads as True, so "
-            "each worker keeps 128 samples per step: weak scaling",
-            params=272_474,
-            batch=128,
-            link="10gbit",
-            latency="50us",
-            network_note="the article does not state the network: 10 Gbit/s and 50 us assumed (Azure VMs, MPI over "
-            "TCP); docs/experiments/plan.md shows the prediction at 1 Gbit/s; no overlap (CNTK 2.2 aggregates after backward)",
-            workers=(1, 2, 4),
-            at=4,
-            efficiency=3.80 / 4,
-            overlap=False,
-        ),
-    )
-}
+
+def load_published(path: Path | None = None) -> dict[str, Published]:
+    """The published set-ups by name, from ``path`` (default: ``published.json`` beside this module,
+    shipped as package data): data with their sources and notes, not code."""
+    text = (path or Path(__file__).with_name("published.json")).read_text(encoding="utf-8")
+    return {p.name: p for p in (Published.from_dict(r) for r in json.loads(text)["setups"])}
+
+
+PUBLISHED: dict[str, Published] = load_published()
 
 
 def plan_published(name: str) -> tuple[Published, list[Any]]:
     """The predictions of exact data-parallel SGD for published set-up ``name`` at its worker counts."""
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     if name not in PUBLISHED:
@@ -198,7 +150,7 @@ def plan_published(name: str) -> tuple[Published, list[Any]]:
     profile = cm.Profile(compute_s=case.compute_s, params=case.params, batch=case.batch)
     network = cm.Network(parse_latency(case.latency), parse_link(case.link))
     exact = cm.Candidate("data_parallel", {"bucket_size_mb": case.bucket_mb}, "exact")
-    return case, cm.predict_all(profile, network, [exact], list(case.workers), overlap=case.overlap)
+    return case, am.predict_all(profile, network, [exact], list(case.workers), overlap=case.overlap)
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -557,149 +509,170 @@ def _measured_profile(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     return measured
 
 
-def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
-    """``bunsan plan``: predictions table, PNG and optional JSON. 0 on success, 2 on bad input."""
-    from bunsan.algorithms import cost_model as cm
+def _run_published(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    """``bunsan plan --published NAME``: the set-up, its predictions and the published figure beside them."""
+    try:
+        case, predictions = plan_published(args.published)
+    except ValueError as err:
+        return refuse(PROG, str(err))
+    say(
+        f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
+        f"{case.latency}; {case.network_note}"
+    )
+    say(format_plan(predictions))
+    at = next(p for p in predictions if p.workers == case.at)
+    say(
+        f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
+        f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)"
+    )
+    say(_png(predictions, Path(args.png), case.what))
+    return 0
 
-    if args.published is not None:
-        try:
-            case, predictions = plan_published(args.published)
-        except ValueError as err:
-            return refuse(PROG, str(err))
-        say(
-            f"{case.what}\nsource: {case.source}\ncompute: {case.compute_note}\nnetwork: {case.link}, "
-            f"{case.latency}; {case.network_note}"
-        )
-        say(format_plan(predictions))
-        at = next(p for p in predictions if p.workers == case.at)
-        say(
-            f"predicted efficiency at {case.at} workers: {100 * at.efficiency:.1f}%, published "
-            f"{100 * case.efficiency:.1f}% ({100 * (at.efficiency - case.efficiency):+.1f} points)"
-        )
-        say(_png(predictions, Path(args.png), case.what))
-        return 0
+
+def _profile_source_problem(args: argparse.Namespace) -> str | None:
+    """Why the profile's options do not name exactly one source (``None``: they do)."""
     given = args.compute_ms is not None or args.params is not None
     sources = (args.model is not None) + given + (args.job is not None)
     if sources != 1 or (given and (args.compute_ms is None or args.params is None)):
-        return refuse(
-            PROG,
+        return (
             "give one profile: --model NAME, both --compute-ms and --params, --job FILE (a job that ran with "
-            "auto), or --published NAME",
+            "auto), or --published NAME"
         )
     if args.job is not None and args.batch is not None:
-        return refuse(PROG, "--batch comes from the job with --job (each worker's batch there)")
-    batch = DEFAULT_BATCH if args.batch is None else args.batch
+        return "--batch comes from the job with --job (each worker's batch there)"
+    return None
+
+
+def _job(args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, Any] | None:
+    """With ``--job``: what Auto measured in that job (profile, network, workers, overlap, exact's step)."""
+    if args.job is None:
+        return None
+    decision = find_auto_decision(_load_job(args.job))
+    if decision is None:
+        raise ValueError(
+            f"--job {args.job}: no decision of algorithm='auto' in it (saved before Auto decided, or "
+            "not from a job that ran with auto)"
+        )
+    job_kwargs, job_network, job_summary = job_profile(decision)
+    say(job_summary)
+    return {
+        "profile": job_kwargs,
+        "network": job_network,
+        "workers": int(decision["workers"]),
+        # whether the job's exchange could overlap backward (not on CPU, where it takes the compute's core)
+        "overlap": bool(decision["measured"].get("overlap", True)),
+        "exact_step_s": float(decision["measured"].get("exact_step_s", 0.0)),
+    }
+
+
+def _burst(args: argparse.Namespace) -> float:
+    """``--burst``, in bytes."""
     try:
-        workers = parse_workers(args.workers)
-        check_at_least(("--batch", batch, 1), ("--block-size", args.block_size, 1))
-        try:
-            burst = float(parse_size(args.burst))
-        except ValueError as error:
-            raise ValueError(f"--burst {error}") from None
-        job: dict[str, Any] | None = None
-        if args.job is not None:
-            decision = find_auto_decision(_load_job(args.job))
-            if decision is None:
-                raise ValueError(
-                    f"--job {args.job}: no decision of algorithm='auto' in it (saved before Auto decided, or "
-                    "not from a job that ran with auto)"
-                )
-            job_kwargs, job_network, job_summary = job_profile(decision)
-            job = {
-                "profile": job_kwargs,
-                "network": job_network,
-                "workers": int(decision["workers"]),
-                # whether the job's exchange could overlap backward (not on CPU, where it takes the compute's core)
-                "overlap": bool(decision["measured"].get("overlap", True)),
-                "exact_step_s": float(decision["measured"].get("exact_step_s", 0.0)),
-            }
-            say(job_summary)
-        if args.probe:
-            measured_net = _probe(args)
-            network = cm.Network(
-                measured_net["latency_s"],
-                measured_net["bandwidth"],
-                measured_net.get("gather_bandwidth"),
-                measured_net.get("half_bandwidth"),
-                burst_bytes=burst,
-            )
-            say(
-                f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
-                f"all-reduce bandwidth {network.bandwidth * 8 / 1e9:.3f} Gbit/s, all-gather "
-                f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s"
-            )
-        else:
-            if args.hostfile or args.hosts:
-                raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
-            if job is not None and args.link is None and args.latency is None:
-                network = cm.Network(**job["network"], burst_bytes=burst)  # the job's own, as Auto measured it
-            else:
-                network = cm.Network(
-                    parse_latency(args.latency or DEFAULT_LATENCY),
-                    parse_link(args.link or DEFAULT_LINK),
-                    burst_bytes=burst,
-                )
-        extra: dict[str, Any] = {}
-        if args.model is not None:
-            measured = _measured_profile(args, batch)
-            compute_s, params = measured["compute_s"], measured["params"]
-            extra = {
-                k: measured[k]
-                for k in (
-                    "encode_s_per_element",
-                    "decode_s_per_element",
-                    "codec_call_s",
-                    "encode_call_s",
-                    "decode_call_s",
-                    "cast_s_per_element",
-                    "copy_s_per_element",
-                    "tensors",
-                    "chunks",
-                    "codecs",
-                    "codec_per_bucket",
-                )
-            }
-            backward = measured["backward_fraction"]
-            where = "1 thread" if args.device == "cpu" else args.device
-            say(
-                f"measured {args.model}, batch {batch}, {where}: {compute_s * 1e3:.2f} ms per step "
-                f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
-            )
-        elif job is not None:
-            extra = dict(job["profile"])
-            compute_s, params, batch = extra.pop("compute_s"), extra.pop("params"), extra.pop("batch")
-            # the plan's compute is one worker's at 1 worker: with the batch per worker fixed (weak scaling) the
-            # job's per-worker compute; with --global-batch the job's whole global batch on one worker
-            backward = 2 / 3
-            if args.global_batch:
-                compute_s, batch = compute_s * job["workers"], batch * job["workers"]
-        else:
-            check_positive("--compute-ms", args.compute_ms)
-            compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
-            check_number("--codec-ns", args.codec_ns, minimum=0)
-            extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
-        if args.backward_fraction is not None:
-            backward = args.backward_fraction
-        profile = cm.Profile(compute_s=compute_s, params=params, batch=batch, backward_fraction=backward, **extra)
-    except (ValueError, TypeError) as err:
-        return refuse(PROG, str(err))
-    except (RuntimeError, subprocess.TimeoutExpired) as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 1
-    candidates = cm.default_candidates(args.block_size)
+        return float(parse_size(args.burst))
+    except ValueError as error:
+        raise ValueError(f"--burst {error}") from None
+
+
+def _network(args: argparse.Namespace, job: dict[str, Any] | None, burst: float, say: Callable[[str], None]) -> Any:
+    """The network: probed (``--probe``), the job's own (``--job`` without ``--link``/``--latency``), or given."""
+    from bunsan.algorithms import cost_model as cm
+
+    if args.probe:
+        measured_net = _probe(args)
+        network = cm.Network(
+            measured_net["latency_s"],
+            measured_net["bandwidth"],
+            measured_net.get("gather_bandwidth"),
+            measured_net.get("half_bandwidth"),
+            burst_bytes=burst,
+        )
+        say(
+            f"probe over {measured_net['workers']} workers: latency {network.latency_s * 1e6:.1f} us, "
+            f"all-reduce bandwidth {network.bandwidth * 8 / 1e9:.3f} Gbit/s, all-gather "
+            f"{network.gather_beta * 8 / 1e9:.3f} Gbit/s"
+        )
+        return network
+    if args.hostfile or args.hosts:
+        raise ValueError("--hostfile and -H are for --probe; add --probe to measure the network")
+    if job is not None and args.link is None and args.latency is None:
+        return cm.Network(**job["network"], burst_bytes=burst)  # the job's own, as Auto measured it
+    return cm.Network(
+        parse_latency(args.latency or DEFAULT_LATENCY), parse_link(args.link or DEFAULT_LINK), burst_bytes=burst
+    )
+
+
+_MEASURED_FIELDS = (
+    "encode_s_per_element",
+    "decode_s_per_element",
+    "codec_call_s",
+    "encode_call_s",
+    "decode_call_s",
+    "cast_s_per_element",
+    "copy_s_per_element",
+    "tensors",
+    "chunks",
+    "codecs",
+    "codec_per_bucket",
+)
+
+
+def _profile(args: argparse.Namespace, batch: int, job: dict[str, Any] | None, say: Callable[[str], None]) -> Any:
+    """One worker's profile at 1 worker: measured here (``--model``), the job's (``--job``) or given."""
+    from bunsan.algorithms import cost_model as cm
+
+    extra: dict[str, Any]
+    if args.model is not None:
+        measured = _measured_profile(args, batch)
+        compute_s, params = measured["compute_s"], measured["params"]
+        extra = {k: measured[k] for k in _MEASURED_FIELDS}
+        backward = measured["backward_fraction"]
+        where = "1 thread" if args.device == "cpu" else args.device
+        say(
+            f"measured {args.model}, batch {batch}, {where}: {compute_s * 1e3:.2f} ms per step "
+            f"(forward {measured['forward_s'] * 1e3:.2f} ms), {params:,} parameters"
+        )
+    elif job is not None:
+        extra = dict(job["profile"])
+        compute_s, params, batch = extra.pop("compute_s"), extra.pop("params"), extra.pop("batch")
+        # the plan's compute is one worker's at 1 worker: with the batch per worker fixed (weak scaling) the
+        # job's per-worker compute; with --global-batch the job's whole global batch on one worker
+        backward = 2 / 3
+        if args.global_batch:
+            compute_s, batch = compute_s * job["workers"], batch * job["workers"]
+    else:
+        check_positive("--compute-ms", args.compute_ms)
+        compute_s, params, backward = args.compute_ms / 1e3, args.params, 2 / 3
+        check_number("--codec-ns", args.codec_ns, minimum=0)
+        extra = {"encode_s_per_element": args.codec_ns * 1e-9, "decode_s_per_element": args.codec_ns * 1e-9}
+    if args.backward_fraction is not None:
+        backward = args.backward_fraction
+    return cm.Profile(compute_s=compute_s, params=params, batch=batch, backward_fraction=backward, **extra)
+
+
+def _report(
+    args: argparse.Namespace, profile: Any, network: Any, job: dict[str, Any] | None, say: Callable[[str], None]
+) -> None:
+    """Predict every algorithm at every worker count; print the table (and the check against ``--job``'s own
+    step), write the PNG and the optional JSON."""
+    from bunsan.algorithms import async_model as am
+
+    workers = parse_workers(args.workers)
+    candidates = am.default_candidates(args.block_size)
     overlap = not args.no_overlap and (job is None or job["overlap"])
-    predictions = cm.predict_all(profile, network, candidates, workers, global_batch=args.global_batch, overlap=overlap)
+    predictions = am.predict_all(profile, network, candidates, workers, global_batch=args.global_batch, overlap=overlap)
     scaling = "global batch fixed" if args.global_batch else "batch per worker fixed"
+    params = profile.params
     say(
-        f"{params:,} parameters, {compute_s * 1e3:.2f} ms compute per step at 1 worker, batch {batch} "
-        f"({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {network.latency_s * 1e6:.1f} us; "
-        f"codec {profile.encode_s_per_element * 1e9:.2f} / {profile.decode_s_per_element * 1e9:.2f} ns per element "
-        f"(encode / decode); efficiency = compute / step; * = fastest"
+        f"{params:,} parameters, {profile.compute_s * 1e3:.2f} ms compute per step at 1 worker, batch "
+        f"{profile.batch} ({scaling}); link {network.bandwidth * 8 / 1e9:.3f} Gbit/s, latency "
+        f"{network.latency_s * 1e6:.1f} us; codec {profile.encode_s_per_element * 1e9:.2f} / "
+        f"{profile.decode_s_per_element * 1e9:.2f} ns per element (encode / decode); efficiency = compute / step; "
+        "* = fastest"
     )
     say(format_plan(predictions))
     if job is not None and "exact_step_s" in job:
         # the check against the job itself: exact at its own worker count, predicted and measured
-        at = cm.predict(
+        at = am.predict(
             profile.at_workers(job["workers"], global_batch=args.global_batch),
             network,
             candidates[0],
@@ -721,6 +694,29 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
             {"profile": vars(profile), "network": vars(network), "predictions": [p.as_dict() for p in predictions]},
         )
         say(f"JSON: {args.json}")
+
+
+def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
+    """``bunsan plan``: predictions table, PNG and optional JSON. 0 on success, 1 a probe failed, 2 on bad input."""
+    if args.published is not None:
+        return _run_published(args, say)
+    problem = _profile_source_problem(args)
+    if problem is not None:
+        return refuse(PROG, problem)
+    batch = DEFAULT_BATCH if args.batch is None else args.batch
+    try:
+        parse_workers(args.workers)
+        check_at_least(("--batch", batch, 1), ("--block-size", args.block_size, 1))
+        burst = _burst(args)
+        job = _job(args, say)
+        network = _network(args, job, burst, say)
+        profile = _profile(args, batch, job, say)
+    except (ValueError, TypeError) as err:
+        return refuse(PROG, str(err))
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        return 1
+    _report(args, profile, network, job, say)
     return 0
 
 

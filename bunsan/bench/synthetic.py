@@ -5,7 +5,7 @@ loading is measured), first ``warmup`` steps untimed, then ``iters`` timed
 iterations of ``batches_per_iter`` steps each; rank 0 writes every worker's
 iteration times and the bytes each sent per step (``algorithm.stats()``).
 :mod:`bunsan.bench.throughput` turns them into images/s and scaling efficiency;
-:mod:`bunsan.bench.plan` and :mod:`bunsan.bench.predict` size their models with
+:mod:`bunsan.bench.plan` and ``tools/predict.py`` size their models with
 :func:`model_inputs`.
 
 This module imports no torch at the top.

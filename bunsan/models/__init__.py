@@ -35,7 +35,7 @@ __all__ = [
 _MODELS: dict[str, type[nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "mlp": MLP,
-    "mlp_10m": MLP10M,  # the 10.5M-parameter MLP of bench quantized and bench predict
+    "mlp_10m": MLP10M,  # the 10.5M-parameter MLP of bench quantized and tools/predict.py
     "mnist1d_cnn": MNIST1DCNN,
     # the CNTK 2.2 benchmark's models (bunsan.models.reference)
     "bn_inception_cifar": BNInceptionCIFAR,

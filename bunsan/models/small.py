@@ -111,7 +111,7 @@ class MLP10M(MLP):
     With 1024 inputs (``digits32``, 1x32x32) and 10 classes: 1024x2048 + 2 x 2048x2048 +
     2048x10 weights and their biases, 10,512,394 parameters (42 MB of fp32 gradients per
     step), against a compute of tens of milliseconds per step on one CPU core: the model of
-    ``bunsan bench quantized`` and ``bunsan bench predict`` where the exchange, not the
+    ``bunsan bench quantized`` and ``tools/predict.py`` where the exchange, not the
     compute, sets the step time.
 
     Args:

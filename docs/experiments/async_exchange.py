@@ -1,6 +1,6 @@
 """What async SGD's exchange costs each worker in memory: the in-process passes over the model.
 
-Trains ``mlp_10m`` (10.5M parameters, the model of ``bunsan bench predict``) with
+Trains ``mlp_10m`` (10.5M parameters, the model of ``tools/predict.py``) with
 ``AsyncSGD`` (a push and pull after every step) on a fixed synthetic batch and prints, per
 rank, the median step and the seconds per push and pull (``sync_s / pushes``: on rank 0 the
 in-process exchange with the server, on a remote worker its round trip), then on rank 0 the

@@ -1,11 +1,11 @@
-"""Async rows of a `bunsan bench predict` record priced by the model before and after async on a
-shared host (cost_model.shared_compute, 47f013b), on the same measurements: each 4-worker row's
+"""Async rows of a `tools/predict.py` record priced by the model before and after async on a
+shared host (now async_model.shared_compute, 47f013b), on the same measurements: each 4-worker row's
 measured step, the prediction at ``ranks_per_core`` 1 and at the recorded one, as a Markdown
 table, and how many async rows each puts within 20%.
 
     python docs/experiments/async_shared_host.py runs/predict-16
 
-Needs a record that holds ``ranks_per_core`` and ``copy_s_per_element`` (bench predict since 47f013b).
+Needs a record that holds ``ranks_per_core`` and ``copy_s_per_element`` (tools/predict.py since 47f013b).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms import cost_model as cm
 
 
@@ -28,7 +29,7 @@ def predicted(row: dict, network: cm.Network, ranks_per_core: float) -> float:
         ranks_per_core=ranks_per_core,
     )
     candidate = cm.Candidate("async", {}, "async")
-    return cm.predict(
+    return am.predict(
         profile, network, candidate, row["workers"], overlap=row["overlap"], spare_core=row["spare_core"]
     ).step_s
 
@@ -50,7 +51,7 @@ def main(run: str) -> None:
             if row["label"] != "async":
                 continue
             if "ranks_per_core" not in row:
-                sys.exit(f"{result}: recorded before bench predict kept ranks_per_core (47f013b); run it again")
+                sys.exit(f"{result}: recorded before tools/predict.py kept ranks_per_core (47f013b); run it again")
 
             measured = row["measured_s"]
             before, shared = predicted(row, network, 1.0), predicted(row, network, row["ranks_per_core"])
@@ -67,5 +68,5 @@ def main(run: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not any(Path(sys.argv[1]).glob("*-np*/result.json")):
-        sys.exit("usage: python docs/experiments/async_shared_host.py RUN_DIR (a bench predict --out directory)")
+        sys.exit("usage: python docs/experiments/async_shared_host.py RUN_DIR (a tools/predict.py --out directory)")
     main(sys.argv[1])

@@ -1,6 +1,6 @@
 """How much of the fixed costs' move from round to round is their own timing's noise: few runs against many.
 
-``bunsan bench predict`` times every candidate's fixed cost (:func:`bunsan.algorithms.measure.
+``tools/predict.py`` times every candidate's fixed cost (:func:`bunsan.algorithms.measure.
 measure_fixed_costs`: the tiny model's step less the local step and the model's price, the median
 of ``repeats`` runs of whole blocks) once in every round, and prices that round with it. On the
 small CNNs, whose rows are half fixed cost, a row's price moves from round to round more than its
@@ -41,11 +41,12 @@ FEW = 3  # measure_fixed_costs' repeats, as the bench calls it
 def _body(rank: int, n: int, port: int, calls: int, many: int, queue: Any) -> None:
     local_rank(rank, n, port)
     import bunsan
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
     from bunsan.algorithms.measure import measure_fixed_costs, measure_network
 
     bunsan.init()
-    candidates = cm.default_candidates(256)
+    candidates = am.default_candidates(256)
     network = measure_network()
     block = cm.block_steps(256, 32)  # the bench's tiny runs hold whole blocks: 8 steps of 32 samples
     found: dict[tuple[str, int], list[float]] = {}

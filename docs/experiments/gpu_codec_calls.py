@@ -154,7 +154,9 @@ def main() -> None:
                 if device.type == "cuda":  # the exchange's buffers, scratch and graph pool at their peak
                     peaks[mode] = (torch.cuda.max_memory_allocated() - before) / 2**20
             ratio = found["segment"] / found["bucket"]
-            line = f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
+            line = (
+                f"{bits:4d}  {workers:7d}  {found['segment'] * 1e3:16.2f}  {found['bucket'] * 1e3:15.2f}  {ratio:5.1f}x"
+            )
             row = {"bits": bits, "workers": workers, "segment_s": found["segment"], "bucket_s": found["bucket"]}
             if graphs:
                 line += f"  {found['graphs'] * 1e3:12.2f}  {found['bucket'] / found['graphs']:15.1f}x"

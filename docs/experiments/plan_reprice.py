@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bunsan.algorithms import cost_model as cm
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms.network_model import Network
 
 
@@ -30,14 +30,14 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError, TypeError) as err:
         print(f"plan_reprice: {argv[0]} is not a bunsan plan record ({err})", file=sys.stderr)
         return 2
-    candidates = {c.label: c for c in cm.default_candidates(1024)}
+    candidates = {c.label: c for c in am.default_candidates(1024)}
     print("workers  algorithm             recorded (ms)  now (ms)  efficiency now")
     for row in rows:
         if row["label"] not in candidates:
             print(f"plan_reprice: {row['label']!r} is not a default candidate of this checkout", file=sys.stderr)
             return 2
         n, candidate = row["workers"], candidates[row["label"]]
-        now = cm.predict(profile.at_workers(n), network, candidate, n).step_s
+        now = am.predict(profile.at_workers(n), network, candidate, n).step_s
         print(
             f"{n:7d}  {row['label']:<20} {1e3 * row['step_s']:14.2f} {1e3 * now:9.2f}  {100 * profile.compute_s / now:13.1f}%"
         )

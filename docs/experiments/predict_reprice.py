@@ -1,4 +1,4 @@
-"""Re-price the rows of a ``bunsan bench predict`` run offline, from the profiles it recorded.
+"""Re-price the rows of a ``tools/predict.py`` run offline, from the profiles it recorded.
 
 A run takes about 80 minutes on the 2-core machine of the docs; a change to the cost model can be judged
 first on a recorded run's own measurements: every job writes each model's whole profile and its
@@ -20,13 +20,13 @@ Variants (what they change, for the rows they touch):
   its job of one rank a core on the same link (every rank copying at once there: one per core).
 * ``filled``: each round's fixed costs as timed after a step of the model's compute
   (``fixed_filled_rounds``: the bench's ``predicted_filled_s``, since it timed them, for the models
-  whose step is short, ``bunsan.bench.predict.FILLER_CAP_S``); a model without them is priced as is.
+  whose step is short, ``FILLER_CAP_S`` of ``tools/predict.py``); a model without them is priced as is.
 * ``own-compute``: each round priced with the row's own slice of the compute alone, timed just
   before its steps in that round (``compute_rounds_s``; the bench's price up to predict-34), instead
   of the job's compute (every slice of every round).
 * ``pooled``: every row priced once with its job's profile pooled over the rounds (the bench's
   prediction before each round was priced with its own compute slice, fixed costs and codec:
-  ``bunsan.bench.predict.round_profiles``; a record without the rounds is priced so anyway).
+  ``round_profiles`` of ``tools/predict.py``; a record without the rounds is priced so anyway).
 
 It also prints, for async rows, each rank's measured median step against the model's rank 0 and
 remote worker (``rank_steps_s``; the model's remote step is ``predicted_compute_s +
@@ -46,8 +46,8 @@ floor the noise alone sets), and the rows most likely outside::
 
 A change to the model is better judged by its expected misses than by one run's count, which
 the noise moves by several rows. Rows are set against the mean of their rounds on both sides,
-as the bench does since predict-28 (:func:`bunsan.bench.predict.paired_prediction`,
-:func:`~bunsan.bench.predict.measured_step`; a record before it has each round's job step in
+as the bench does since predict-28 (``paired_prediction`` and
+``measured_step`` of ``tools/predict.py``; a record before it has each round's job step in
 ``rounds_s``); ``--medians`` sets each side's median over the rounds instead, the bench's
 measure up to predict-27. Over several records it also prints how a round's error moves
 from round to round within a run and how the mean of a run's rounds moves from run to run
@@ -67,9 +67,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.network_model import Network
-from bunsan.bench.predict import measured_step, paired_prediction, round_profiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # the harness that wrote the records
+from predict import measured_step, paired_prediction, round_profiles  # noqa: E402
 
 VARIANTS = ("synced", "synced-exact", "pooled", "core-copy", "filled", "own-compute")
 ROW_PRIOR_DOF = 4  # degrees of freedom of the pooled variance in each row's own (noise_and_bias)
@@ -113,14 +116,14 @@ def reprice(
     elif fill_core_copy is not None and profile.ranks_per_core > 1 and not profile.core_copy_s_per_element:
         profile = replace(profile, core_copy_s_per_element=fill_core_copy)
     network = network_of(record.get("network", job["network"]))  # the model's median probe where recorded
-    candidate = next(c for c in cm.default_candidates(block_size) if c.label == row["label"])
+    candidate = next(c for c in am.default_candidates(block_size) if c.label == row["label"])
     if variant == "synced" or (variant == "synced-exact" and row["label"] == "exact"):
         profile = replace(profile, straggler_s=record["synced_straggler_s"])
     n = row["workers"]
 
     def step(round_: tuple[cm.Profile, Network]) -> float:
         p, net = round_
-        return cm.predict(p, net, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
+        return am.predict(p, net, candidate, n, overlap=row["overlap"], spare_core=row["spare_core"]).step_s
 
     if variant == "pooled" or "compute_rounds_s" not in row or "fixed_rounds" not in record:
         return step((profile, network))
@@ -431,7 +434,7 @@ def one_run(data: dict[str, Any], variants: Sequence[str], *, medians: bool = Fa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("json", nargs="+", help="predict.json of a bunsan bench predict run (several: runs together)")
+    parser.add_argument("json", nargs="+", help="predict.json of a tools/predict.py run (several: runs together)")
     parser.add_argument("--variant", action="append", default=[], choices=VARIANTS)
     parser.add_argument(
         "--medians", action="store_true", help="each side's median over the rounds (the bench's measure to predict-27)"
@@ -451,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 raise KeyError("rows or arguments.block_size")
         except (OSError, ValueError, KeyError, TypeError) as err:
-            print(f"predict_reprice: {path} is not a bunsan bench predict record ({err})", file=sys.stderr)
+            print(f"predict_reprice: {path} is not a tools/predict.py record ({err})", file=sys.stderr)
             return 2
         records.append(data)
     for path, data in zip(args.json, records, strict=True):

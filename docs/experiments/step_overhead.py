@@ -3,7 +3,7 @@
 ``bunsan.algorithms.measure.measure_fixed_costs`` prices what a step costs beyond the cost
 model's arithmetic on a tiny model (a linear layer of 4 to 2, two tensors) and the bench adds
 that to every model's row. At 2 workers the small CNNs' rows lean low in every run of
-``bunsan bench predict`` (MNIST-1D's exact, fp16 and async 13-17% on ten runs' means;
+``tools/predict.py`` (MNIST-1D's exact, fp16 and async 13-17% on ten runs' means;
 docs/experiments/plan.md, "predict-33"). This times, on 2 local ranks over loopback (Gloo, one thread
 each), the plain step (forward, backward, SGD update), model averaging's (a block of 256
 samples, 8 steps) and exact data parallel's, for:

@@ -27,7 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bunsan.bench.tta import campaign_rows, tta_rows
+from bunsan.bench.tta import tta_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))  # the campaign's summary
+from tta_campaign import campaign_rows  # noqa: E402
 
 AS_AUTO = "auto:copy"  # the label the copy is scored under (campaign_rows scores labels starting with "auto")
 

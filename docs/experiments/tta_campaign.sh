@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Time-to-accuracy of auto:risk=high against every fixed setting, per model and network
 # (issue 19, item 3): one `bunsan bench compare` per model and network, then `bunsan bench tta`
-# for each, and at the end the campaign's summary (one row per model, network and worker count).
+# for each, and at the end the campaign's summary (tools/tta_campaign.py: one row per model, network
+# and worker count).
 # Usage: docs/experiments/tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]
 #   NETWORKS: space-separated, "loopback" or rate=RATE (shaped links need root); default all three
 #   MODELS:   space-separated of digits_cnn mnist1d_cnn resnet20 mlp_10m mnist1d_20k (the MNIST-1D CNN on
@@ -18,6 +19,8 @@ out=${1:?usage: tta_campaign.sh OUT_DIR [NETWORKS] [MODELS]}
 networks=${2:-"loopback rate=1gbit rate=100mbit"}
 models=${3:-"digits_cnn mnist1d_cnn resnet20"}
 bunsan=${BUNSAN:-bunsan}
+python=${PYTHON:-python3}  # the Python of the checkout's tools/ (the summary)
+tools=$(cd "$(dirname "$0")/../../tools" && pwd)
 seeds=${SEEDS:-0}
 np=${NP:-2,4}
 fixed=(data_parallel data_parallel:compression=fp16 data_parallel:bits=2 data_parallel:bits=1
@@ -58,4 +61,4 @@ for net in $networks; do
     done
   done
 done
-$bunsan bench tta "$out"/*/compare.json | tee "$out/summary.txt"
+"$python" "$tools/tta_campaign.py" "$out"/*/compare.json | tee "$out/summary.txt"

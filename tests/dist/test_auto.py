@@ -371,7 +371,7 @@ def test_fixed_costs_are_measured_per_candidate_and_agree_on_every_rank(workers)
     results = workers.run(f"{__name__}:_body_fixed_costs")
     assert results[0] == results[1]  # the slowest rank's time, all-reduced: one answer for the job
     labels = [label for label, _ in results[0]]
-    # async: rank 0's worker's excess and the remote workers' (cost_model.async_fixed_labels)
+    # async: rank 0's worker's excess and the remote workers' (async_model.async_fixed_labels)
     assert labels == ["exact", "block_momentum:block_size=64", "async", "async/remote"]
     # a step of the tiny model takes at least its local step: the model's prediction is that step
     # plus (at 1e13 B/s and no latency) nothing, so the fixed cost is what the step costs beyond it

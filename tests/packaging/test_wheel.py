@@ -110,7 +110,8 @@ def _build_wheel(tmp_path: Path, env: dict[str, str]) -> Path:
 
 
 def _check_wheel(wheel: Path) -> str:
-    """Every module and the C source are in the wheel; only torch and numpy are required. Returns the version."""
+    """Every module, the C source and the package's data are in the wheel; only torch and numpy are required.
+    Returns the version."""
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
@@ -118,9 +119,9 @@ def _check_wheel(wheel: Path) -> str:
     sources = {
         p.relative_to(REPO).as_posix()
         for p in (REPO / "bunsan").rglob("*")
-        if p.suffix in (".py", ".c") and "__pycache__" not in p.parts
+        if p.suffix in (".py", ".c", ".json") and "__pycache__" not in p.parts
     }
-    assert "bunsan/compression/onebit.c" in sources
+    assert "bunsan/compression/onebit.c" in sources and "bunsan/bench/published.json" in sources
     assert not sources - names, f"missing from the wheel: {sorted(sources - names)}"
     headers = email.parser.HeaderParser().parsestr(metadata)  # the header fields; the README follows them
     core = {

@@ -1,12 +1,12 @@
 """The cost model's arithmetic, against values worked out by hand (comments show the sums)."""
 
-from dataclasses import replace
-
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from bunsan.algorithms import async_model as am
 from bunsan.algorithms import cost_model as cm
 from bunsan.algorithms.cost_model import Candidate, Network, Profile
 
@@ -277,7 +277,7 @@ def test_every_exchange_travels_in_the_parameters_own_dtype():
     block = cm.predict(bf16, net, Candidate("model_averaging", {"block_size": 320}), 2)
     assert block.step_s == pytest.approx(0.1002) and block.bytes_per_step == pytest.approx(2e5)
     # async: a remote worker's push of 2e6 bytes a step
-    assert cm.predict(bf16, net, Candidate("async"), 2).bytes_per_step == pytest.approx(2e6)
+    assert am.predict(bf16, net, Candidate("async"), 2).bytes_per_step == pytest.approx(2e6)
     # fp16 traffic of bf16 gradients halves nothing: the same 2e6 bytes
     fp16 = cm.predict(bf16, net, Candidate("data_parallel", {"compression": "fp16"}), 2, overlap=False)
     assert fp16.bytes_per_step == pytest.approx(2e6)
@@ -291,16 +291,16 @@ def test_every_exchange_travels_in_the_parameters_own_dtype():
 def test_async_bottleneck_is_rank_zero():
     net = Network(latency_s=0.0, bandwidth=1e8)  # 4e6 bytes: 0.04 s per message
     # 2 workers: the worker's own push + pull, 0.1 + 0.08
-    assert cm.async_step(0.1, 4e6, 2, net, 1)[0] == pytest.approx(0.18)
+    assert am.async_step(0.1, 4e6, 2, net, 1)[0] == pytest.approx(0.18)
     # 11 workers in step: a push (0.04), then 10 pulls sharing rank 0's link (0.4): 0.1 + 0.44
-    assert cm.async_step(0.1, 4e6, 11, net, 1)[0] == pytest.approx(0.54)
-    assert cm.async_step(0.1, 4e6, 11, net, 4)[0] == pytest.approx(0.21)  # 0.1 + 0.44 / 4
+    assert am.async_step(0.1, 4e6, 11, net, 1)[0] == pytest.approx(0.54)
+    assert am.async_step(0.1, 4e6, 11, net, 4)[0] == pytest.approx(0.21)  # 0.1 + 0.44 / 4
     # each pull on a core's own copy through memory (no shared link): rank 0 bounds the round, 10 x 0.04
-    assert cm.async_step(0.1, 4e6, 11, net, 1, convoy=False)[0] == pytest.approx(0.4)
-    assert cm.async_step(0.1, 4e6, 11, net, 4, convoy=False)[0] == pytest.approx(0.12)  # 0.1 + 0.08 / 4 > 0.1
-    assert cm.async_step(0.1, 4e6, 2, net, 1, convoy=False)[0] == pytest.approx(0.18)  # the same at 2 workers
+    assert am.async_step(0.1, 4e6, 11, net, 1, convoy=False)[0] == pytest.approx(0.4)
+    assert am.async_step(0.1, 4e6, 11, net, 4, convoy=False)[0] == pytest.approx(0.12)  # 0.1 + 0.08 / 4 > 0.1
+    assert am.async_step(0.1, 4e6, 2, net, 1, convoy=False)[0] == pytest.approx(0.18)  # the same at 2 workers
     # the job's step at 11 workers: rank 0 at 0.1 s, ten remote workers at 0.54 s
-    p = cm.predict(Profile(compute_s=0.1, params=1_000_000), net, Candidate("async"), 11)
+    p = am.predict(Profile(compute_s=0.1, params=1_000_000), net, Candidate("async"), 11)
     assert p.step_s == pytest.approx(11 / (10 + 10 / 0.54)) and p.bytes_per_step == 4e6
 
 
@@ -309,29 +309,29 @@ def test_async_in_process_passes_over_the_model():
     # one pass over 1e6 parameters: 1 ms; rank 0's worker makes 6 per push and pull, a remote 4, and
     # the server 2 for each remote push, between receiving it and replying (in the round trip)
     profile = Profile(compute_s=0.1, params=1_000_000, copy_s_per_element=1e-9)
-    assert (cm.ASYNC_OWN_PASSES, cm.ASYNC_REMOTE_PASSES, cm.ASYNC_SERVER_PASSES) == (6, 4, 2)
-    assert cm.async_step(0.1, 4e6, 2, net, 1, local_s=4e-3)[0] == pytest.approx(0.184)
-    assert cm.async_step(0.1, 4e6, 2, net, 1, apply_s=2e-3, local_s=4e-3)[0] == pytest.approx(0.186)
-    p = cm.predict(profile, net, Candidate("async"), 2)  # rank 0 at 0.106 s, the remote at 0.186 s
+    assert (am.ASYNC_OWN_PASSES, am.ASYNC_REMOTE_PASSES, am.ASYNC_SERVER_PASSES) == (6, 4, 2)
+    assert am.async_step(0.1, 4e6, 2, net, 1, local_s=4e-3)[0] == pytest.approx(0.184)
+    assert am.async_step(0.1, 4e6, 2, net, 1, apply_s=2e-3, local_s=4e-3)[0] == pytest.approx(0.186)
+    p = am.predict(profile, net, Candidate("async"), 2)  # rank 0 at 0.106 s, the remote at 0.186 s
     assert p.step_s == pytest.approx(2 / (1 / 0.106 + 1 / 0.186))
     # a block round's timed work per element (update_s_per_element, plan --job) is not the server's
     timed = Profile(compute_s=0.1, params=1_000_000, copy_s_per_element=1e-9, update_s_per_element=5e-9)
-    assert cm.predict(timed, net, Candidate("async"), 2).step_s == pytest.approx(p.step_s)
+    assert am.predict(timed, net, Candidate("async"), 2).step_s == pytest.approx(p.step_s)
     # a push every 4 steps (sync_period 128 at batch 32): the passes are amortized like the round trip
-    every4 = cm.predict(profile, net, Candidate("async", {"sync_period": 128}), 2)
+    every4 = am.predict(profile, net, Candidate("async", {"sync_period": 128}), 2)
     assert every4.step_s == pytest.approx(2 / (1 / 0.1015 + 1 / 0.1215))
-    assert cm.predict(profile, net, Candidate("async"), 1).step_s == pytest.approx(0.1)  # alone: no passes
+    assert am.predict(profile, net, Candidate("async"), 1).step_s == pytest.approx(0.1)  # alone: no passes
 
 
 def test_shared_compute_finds_the_cores_the_waiting_ranks_leave():
     # timed at 0.08 s with 2 ranks to a core: 0.04 s alone on one
-    assert cm.shared_compute(0.08, 2.0, lambda c: 0.5) == pytest.approx(0.04)  # half the ranks busy: a core each
-    assert cm.shared_compute(0.08, 2.0, lambda c: 0.75) == pytest.approx(0.06)
-    assert cm.shared_compute(0.08, 2.0, lambda c: 1.0) == pytest.approx(0.08)  # all busy: as timed
-    assert cm.shared_compute(0.08, 1.0, lambda c: 0.1) == 0.08  # a core each: nothing to gain
+    assert am.shared_compute(0.08, 2.0, lambda c: 0.5) == pytest.approx(0.04)  # half the ranks busy: a core each
+    assert am.shared_compute(0.08, 2.0, lambda c: 0.75) == pytest.approx(0.06)
+    assert am.shared_compute(0.08, 2.0, lambda c: 1.0) == pytest.approx(0.08)  # all busy: as timed
+    assert am.shared_compute(0.08, 1.0, lambda c: 0.1) == 0.08  # a core each: nothing to gain
     # a share that grows with the compute, (1 + 3 c / (c + 0.01)) / 4: c = 0.02 (1 + 3 c / (c + 0.01)),
     # c^2 - 0.07 c - 0.0002 = 0, c = (0.07 + sqrt(0.0057)) / 2
-    found = cm.shared_compute(0.08, 2.0, lambda c: (1 + 3 * c / (c + 0.01)) / 4)
+    found = am.shared_compute(0.08, 2.0, lambda c: (1 + 3 * c / (c + 0.01)) / 4)
     assert found == pytest.approx((0.07 + math.sqrt(0.0057)) / 2, rel=1e-9)
 
 
@@ -340,13 +340,13 @@ def test_async_rank_zero_computes_alone_while_the_remotes_wait_on_the_link():
     # remotes take 16 s a step (a push, then 3 pulls on rank 0's link) and sit on the CPU 0.04 / 16 of it
     net = Network(latency_s=0.0, bandwidth=1e6)
     shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
-    p = cm.predict(shared, net, Candidate("async"), 4)
+    p = am.predict(shared, net, Candidate("async"), 4)
     assert p.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 16.04))  # rank 0's worker at a core's speed
     assert p.compute_s == pytest.approx(0.04)
-    alone = cm.predict(Profile(compute_s=0.08, params=1_000_000), net, Candidate("async"), 4)
+    alone = am.predict(Profile(compute_s=0.08, params=1_000_000), net, Candidate("async"), 4)
     assert alone.step_s == pytest.approx(4 / (1 / 0.08 + 3 / 16.08))
     # on a fast link every rank computes all the time: the compute stays as timed
-    fast = cm.predict(shared, Network(latency_s=0.0, bandwidth=1e12), Candidate("async"), 4)
+    fast = am.predict(shared, Network(latency_s=0.0, bandwidth=1e12), Candidate("async"), 4)
     assert fast.compute_s == pytest.approx(0.08, rel=1e-3)
     # synchronous steps compute together: the share changes nothing there
     for candidate in (Candidate("data_parallel"), Candidate("block_momentum", {"block_size": 256})):
@@ -366,8 +366,8 @@ def test_global_batch_divides_the_compute():
 
 
 def test_predict_all_covers_every_pair():
-    rows = cm.predict_all(Profile(compute_s=0.1, params=1000), Network(1e-5, 1e9), cm.default_candidates(), [1, 8])
-    assert len(rows) == 2 * len(cm.default_candidates())
+    rows = am.predict_all(Profile(compute_s=0.1, params=1000), Network(1e-5, 1e9), am.default_candidates(), [1, 8])
+    assert len(rows) == 2 * len(am.default_candidates())
     assert {r.workers for r in rows} == {1, 8}
     assert all(r.efficiency == 1.0 for r in rows if r.workers == 1)
     assert all(0 < r.efficiency < 1.0 for r in rows if r.workers == 8)
@@ -387,7 +387,7 @@ def test_bad_input_is_one_sentence():
     with pytest.raises(ValueError, match="knows algorithms"):
         Candidate("quantum")
     with pytest.raises(ValueError, match="workers"):
-        cm.predict(Profile(compute_s=0.1, params=1), Network(0.0, 1.0), Candidate("async"), 0)
+        am.predict(Profile(compute_s=0.1, params=1), Network(0.0, 1.0), Candidate("async"), 0)
 
 
 def test_network_from_timings_recovers_alpha_and_beta():
@@ -422,7 +422,7 @@ def test_stragglers():
     # a block of 128 / 32 = 4 steps waits once for a skew of 0.02 * sqrt(4): 0.04 / 4 per step
     block = cm.predict(profile, net, Candidate("model_averaging", {"block_size": 128}), 2)
     assert block.step_s == pytest.approx(0.11, rel=1e-6)
-    assert cm.predict(profile, net, Candidate("async"), 2).step_s == pytest.approx(0.1, rel=1e-3)  # no wait
+    assert am.predict(profile, net, Candidate("async"), 2).step_s == pytest.approx(0.1, rel=1e-3)  # no wait
     assert cm.predict(profile, net, Candidate("data_parallel"), 1).step_s == 0.1
 
 
@@ -465,14 +465,14 @@ def test_codec_per_bit_width_and_measured_fixed_costs():
     assert block.step_s == pytest.approx(1.0 + 4e-7 + 5e-5)
     # async: 2 workers, rank 0 at 1.0 s, the remote at 1.0 + 8e-6; rank 0's worker's fixed cost 3e-4 s,
     # the remote's none (no "async/remote" label): 2 / (1 / 1.0003 + 1 / 1.000008)
-    run = cm.predict(profile, net, Candidate("async"), 2)
+    run = am.predict(profile, net, Candidate("async"), 2)
     assert run.step_s == pytest.approx(2 / (1 / (1.0 + 3e-4) + 1 / (1.0 + 8e-6)))
     # with the remote's own, 5e-4 s, at 4 workers: 4 / (1 / 1.0003 + 3 / (remote + 5e-4))
     both = replace(profile, fixed_s=(("async", 3e-4), ("async/remote", 5e-4)))
-    _, own, remote = cm.async_rank_steps(both, net, Candidate("async"), 4)
+    _, own, remote = am.async_rank_steps(both, net, Candidate("async"), 4)
     assert own == pytest.approx(1.0) and remote > 1.0
-    assert cm.async_fixed_labels("async") == ("async", "async/remote")
-    run = cm.predict(both, net, Candidate("async"), 4)
+    assert am.async_fixed_labels("async") == ("async", "async/remote")
+    run = am.predict(both, net, Candidate("async"), 4)
     assert run.step_s == pytest.approx(4 / (1 / (1.0 + 3e-4) + 3 / (remote + 5e-4)))
     # one worker: nothing is exchanged, nothing fixed is added
     assert cm.predict(profile, net, Candidate("data_parallel", {}, "exact"), 1).step_s == 1.0
@@ -498,29 +498,29 @@ def test_async_server_thread_takes_cpu_beside_the_ranks_without_a_spare_core():
     profile = Profile(compute_s=0.1, params=1_000_000)
     # 3 workers, a core each: remotes at 0.1 + 0.08 = 0.18 s; the server thread works 2 x (push +
     # pull) = 0.16 s a round, exactly the time the 2 remotes spend off their cores: nothing slows
-    p = cm.predict(profile, net, Candidate("async"), 3, overlap=False)
+    p = am.predict(profile, net, Candidate("async"), 3, overlap=False)
     assert p.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.18))
     # with a spare core the transfers are a link's: the remotes' 2 pulls share rank 0's, 0.1 + 0.04 + 0.08
-    spared = cm.predict(profile, net, Candidate("async"), 3, overlap=False, spare_core=True)
+    spared = am.predict(profile, net, Candidate("async"), 3, overlap=False, spare_core=True)
     assert spared.step_s == pytest.approx(3 / (1 / 0.1 + 2 / 0.22))
     # 4 ranks on 2 cores, 0.04 s alone (0.08 timed all busy). Spare core: the remotes (0.04 + 0.04
     # + 3 x 0.04 = 0.2 s) are on the CPU a fifth of the time: (1 + 3 / 5) / 4 < 1/2 of the ranks, 0.04
     shared = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0)
-    spared = cm.predict(shared, net, Candidate("async"), 4, overlap=False, spare_core=True)
+    spared = am.predict(shared, net, Candidate("async"), 4, overlap=False, spare_core=True)
     assert spared.compute_s == pytest.approx(0.04)
     assert spared.step_s == pytest.approx(4 / (1 / 0.04 + 3 / 0.2))
     # none spare: the server thread, busy 3 x 0.08 = 0.24 s of every remote step (so always), is one
     # more thread: c = 0.04 x 2 x (1 + 3 c / (c + 0.08) + 1) / 4, so c^2 - 0.02 c - 0.0032 = 0
-    crowded = cm.predict(shared, net, Candidate("async"), 4, overlap=False)
+    crowded = am.predict(shared, net, Candidate("async"), 4, overlap=False)
     c = (0.02 + math.sqrt(0.0132)) / 2
     assert crowded.compute_s == pytest.approx(c)
     assert crowded.step_s == pytest.approx(4 / (1 / c + 3 / (c + 0.08)))  # rank 0's worker pays no transfer
-    assert cm.predict(shared, net, Candidate("async"), 4, overlap=True, spare_core=False).step_s == pytest.approx(
+    assert am.predict(shared, net, Candidate("async"), 4, overlap=True, spare_core=False).step_s == pytest.approx(
         crowded.step_s
     )
     # a share above 1 slows every rank even with a core each; fewer ranks than cores count as a core each
-    assert cm.shared_compute(0.1, 1.0, lambda c: 1.25) == pytest.approx(0.125)
-    assert cm.shared_compute(0.1, 0.5, lambda c: 0.5) == pytest.approx(0.1)
+    assert am.shared_compute(0.1, 1.0, lambda c: 1.25) == pytest.approx(0.125)
+    assert am.shared_compute(0.1, 0.5, lambda c: 0.5) == pytest.approx(0.1)
 
 
 def test_measure_codecs_one_entry_per_width():
@@ -581,19 +581,19 @@ def test_async_passes_cost_the_copy_per_core_slowed_as_the_compute():
     # + 3 pulls) wait most of their step, the share stays under 1/2, the compute at 0.04 alone
     timed = Profile(compute_s=0.08, params=1_000_000, ranks_per_core=2.0, copy_s_per_element=5e-9)
     per_core = replace(timed, core_copy_s_per_element=2e-9)
-    compute, own, remote = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
+    compute, own, remote = am.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
     assert compute == pytest.approx(0.04)
     assert own == pytest.approx(0.04 + 6 * 0.002)  # rank 0's six passes at the copy of a core alone
     assert remote == pytest.approx(0.04 + 2 * 0.002 + 4 * 0.002 + 0.04 + 3 * 0.04)  # apply + passes + trip
     # without the per-core copy: every pass at the copy timed all busy, as before
-    _, own, remote = cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)
+    _, own, remote = am.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)
     assert own == pytest.approx(0.04 + 6 * 0.005)
     assert remote == pytest.approx(0.04 + 6 * 0.005 + 0.04 + 3 * 0.04)
     # a core each (ranks_per_core 1): the per-core copy is the copy timed all busy; the field is not read
     one_each = replace(per_core, ranks_per_core=1.0, compute_s=0.04)
-    assert cm.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.07)
+    assert am.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.07)
     # crowded (no spare core): the passes slow as the compute does, c / 0.04 the compute's slowdown
-    compute, own, _ = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
+    compute, own, _ = am.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
     assert compute > 0.04
     assert own == pytest.approx(compute + 6 * 0.002 * compute / 0.04)
 
@@ -606,28 +606,28 @@ def test_async_rank_0_worker_computes_at_the_compute_of_one_rank_per_core():
     per_core = replace(timed, core_compute_s=0.05)
     # spare core, the remotes waiting on the link: they compute at 0.04 (shared_compute); rank 0's worker
     # at the 0.05 timed on a core of its own, its six passes as before
-    compute, own, remote = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
+    compute, own, remote = am.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=True)
     assert compute == pytest.approx(0.04)
     assert own == pytest.approx(0.05 + 6 * 0.002)
-    assert remote == pytest.approx(cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[2])
-    assert cm.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.04 + 0.012)
+    assert remote == pytest.approx(am.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[2])
+    assert am.async_rank_steps(timed, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.04 + 0.012)
     # crowded (no spare core): the shared compute rises past 0.04; rank 0's worker's stays at 0.05 (its
     # passes at the copy timed all busy; with a per-core copy they slow as the shared compute does)
-    compute, own, _ = cm.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
+    compute, own, _ = am.async_rank_steps(per_core, net, Candidate("async"), 4, spare_core=False)
     assert compute > 0.04
     assert own == pytest.approx(0.05 + 6 * 0.002)
     copied = replace(per_core, core_copy_s_per_element=1e-9)
-    compute, own, _ = cm.async_rank_steps(copied, net, Candidate("async"), 4, spare_core=False)
+    compute, own, _ = am.async_rank_steps(copied, net, Candidate("async"), 4, spare_core=False)
     assert own == pytest.approx(0.05 + 6 * 0.001 * compute / 0.04)
     # the job's step: N / (1 / own + (N - 1) / remote), own with rank 0's fixed cost
     fixed = replace(per_core, fixed_s=(("async", 0.003),))
-    _, own, remote = cm.async_rank_steps(fixed, net, Candidate("async"), 4, spare_core=True)
-    step = cm.predict(fixed, net, Candidate("async"), 4, spare_core=True).step_s
+    _, own, remote = am.async_rank_steps(fixed, net, Candidate("async"), 4, spare_core=True)
+    step = am.predict(fixed, net, Candidate("async"), 4, spare_core=True).step_s
     assert step == pytest.approx(4 / (1 / (0.062 + 0.003) + 3 / remote))
     # a core or more each (ranks_per_core 1), or one worker: the field is not read
     one_each = replace(per_core, ranks_per_core=1.0, compute_s=0.04)
-    assert cm.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.052)
-    assert cm.async_rank_steps(per_core, net, Candidate("async"), 1)[1] == pytest.approx(0.08)
+    assert am.async_rank_steps(one_each, net, Candidate("async"), 4, spare_core=True)[1] == pytest.approx(0.052)
+    assert am.async_rank_steps(per_core, net, Candidate("async"), 1)[1] == pytest.approx(0.08)
     # strong scaling divides it with the compute; a negative time is refused
     assert per_core.at_workers(4, global_batch=True).core_compute_s == pytest.approx(0.0125)
     with pytest.raises(ValueError, match="core_compute_s"):
@@ -692,15 +692,15 @@ def test_async_push_and_pull_get_the_burst_of_their_links():
     # 32768 B messages at 12.5e6 B/s (2.62144 ms each) after 2 ms of compute, 16 KiB bursts
     net = Network(latency_s=0.0, bandwidth=12.5e6, burst_bytes=16384)
     # 2 workers: push and pull each 1.31072 ms shorter: 2 + 2 * (2.62144 - 1.31072) = 4.62144 ms
-    assert cm.async_step(0.002, 32768, 2, net, 1)[0] == pytest.approx(4.62144e-3)
+    assert am.async_step(0.002, 32768, 2, net, 1)[0] == pytest.approx(4.62144e-3)
     # 5 workers in step: a push (2.62144 - 1.31072), then 4 pulls sharing rank 0's link and its bucket
     # (10.48576 - 1.31072): 2 + 1.31072 + 9.17504 ms
-    assert cm.async_step(0.002, 32768, 5, net, 1)[0] == pytest.approx(12.48576e-3)
+    assert am.async_step(0.002, 32768, 5, net, 1)[0] == pytest.approx(12.48576e-3)
     # through memory: rank 0's round of 4 pulls, 10.48576 - 1.31072 = 9.17504 ms, above a worker's own
     # 2 + 2.62144 + 2.62144 - 1.31072 - 0.32768
-    assert cm.async_step(0.002, 32768, 5, net, 1, convoy=False)[0] == pytest.approx(9.17504e-3)
+    assert am.async_step(0.002, 32768, 5, net, 1, convoy=False)[0] == pytest.approx(9.17504e-3)
     # without a bucket, as before: 2 + 2 * 2.62144
-    assert cm.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
+    assert am.async_step(0.002, 32768, 2, Network(0.0, 12.5e6), 1)[0] == pytest.approx(7.24288e-3)
 
 
 def test_exact_over_a_link_with_ranks_sharing_cores_waits_the_straggler_of_steps_started_together():
@@ -732,3 +732,24 @@ def test_exact_over_a_link_with_ranks_sharing_cores_waits_the_straggler_of_steps
     assert not cm.exact_released_together(profile, exact, 1, True)
     with pytest.raises(ValueError, match="synced_straggler_s"):
         cm.Profile(compute_s=0.02, params=1000, synced_straggler_s=-0.001)
+
+
+def test_the_synchronous_model_refuses_async_and_the_full_one_prices_every_algorithm():
+    profile, net = Profile(compute_s=0.1, params=1_000_000), Network(1e-4, 1e9)
+    with pytest.raises(ValueError, match="async_model.predict"):
+        cm.predict(profile, net, Candidate("async"), 2)
+    for candidate in am.default_candidates():
+        if candidate.algorithm != "async":  # the full model hands the synchronous ones over unchanged
+            assert am.predict(profile, net, candidate, 4) == cm.predict(profile, net, candidate, 4)
+
+
+def test_auto_and_the_synchronous_model_never_import_the_async_pricing():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bunsan.algorithms.auto, bunsan.algorithms.cost_model; "
+        "print('bunsan.algorithms.async_model' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -1,6 +1,7 @@
 """``bunsan plan``: the published figures it must reproduce, its parsing, its output and its refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,15 @@ def test_published_compute_times_are_the_stated_arithmetic():
     assert plan.PUBLISHED["horovod-resnet101"].compute_s == pytest.approx(0.61804, rel=1e-4)  # 64 / (1656.82 / 16)
     assert plan.PUBLISHED["goyal-resnet50"].compute_s == pytest.approx(0.23179, rel=1e-4)  # 104400 / 450410
     assert plan.PUBLISHED["cntk-resnet20"].compute_s == pytest.approx(0.073590, rel=1e-4)  # 2874.594 / 39062.5
+
+
+def test_the_published_set_ups_are_data_read_from_the_package(tmp_path):
+    shipped = json.loads((Path(plan.__file__).with_name("published.json")).read_text())
+    assert [r["name"] for r in shipped["setups"]] == list(plan.PUBLISHED)
+    assert plan.PUBLISHED["cntk-resnet20"].workers == (1, 2, 4) and not plan.PUBLISHED["cntk-resnet20"].overlap
+    record = {**shipped["setups"][0], "name": "mine", "workers": [2, 8], "at": 8}
+    (tmp_path / "mine.json").write_text(json.dumps({"setups": [record]}))
+    assert plan.load_published(tmp_path / "mine.json")["mine"].workers == (2, 8)
 
 
 def test_parse_link_and_latency():
@@ -197,6 +207,7 @@ def _job_profile(**changes):
 
 
 def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_json(tmp_path, capsys):
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     decision = _auto_decision()
@@ -222,7 +233,7 @@ def test_job_takes_the_profile_and_network_auto_measured_from_a_checkpoint_or_js
     m = decision["measured"]
     job_network = cm.Network(m["latency_s"], m["bandwidth"], m["gather_bandwidth"], m["half_bandwidth"])
     profile = _job_profile()
-    expected = cm.predict_all(profile, job_network, cm.default_candidates(1024), [4, 16, 64], overlap=False)
+    expected = am.predict_all(profile, job_network, am.default_candidates(1024), [4, 16, 64], overlap=False)
     for source in ("ckpt.pt", "decision.json", "session.pt", "records.jsonl"):
         record = tmp_path / f"{source}.plan.json"
         argv = ["plan", "--job", str(tmp_path / source), "--workers", "4,16,64", "--png", str(tmp_path / "p.png")]
@@ -267,6 +278,7 @@ def _plan_job_at_2_and_16(tmp_path, capsys, **measured):
 
 
 def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, capsys):
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
 
     split = {
@@ -276,15 +288,15 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
     }
     got, network = _plan_job_at_2_and_16(tmp_path, capsys, **split)
     profile = _job_profile(encode_call_s=9e-6, decode_call_s=1e-6, codecs=tuple(tuple(c) for c in split["codecs"]))
-    expected = cm.predict_all(profile, network, cm.default_candidates(1024), [2, 16], overlap=False)
+    expected = am.predict_all(profile, network, am.default_candidates(1024), [2, 16], overlap=False)
     assert [p["label"] for p in got] == [p.label for p in expected]
     for p, q in zip(got, expected):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
     # the split moves the quantized rows: the same record with every call at the mean predicts otherwise
-    mean = cm.predict_all(
+    mean = am.predict_all(
         cm.Profile(**{**vars(profile), "encode_call_s": None, "decode_call_s": None, "codecs": ()}),
         network,
-        cm.default_candidates(1024),
+        am.default_candidates(1024),
         [2],
         overlap=False,
     )
@@ -293,12 +305,12 @@ def test_job_prices_the_encode_and_decode_calls_its_auto_timed_apart(tmp_path, c
 
 
 def test_job_prices_the_block_rounds_and_copies_its_auto_timed(tmp_path, capsys):
-    from bunsan.algorithms import cost_model as cm
+    from bunsan.algorithms import async_model as am
 
     timed = {"update_s_per_element": 7e-9, "copy_s_per_element": 1e-9}
     got, network = _plan_job_at_2_and_16(tmp_path, capsys, **timed)
-    expected = cm.predict_all(_job_profile(**timed), network, cm.default_candidates(1024), [2, 16], overlap=False)
-    untimed = cm.predict_all(_job_profile(), network, cm.default_candidates(1024), [2, 16], overlap=False)
+    expected = am.predict_all(_job_profile(**timed), network, am.default_candidates(1024), [2, 16], overlap=False)
+    untimed = am.predict_all(_job_profile(), network, am.default_candidates(1024), [2, 16], overlap=False)
     for p, q, r in zip(got, expected, untimed):
         assert p["step_s"] == pytest.approx(q.step_s, rel=1e-12), p["label"]
         if p["label"].startswith(("block_momentum", "model_averaging", "async")):  # what the two price

@@ -1,18 +1,33 @@
-"""``bunsan bench predict``: its parsing, its table and plot, its refusals, and one tiny real run."""
+"""``tools/predict.py``, the cost model's validation harness: its parsing, its table and plot, its refusals, and one
+tiny real run; and the lab notebook's scripts that price its records again."""
 
 import importlib.util
 import json
 import math
 import statistics
-from functools import partial
+import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from bunsan.bench import predict
 from bunsan.cli import main
 from bunsan.launch.hosts import usable_cores
+
+# campaign tooling, not in the installed package: loaded from the checkout as its users run it
+_spec = importlib.util.spec_from_file_location(
+    "tools_predict", Path(__file__).resolve().parents[2] / "tools" / "predict.py"
+)
+assert _spec and _spec.loader
+predict = sys.modules.setdefault("tools_predict", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(predict)
+_spec = importlib.util.spec_from_file_location(
+    "tools_tta_campaign", Path(__file__).resolve().parents[2] / "tools" / "tta_campaign.py"
+)
+assert _spec and _spec.loader
+campaign = sys.modules.setdefault("tools_tta_campaign", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(campaign)
 
 
 def test_parse_networks():
@@ -73,17 +88,15 @@ def test_round_steps_lengthen_short_rounds_by_whole_multiples():
     ],
 )
 def test_bad_input_exit_2(argv, message, capsys):
-    assert main(["bench", "predict", *argv]) == 2
+    assert predict.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
 def test_tiny_run_predicts_and_measures_every_algorithm(tmp_path, capsys):
-    code = main(
+    code = predict.main(
         [
-            "bench",
-            "predict",
             "--models",
             "mnist1d_cnn",
             "-np",
@@ -280,6 +293,8 @@ def test_time_to_accuracy_and_auto_against_the_best(tmp_path, capsys):
     assert main(["bench", "tta", str(record)]) == 0
     assert "1.60" in capsys.readouterr().out
     assert main(["bench", "tta", str(tmp_path / "missing.json")]) == 2
+    # one record: a campaign of several is tools/tta_campaign.py's
+    assert main(["bench", "tta", str(record), str(record)]) == 2
 
 
 def test_a_worker_count_whose_reference_failed_has_no_target_and_the_others_keep_theirs(tmp_path, capsys):
@@ -311,7 +326,6 @@ def test_a_worker_count_whose_reference_failed_has_no_target_and_the_others_keep
 
 
 def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_path, capsys):
-    from bunsan.bench import tta
 
     def config(label, curve, ends, run_dir):
         return {**_compare_config(label, curve, ends), "dir": str(run_dir)}
@@ -331,7 +345,7 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
         record = out / "compare.json"
         record.write_text(json.dumps({"arguments": {"model": "digits_cnn", "network": network}, "configs": configs}))
         paths.append(record)
-    rows = tta.campaign_rows([(p, json.loads(p.read_text())) for p in paths], "data_parallel", 1.0)
+    rows = campaign.campaign_rows([(p, json.loads(p.read_text())) for p in paths], "data_parallel", 1.0)
     assert [(r["network"], r["chose"], r["best_s"]) for r in rows] == [
         ("rate=1gbit", "model_averaging:512", 3.0),
         ("loopback", "model_averaging:512", 3.0),
@@ -340,7 +354,7 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
     # auto reaches the target in epoch 3, the best (bits=2) in epoch 2; whole runs 4.8 or 11.0 s against 4.5 s
     assert [(r["auto_epoch"], r["best_epoch"]) for r in rows] == [(3, 2), (3, 2)]
     assert [r["run_ratio"] for r in rows] == [pytest.approx(4.8 / 4.5), pytest.approx(11.0 / 4.5)]
-    assert main(["bench", "tta", *map(str, paths), "--within", "1.7"]) == 0
+    assert campaign.main([*map(str, paths), "--within", "1.7"]) == 0
     out = capsys.readouterr().out
     assert "within 1.70x of the best fixed setting's time to target: 1 of 2" in out
     assert "whole run within 1.70x of that setting's whole run (the same epochs): 1 of 2" in out
@@ -348,13 +362,12 @@ def test_tta_campaign_summary_reads_autos_choice_and_counts_the_rows_within(tmp_
     (paths[1].parent / "np2-auto" / "stdout.txt").write_text(
         "[bunsan] Auto at step 11: the network measurement was inconclusive (times did not grow with size): exact kept\n"
     )
-    assert tta.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
+    assert campaign.campaign_rows([(paths[1], json.loads(paths[1].read_text()))], "data_parallel", 1.0)[0]["chose"] == (
         "exact (network inconclusive)"
     )
 
 
 def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
-    from bunsan.bench import tta
 
     # three seeds of one model and network; exact's final error is 0.10 at every seed (target 0.11)
     exact = ([0.30, 0.15, 0.10], [2.0, 4.0, 6.0])
@@ -375,7 +388,7 @@ def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
         ]
         document = {"arguments": {"model": "digits_cnn", "network": None, "seed": seed}, "configs": configs}
         records.append((out / "compare.json", document))
-    (row,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    (row,) = campaign.campaign_rows(records, "data_parallel", 1.0)
     # bits=2: times 1.5, 4.5, 3.0 -> median 3.0, epochs 2; model averaging missed at 2 of 3 seeds: never
     assert row["seeds"] == 3 and row["best_label"] == "data_parallel:bits=2"
     assert row["best_s"] == pytest.approx(3.0) and row["best_epoch"] == 2
@@ -387,18 +400,17 @@ def test_tta_campaign_summary_takes_the_median_over_seeds(tmp_path):
     assert row["seed_ratios"] == [pytest.approx(1.0 / 4.5), pytest.approx(2.0 / 3.0), pytest.approx(2.0)]
     assert row["best_spread"] == pytest.approx(3.0)
     # one seed alone is its own row, as before: seed 0's auto took 3.0 s, bits=2 1.5
-    (alone,) = tta.campaign_rows(records[:1], "data_parallel", 1.0)
+    (alone,) = campaign.campaign_rows(records[:1], "data_parallel", 1.0)
     assert alone["seeds"] == 1 and alone["best_label"] == "data_parallel:bits=2" and alone["best_s"] == 1.5
     assert alone["ratio"] == pytest.approx(2.0) and alone["chose"] == "exact"
     assert alone["seed_ratios"] == [pytest.approx(2.0)] and alone["best_spread"] is None
     # a seed where auto missed the target has no ratio; the best's spread is over its seeds that reached it
     records[2][1]["configs"][3]["test_error_curve"] = [0.5, 0.5, 0.5]
-    (missed,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    (missed,) = campaign.campaign_rows(records, "data_parallel", 1.0)
     assert len(missed["seed_ratios"]) == 2 and missed["best_spread"] == pytest.approx(3.0)
 
 
 def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
-    from bunsan.bench import tta
 
     exact = ([0.30, 0.15, 0.10], [2.0, 4.0, 6.0])  # target 0.11, reached in epoch 3 at 6.0 s
     records = []
@@ -410,7 +422,7 @@ def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
         ]
         arguments = {"model": "mnist1d_cnn", "dataset": dataset, "network": None, "seed": 0}
         records.append((out / "compare.json", {"arguments": arguments, "configs": configs}))
-    rows = tta.campaign_rows(records, "data_parallel", 1.0)
+    rows = campaign.campaign_rows(records, "data_parallel", 1.0)
     # one row per data set, each against its own best (exact: 6.0 s); not one row with a median over both
     assert [(r["dataset"], r["seeds"], r["ratio"]) for r in rows] == [
         ("mnist1d", 1, pytest.approx(2.0 / 6.0)),
@@ -419,7 +431,7 @@ def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
     for path, document in records:
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(document))
-    assert main(["bench", "tta", *(str(p) for p, _ in records)]) == 0
+    assert campaign.main([str(p) for p, _ in records]) == 0
     out = capsys.readouterr().out
     assert "mnist1d_cnn on mnist1d_20k" in out and "mnist1d_cnn on mnist1d " in out
     assert main(["bench", "tta", str(records[1][0])]) == 0  # one data set: the model's name alone
@@ -427,18 +439,17 @@ def test_tta_campaign_summary_keeps_a_models_data_sets_apart(tmp_path, capsys):
 
 
 def test_held_out_ratio_picks_the_best_on_the_other_seeds(tmp_path, capsys):
-    from bunsan.bench import tta
 
     # setting A is fastest by its median only through two lucky seeds; B is steady; auto equals B
     times = {"data_parallel": [6.0, 6.0, 6.0], "A": [1.0, 1.0, 4.0], "B": [2.0, 2.0, 2.0], "auto:risk=high": [2.0] * 3}
     per_seed = [{label: t[i] for label, t in times.items()} for i in range(3)]
     # seed 0: seeds 1-2 pick B (A's median 2.5): 2/2; seed 1 the same; seed 2: seeds 0-1 pick A: 2/4
-    assert tta.held_out_ratios(per_seed, "auto:risk=high") == [pytest.approx(1.0), pytest.approx(1.0), 0.5]
-    assert tta.held_out_ratios(per_seed[:1], "auto:risk=high") == []
+    assert campaign.held_out_ratios(per_seed, "auto:risk=high") == [pytest.approx(1.0), pytest.approx(1.0), 0.5]
+    assert campaign.held_out_ratios(per_seed[:1], "auto:risk=high") == []
     # auto missed at seed 0: None there; the picked setting missed where auto did not: inf
     per_seed[0]["auto:risk=high"] = None
     per_seed[2]["A"] = None  # seeds 0-1 still pick A (median 1.0); at seed 2 it never got there
-    assert tta.held_out_ratios(per_seed, "auto:risk=high") == [None, pytest.approx(1.0), math.inf]
+    assert campaign.held_out_ratios(per_seed, "auto:risk=high") == [None, pytest.approx(1.0), math.inf]
 
     # in a campaign: the in-sample best is A (median 1.0, auto 2.0 / 1.0), the held-out ratio 1.0
     def curve_to(t):  # reaches the target (0.11) at the end of epoch 1, at t seconds
@@ -458,11 +469,11 @@ def test_held_out_ratio_picks_the_best_on_the_other_seeds(tmp_path, capsys):
         document = {"arguments": {"model": "digits_cnn", "network": None, "seed": seed}, "configs": configs}
         (out / "compare.json").write_text(json.dumps(document))
         records.append((out / "compare.json", document))
-    (row,) = tta.campaign_rows(records, "data_parallel", 1.0)
+    (row,) = campaign.campaign_rows(records, "data_parallel", 1.0)
     assert row["best_label"] == "model_averaging:block_size=1024" and row["ratio"] == pytest.approx(2.0)
     assert row["held_out_ratios"] == [pytest.approx(1.0), pytest.approx(1.0), pytest.approx(0.5)]
     assert row["held_out_ratio"] == pytest.approx(1.0)
-    assert main(["bench", "tta", *(str(p) for p, _ in records)]) == 0
+    assert campaign.main([str(p) for p, _ in records]) == 0
     out = capsys.readouterr().out
     assert "auto / held-out best" in out
     assert "within 1.10x of the best fixed setting's time to target: 0 of 1" in out
@@ -472,7 +483,7 @@ def test_held_out_ratio_picks_the_best_on_the_other_seeds(tmp_path, capsys):
 
 
 def test_bench_tta_reads_what_auto_chose_from_its_printed_table(tmp_path):
-    from bunsan.bench.tta import auto_choice
+    auto_choice = campaign.auto_choice
 
     def choice(*lines):
         (tmp_path / "stdout.txt").write_text("\n".join(lines) + "\n")

@@ -29,14 +29,10 @@ MODULE_LINES, FUNCTION_LINES, AUTO_FUNCTION_LINES = 500, 100, 80
 
 # module -> why it is still long, and the issue that will split it
 LONG_MODULES = {
-    "algorithms/cost_model.py": "the synchronous model Auto uses and the async and core-sharing pricing only "
-    "plan/predict use, still together (issue 65: apart)",
     "algorithms/measure.py": "the job's probes (network, codec, copy, fixed costs) and core-sharing timings "
-    "of bench predict (issue 65: the campaign's part out of the package)",
-    "bench/predict.py": "the cost model's validation harness, campaign tooling users do not run (issue 65: "
-    "to tools/ or docs/experiments/)",
-    "bench/plan.py": "bunsan plan's CLI, the published-figure table in code and the --job replay (issue 65: "
-    "the table as data)",
+    "of tools/predict.py (issue 65: the campaign's part out of the package)",
+    "bench/plan.py": "bunsan plan's CLI, its sources of profile and network and the --job replay (issue 65: "
+    "the sources apart from the CLI)",
     "bench/compare.py": "the comparison benchmark's run, table and plots in one module (issue 65's shape "
     "rule, a follow-up)",
     "comm/group.py": "process-group life cycle, failure reports and the abort channel together (issue 65's "
@@ -47,13 +43,6 @@ LONG_MODULES = {
 }
 # "module:function" -> why it is still long, and the issue that will split it
 LONG_FUNCTIONS = {
-    "algorithms/cost_model.py:predict": "one branch per algorithm family (issue 65: the async and "
-    "core-sharing branches apart)",
-    "algorithms/measure.py:measure_codec": "encode, decode, cast and copy timed in one collective pass (issue 65)",
-    "algorithms/measure.py:measure_fixed_costs": "the tiny-model probe's set-up, runs and fit (issue 65)",
-    "bench/plan.py:run": "the CLI's sources of profile and network (issue 65)",
-    "bench/predict.py:_worker": "the validation harness's whole worker (issue 65: out of the package)",
-    "bench/predict.py:run": "the validation harness's driver (issue 65: out of the package)",
     "bench/report.py:blocks": "make bench-docs' block writer (issue 65's shape rule, a follow-up)",
     "cli.py:_run": "bunsan run's argument handling (issue 65's shape rule, a follow-up)",
     "hpo/search.py:optimize": "the search loop with its pruning and records (issue 65's shape rule, a follow-up)",

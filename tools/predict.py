@@ -1,11 +1,16 @@
-"""``bunsan bench predict``: the cost model's predicted step time against the measured one, side by side.
+"""The cost model's validation harness: its predicted step time against the measured one, side by side.
+
+Campaign tooling, run from a checkout (not part of the installed package; ``bunsan plan`` is what users
+run)::
+
+    python tools/predict.py --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
 
 For every network (loopback, or links shaped with ``--network``-style specs),
 every worker count and every model, one job measures what the cost model needs
 over its own process group, predicts every algorithm's step time, then trains
 every algorithm for a few steps and measures it::
 
-    bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+    python tools/predict.py --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
         --networks loopback,rate=1gbit,rate=100mbit
 
 Inside a job (one ``bunsan run -np N``, or the shaped-network launcher of
@@ -71,8 +76,8 @@ the fastest's: how far the measurement itself moved within the job), and the byt
 step predicted and counted. Timings on a
 shared machine are noisy: re-measure on an idle one.
 
-This module imports no torch at the top; the same module is
-the job every worker runs (``python -m bunsan.bench.predict --worker SPEC``).
+This script imports no torch at the top; the same script is
+the job every worker runs (``python tools/predict.py --worker SPEC``).
 """
 
 from __future__ import annotations
@@ -87,9 +92,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bunsan._table import format_table
-from bunsan.bench import write_json
-from bunsan.bench._common import (
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's bunsan, for the harness and for every worker it starts
+
+from bunsan._table import format_table  # noqa: E402
+from bunsan.bench import write_json  # noqa: E402
+from bunsan.bench._common import (  # noqa: E402
     check_at_least,
     command_main,
     job_command,
@@ -99,8 +108,8 @@ from bunsan.bench._common import (
     report_failures,
     run_recorded_job,
 )
-from bunsan.bench.specs import parse_workers
-from bunsan.bench.synthetic import time_steps
+from bunsan.bench.specs import parse_workers  # noqa: E402
+from bunsan.bench.synthetic import time_steps  # noqa: E402
 
 __all__ = [
     "DESCRIPTION",
@@ -121,7 +130,7 @@ __all__ = [
     "table_rows",
 ]
 
-PROG = "bunsan bench predict"
+PROG = "tools/predict.py"
 MODELS = ("digits_cnn", "mnist1d_cnn", "mlp-10m", "resnet20")
 
 DESCRIPTION = """\
@@ -135,8 +144,8 @@ bytes per step predicted and counted; writes JSON and a PNG."""
 
 EPILOG = """\
 examples:
-  bunsan bench predict --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
-  bunsan bench predict --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
+  python tools/predict.py --models digits_cnn,mnist1d_cnn -np 2 --steps 4 --rounds 2
+  python tools/predict.py --models digits_cnn,mnist1d_cnn,mlp-10m,resnet20 -np 2,4 \\
       --networks loopback,rate=1gbit,rate=100mbit --out runs/predict"""
 
 
@@ -160,7 +169,7 @@ def parse_networks(text: str) -> list[str | None]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``bunsan bench predict`` to ``parser``."""
+    """Add the options of the harness to ``parser``."""
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated; default %(default)s")
     parser.add_argument("-np", "--np", dest="workers", default="2,4", help="worker counts; default %(default)s")
     parser.add_argument(
@@ -397,10 +406,10 @@ def steps_within(
             return steps, elapsed
 
 
-def _step_of(round_: tuple[Any, Any], *, cm: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
+def _step_of(round_: tuple[Any, Any], *, model: Any, candidate: Any, n: int, overlap: bool, spare_core: bool) -> float:
     """The cost model's step time of ``candidate`` at ``n`` workers priced from a round's ``(profile, network)``."""
     profile, network = round_
-    return float(cm.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
+    return float(model.predict(profile, network, candidate, n, overlap=overlap, spare_core=spare_core).step_s)
 
 
 def _algorithm(candidate: Any) -> Any:
@@ -417,6 +426,7 @@ def _worker(spec: dict[str, Any]) -> int:
 
     import bunsan
     from bunsan import comm
+    from bunsan.algorithms import async_model as am
     from bunsan.algorithms import cost_model as cm
     from bunsan.algorithms.measure import (
         CODEC_NUMEL_CAP,
@@ -442,13 +452,13 @@ def _worker(spec: dict[str, Any]) -> int:
         from bunsan.bench.netns_plan import parse_network
 
         network = replace(network, burst_bytes=float(parse_network(spec["network"]).burst_bytes))
-    candidates = cm.default_candidates(spec["block_size"])
+    candidates = am.default_candidates(spec["block_size"])
     overlap = can_overlap("cpu", bunsan.local_size(), over_memory=spec["network"] is None)
     # async: the server's transfers travel through memory on loopback; they find a spare core
-    # where every worker has one (cost_model.predict)
+    # where every worker has one (async_model.predict)
     spare_core = spec["network"] is not None or usable_cores() >= bunsan.local_size()
     # every rank runs on this machine (loopback, or network namespaces of it): the compute below is
-    # timed with all of them busy on its cores (cost_model.shared_compute)
+    # timed with all of them busy on its cores (async_model.shared_compute)
     ranks_per_core = max(1.0, n / usable_cores())
     bits = sorted({int(c.options["bits"]) for c in candidates if "bits" in c.options})
     rows = []
@@ -643,16 +653,16 @@ def _worker(spec: dict[str, Any]) -> int:
             # codec and probe of the link, the mean of the rounds (round_profiles) against the rounds' mean
             # step (the row's own slices, compute_rounds_s, recorded beside it); the job's
             # pooled profile's beside it, on the median of the job's probes (median_network)
-            step_of = partial(_step_of, cm=cm, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
+            step_of = partial(_step_of, model=am, candidate=candidate, n=n, overlap=overlap, spare_core=spare_core)
             predicted_s, predicted_rounds = paired_prediction(
                 step_of,
                 list(zip(round_profiles(profile, job_compute, fixed_rounds, codec_rounds), network_rounds)),
             )
-            predicted = cm.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
+            predicted = am.predict(profile, model_network, candidate, n, overlap=overlap, spare_core=spare_core)
             # a quantized row also as the model priced it before encode and decode calls were timed apart
             before_split = (
                 {
-                    "predicted_mean_call_s": cm.predict(
+                    "predicted_mean_call_s": am.predict(
                         cm.mean_call_profile(profile, min(profile.params, CODEC_NUMEL_CAP)),
                         model_network,
                         candidate,
@@ -675,7 +685,7 @@ def _worker(spec: dict[str, Any]) -> int:
                     "fixed_filled_rounds_s": [f[candidate.label] for f in filled_rounds],
                 }
                 if candidate.algorithm == "async":
-                    remote = cm.async_fixed_labels(candidate.label)[1]
+                    remote = am.async_fixed_labels(candidate.label)[1]
                     filled_fields["fixed_filled_remote_rounds_s"] = [f[remote] for f in filled_rounds]
             # and priced with the wait of the compute steps started together (synced_straggler)
             synced_wait = paired_prediction(
@@ -724,9 +734,9 @@ def _worker(spec: dict[str, Any]) -> int:
                     "predicted_synced_straggler_s": synced_wait,
                     "fixed_s": profile.fixed(candidate.label),
                     "fixed_rounds_s": [f[candidate.label] for f in fixed_rounds],
-                    # async: a remote worker's own (rank 0's worker's is fixed_s; cost_model.async_fixed_labels)
+                    # async: a remote worker's own (rank 0's worker's is fixed_s; async_model.async_fixed_labels)
                     **(
-                        {"fixed_remote_s": profile.fixed(cm.async_fixed_labels(candidate.label)[1])}
+                        {"fixed_remote_s": profile.fixed(am.async_fixed_labels(candidate.label)[1])}
                         if candidate.algorithm == "async"
                         else {}
                     ),
@@ -831,7 +841,7 @@ def plot_predict(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
-    """``bunsan bench predict``: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
+    """The harness: run the jobs, print the table, write JSON and PNG. 0 ok, 1 a job failed, 2 bad input."""
     try:
         workers = parse_workers(args.workers)
         networks = parse_networks(args.networks)
@@ -879,7 +889,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
                 "timeout_s": min(args.timeout_s, 300.0),
                 "result": str(result),
             }
-            command = job_command("bunsan.bench.predict", "--worker", spec, n, network)
+            command = job_command(str(Path(__file__).resolve()), "--worker", spec, n, network)
             record: dict[str, Any] = {"label": slug, "workers": n, "dir": str(directory)}
             job = run_recorded_job(command, directory, result, record, args.timeout_s, env)
             if job is None:
@@ -956,7 +966,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bunsan.bench.predict`` (or ``--worker SPEC`` inside a job)."""
+    """``python tools/predict.py`` (or ``--worker SPEC`` inside a job)."""
     return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run, worker=_worker, allow_abbrev=True)
 
 
