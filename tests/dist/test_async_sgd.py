@@ -116,8 +116,9 @@ def _body_update_rule(rank: int, world_size: int, staleness_aware: bool, sync_st
 
 @pytest.mark.parametrize(("staleness_aware", "sync_steps"), [(False, 1), (True, 1), (False, 3)])
 def test_server_applies_every_update_in_arrival_order(workers, staleness_aware, sync_steps):
-    result = workers.run(f"{__name__}:_body_update_rule", staleness_aware=staleness_aware, sync_steps=sync_steps,
-                         steps=13)[0]
+    result = workers.run(
+        f"{__name__}:_body_update_rule", staleness_aware=staleness_aware, sync_steps=sync_steps, steps=13
+    )[0]
     assert set(result["orders"]) == {0, 1}
     assert result["max_staleness"] > 0  # the workers' pushes did interleave
 
@@ -175,8 +176,9 @@ def test_a_slow_worker_does_not_slow_the_other(workers):
     rates = workers.run(f"{__name__}:_body_throughput", step_s=0.01, slow_factor=5.0, phase_s=0.7)
     (both_fast_0, slow0_0, slow1_0), (both_fast_1, slow0_1, slow1_1) = rates
     assert slow1_0 / both_fast_0 > 0.8, f"rank 0 with rank 1 slow: {slow1_0:.0f} vs {both_fast_0:.0f} steps/s"
-    assert slow0_1 / both_fast_1 > 0.8, \
+    assert slow0_1 / both_fast_1 > 0.8, (
         f"rank 1 with rank 0 (the server's host) slow: {slow0_1:.0f} vs {both_fast_1:.0f} steps/s"
+    )
     # ...and the slowed rank did slow down, so the claim above is not vacuous.
     assert slow0_0 / both_fast_0 < 0.5 and slow1_1 / both_fast_1 < 0.5
 

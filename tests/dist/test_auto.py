@@ -310,7 +310,11 @@ def test_slow_steps_end_the_measuring_early_on_every_rank(workers, budget, sleep
     # cost is what a probed step costs beyond the prediction): their noise on a loaded machine, not the
     # span, would decide at 2 ms; they are counted and priced at nothing.
     results = workers.run(
-        f"{__name__}:_body_budget", budget=budget, sleep_s=sleep_s, network=network, fixed_costs=network is not MS_LATENCY
+        f"{__name__}:_body_budget",
+        budget=budget,
+        sleep_s=sleep_s,
+        network=network,
+        fixed_costs=network is not MS_LATENCY,
     )
     assert [r["decided_at"] for r in results] == [step, step]
     assert [r["step"] for r in results] == [step, step]
@@ -332,7 +336,9 @@ def _body_switch(rank: int, world_size: int, algorithm: str, options: dict) -> l
     model, optimizer = bunsan.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5), auto)
     _train(model, optimizer, rank, 3)
     samples = auto.samples
-    auto.apply_decision({"algorithm": algorithm, "options": options, "label": algorithm, "step": 3})  # as after a decision
+    auto.apply_decision(
+        {"algorithm": algorithm, "options": options, "label": algorithm, "step": 3}
+    )  # as after a decision
     assert type(auto.inner).name == algorithm and auto.samples == samples and auto.step == 3
     _train(model, optimizer, rank, 5, start=3)
     assert auto.step == 8
@@ -1373,7 +1379,6 @@ def _body_trial(rank: int, world_size: int, loop: str, outcome: str, uneven: boo
     import time
     from unittest import mock
 
-    from bunsan.algorithms import auto as auto_module
     from bunsan.algorithms.data_parallel import DataParallelSGD
 
     # exact's 4 measuring steps take 50 ms (a sleep in the loop); the trial's local steps none ("keep": far
@@ -1480,8 +1485,6 @@ def test_a_trial_keeps_the_block_or_hands_back_to_exact_inside_a_users_loop(work
 def _body_trial_joined(rank: int, world_size: int) -> dict:
     import time
     from unittest import mock
-
-    from bunsan.algorithms import auto as auto_module
 
     model = _model()
     auto = bunsan.Auto(

@@ -19,7 +19,9 @@ def _net() -> nn.Module:
 
 def _data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 1, 6, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, 1, 6, 6, generator=g), torch.randint(0, 3, (batch,), generator=g)) for _ in range(steps)
+    ]
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -77,7 +79,9 @@ def test_stats_count_bytes_and_samples(workers):
     # uncompressed bucket, else as float64 values of its own.
     meta = 2 + n_tensors
     for compression, per_step in ((None, (n_params + meta) * 4), ("fp16", n_params * 2 + meta * 8)):
-        results = workers.run(f"{__name__}:_body_equivalence", steps=5, batch=4, compression=compression, bucket_size_mb=25.0)
+        results = workers.run(
+            f"{__name__}:_body_equivalence", steps=5, batch=4, compression=compression, bucket_size_mb=25.0
+        )
         for _, _, stats in results:
             assert stats["bytes_sent_per_step"] == per_step
             assert stats["samples"] == 5 * 8 and stats["local_samples"] == 5 * 4
@@ -97,7 +101,9 @@ def _body_mismatch(rank, world_size, kind):
     return None
 
 
-@pytest.mark.parametrize(("kind", "words"), [("extra", ["rank 1", "extra.weight"]), ("shape", ["rank 1", "3.weight", "17"])])
+@pytest.mark.parametrize(
+    ("kind", "words"), [("extra", ["rank 1", "extra.weight"]), ("shape", ["rank 1", "3.weight", "17"])]
+)
 def test_model_mismatch_named_on_every_rank(workers, kind, words):
     messages = workers.run(f"{__name__}:_body_mismatch", kind=kind)
     assert messages[0] is not None and messages[0] == messages[1]
@@ -150,7 +156,11 @@ def _body_uneven_join(rank, world_size):
         else:
             F.cross_entropy(reference(x[:4]), y[:4]).backward()  # rank 0 alone
         ref_opt.step()
-    return (_flat(model) - _flat(reference)).abs().max().item(), optimizer.algorithm.stats()["steps"], _flat(model).tolist()
+    return (
+        (_flat(model) - _flat(reference)).abs().max().item(),
+        optimizer.algorithm.stats()["steps"],
+        _flat(model).tolist(),
+    )
 
 
 def test_uneven_data_join_does_not_hang_and_averages_active_ranks(workers):

@@ -58,14 +58,45 @@ def _check(proc: subprocess.CompletedProcess) -> str:
 def test_mnist_port_under_bunsan_run_and_torchrun_gives_the_same_model():
     results = {}
     commands = {
-        "bunsan run": [sys.executable, "-m", "bunsan", "run", "-np", "2", "--master-port", str(_free_port()),
-                       str(PORT), *ARGS],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-port", str(_free_port()), str(PORT), *ARGS],
+        "bunsan run": [
+            sys.executable,
+            "-m",
+            "bunsan",
+            "run",
+            "-np",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(PORT),
+            *ARGS,
+        ],
+        "torchrun": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            str(PORT),
+            *ARGS,
+        ],
     }
     if shutil.which("mpirun") is not None:
-        commands["mpirun"] = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH",
-                              "-x", "OMP_NUM_THREADS", sys.executable, str(PORT), *ARGS]
+        commands["mpirun"] = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            "-x",
+            "PYTHONPATH",
+            "-x",
+            "OMP_NUM_THREADS",
+            sys.executable,
+            str(PORT),
+            *ARGS,
+        ]
     for name, command in commands.items():
         proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=180, cwd=ROOT)
         results[name] = _check(proc)

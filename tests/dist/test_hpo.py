@@ -153,8 +153,12 @@ def _body_pruning(rank: int, world_size: int) -> dict:
                 raise optuna.TrialPruned()
         return _mean_over_ranks(x, world_size)
 
-    study = hpo.optimize(objective, 4, sampler=optuna.samplers.RandomSampler(seed=1),  # x: .42 .72 .00 .30
-                         pruner=optuna.pruners.ThresholdPruner(upper=1.5))
+    study = hpo.optimize(
+        objective,
+        4,
+        sampler=optuna.samplers.RandomSampler(seed=1),  # x: .42 .72 .00 .30
+        pruner=optuna.pruners.ThresholdPruner(upper=1.5),
+    )
     return {"decisions": decisions, "trials": [(t.state.name, t.params["x"]) for t in study.trials]}
 
 

@@ -50,13 +50,16 @@ def _body_hybrid_equals_one_process(rank: int, world_size: int, steps: int, comp
     replica = rank // mp_size  # which data-parallel replica (model-parallel group) this rank is in
     replicas = world_size // mp_size
     reference = _net()  # the pool seeds every rank alike: the same weights everywhere
-    model = nn.Sequential(ChannelParallelConv2d.from_conv(reference[0], group=mp_group), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(5 * 6 * 6, 3))
+    model = nn.Sequential(
+        ChannelParallelConv2d.from_conv(reference[0], group=mp_group), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 6 * 6, 3)
+    )
     model[3].load_state_dict(reference[3].state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     # distribute() checks and broadcasts over the data-parallel group only: the
     # channel slices differ inside a model-parallel group, not across replicas.
-    model, optimizer = bunsan.distribute(model, optimizer, bunsan.DataParallelSGD(compression=compression, group=dp_group))
+    model, optimizer = bunsan.distribute(
+        model, optimizer, bunsan.DataParallelSGD(compression=compression, group=dp_group)
+    )
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -71,8 +74,12 @@ def _body_hybrid_equals_one_process(rank: int, world_size: int, steps: int, comp
     conv = model[0]
     start, count = conv.channel_start, conv.weight.shape[0]
     mine = [conv.weight, conv.bias, model[3].weight, model[3].bias]
-    theirs = [reference[0].weight[start : start + count], reference[0].bias[start : start + count],
-              reference[3].weight, reference[3].bias]
+    theirs = [
+        reference[0].weight[start : start + count],
+        reference[0].bias[start : start + count],
+        reference[3].weight,
+        reference[3].bias,
+    ]
     return [(p - q).abs().max().item() for p, q in zip(mine, theirs)]
 
 

@@ -72,15 +72,19 @@ def _body_train(rank, world_size, kind, bits, warm_steps, steps):
         _loss(model, _batch(k, world_size)[rank::world_size]).backward()
         optimizer.step()
     state = optimizer.state[next(model.parameters())]
-    return (torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
-            int(state["step"]), state.get(CORRECTION_KEY))
+    return (
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist(),
+        int(state["step"]),
+        state.get(CORRECTION_KEY),
+    )
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
 def test_quantized_adam_is_adam_with_the_variance_frozen_after_the_warm_up(workers, kind):
     warm, steps = 3, 9
     (params, step, correction), other = workers.run(
-        f"{__name__}:_body_train", kind=kind, bits=16, warm_steps=warm, steps=steps)
+        f"{__name__}:_body_train", kind=kind, bits=16, warm_steps=warm, steps=steps
+    )
     assert params == other[0]  # every replica applies the same update
     assert step == steps  # the optimizer's step count goes on through the compressed stage
     assert correction == pytest.approx(1 - 0.99**warm)  # frozen at the end of the warm-up

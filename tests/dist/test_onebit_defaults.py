@@ -44,10 +44,12 @@ def _body_constant_gradient(rank, world_size, bits, quantized_momentum, nesterov
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_capped_momentum_keeps_the_steady_step(workers, nesterov):
-    exact = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=32, quantized_momentum=None,
-                                     nesterov=nesterov)[0])
-    capped = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5,
-                                      nesterov=nesterov)[0])
+    exact = torch.tensor(
+        workers.run(f"{__name__}:_body_constant_gradient", bits=32, quantized_momentum=None, nesterov=nesterov)[0]
+    )
+    capped = torch.tensor(
+        workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5, nesterov=nesterov)[0]
+    )
     # Steady state of momentum 0.9: every step moves by lr * g / (1 - 0.9), for the capped run too.
     steady = -0.01 * torch.tensor([1.0, -2.0, 0.5, 3.0]) / 0.1
     torch.testing.assert_close(exact, steady, rtol=1e-2, atol=0)
@@ -56,8 +58,11 @@ def test_capped_momentum_keeps_the_steady_step(workers, nesterov):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_capped_momentum_is_applied_early(workers, nesterov):
-    capped = torch.tensor(workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5,
-                                      nesterov=nesterov, steps=3)[0])
+    capped = torch.tensor(
+        workers.run(f"{__name__}:_body_constant_gradient", bits=16, quantized_momentum=0.5, nesterov=nesterov, steps=3)[
+            0
+        ]
+    )
     # Momentum 0.5 with the gradient scaled by 0.5 / 0.1: step k moves lr * g / 0.1 * (1 - 0.5^k)
     # (Nesterov: 1 - 0.5^(k+1)); momentum 0.9 would give 1 - 0.9^k, a third of it at k = 3.
     k = 4 if nesterov else 3

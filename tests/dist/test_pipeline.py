@@ -26,7 +26,9 @@ def _stages(world_size: int) -> list[nn.Module]:
     return stages
 
 
-def _body_pipeline_equals_full_batch(rank: int, world_size: int, schedule: str, microbatches: int, steps: int) -> float | None:
+def _body_pipeline_equals_full_batch(
+    rank: int, world_size: int, schedule: str, microbatches: int, steps: int
+) -> float | None:
     stages = _stages(world_size)
     twin = nn.Sequential(*[nn.Sequential(*s) for s in _stages(world_size)])
     twin.load_state_dict(nn.Sequential(*stages).state_dict())

@@ -30,7 +30,11 @@ def _reference(shape: tuple[int, ...]) -> nn.Module:
 
 
 def _body_matches_full_batch(
-    rank: int, world_size: int, sizes: list[int], shape: tuple[int, ...], momentum: float | None,
+    rank: int,
+    world_size: int,
+    sizes: list[int],
+    shape: tuple[int, ...],
+    momentum: float | None,
     device: str = "cpu",
 ) -> float:
     """Rank r holds sizes[r] samples; two training steps, then eval."""
@@ -114,7 +118,9 @@ def test_one_value_per_channel_in_the_group_is_refused_on_every_rank(workers):
 
 
 def _cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    return nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+    )
 
 
 def _body_data_parallel_training(rank: int, world_size: int, steps: int) -> list[float]:
@@ -153,8 +159,13 @@ def _nccl_worker(rank: int, world_size: int, store_path: str, target: str, kwarg
 
     try:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "nccl",
+            store=dist.FileStore(store_path, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
         module, _, name = target.partition(":")
         torch.manual_seed(0)
         getattr(importlib.import_module(module), name)(rank=rank, world_size=world_size, **kwargs)
@@ -169,8 +180,10 @@ def run_on_gpus(tmp_path: Any, target: str, world_size: int = 2, **kwargs: Any) 
 
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world_size, str(tmp_path / "nccl-store"), target, kwargs, errors))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_nccl_worker, args=(r, world_size, str(tmp_path / "nccl-store"), target, kwargs, errors))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -187,8 +200,9 @@ def run_on_gpus(tmp_path: Any, target: str, world_size: int = 2, **kwargs: Any) 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_two_gpus_equal_batchnorm_over_both_batches(tmp_path):
-    run_on_gpus(tmp_path, f"{__name__}:_body_matches_full_batch", sizes=[3, 5], shape=(3, 4, 4), momentum=0.1,
-                device="cuda")
+    run_on_gpus(
+        tmp_path, f"{__name__}:_body_matches_full_batch", sizes=[3, 5], shape=(3, 4, 4), momentum=0.1, device="cuda"
+    )
 
 
 def _body_half_precision(rank: int, world_size: int, device: str = "cpu") -> None:

@@ -213,8 +213,9 @@ _EXACT_CASES = [
 
 @pytest.mark.parametrize(("loop", "optimizer_kind"), _EXACT_CASES)
 def test_real_loops_equal_one_process(workers, loop, optimizer_kind):
-    results = workers.run(f"{__name__}:_body_equivalence", loop=loop, optimizer_kind=optimizer_kind,
-                          algorithm="exact", bn=False)
+    results = workers.run(
+        f"{__name__}:_body_equivalence", loop=loop, optimizer_kind=optimizer_kind, algorithm="exact", bn=False
+    )
     for result in results:
         assert result["ddp"] <= 1e-5, f"the reference itself is off: DDP differs by {result['ddp']}"
         assert result["bunsan"] <= 1e-5
@@ -230,8 +231,9 @@ def test_real_loops_equal_one_process(workers, loop, optimizer_kind):
 @pytest.mark.parametrize("loop", ["clip_norm", "clip_keep_buffers", "plain"])
 def test_compressed_exchange_sees_the_decoded_average(workers, algorithm, tolerance, loop):
     """Half-precision and 8-bit exchanges: clipping acts on the (decoded) average, replicas agree."""
-    results = workers.run(f"{__name__}:_body_equivalence", loop=loop, optimizer_kind="sgd", algorithm=algorithm,
-                          bn=False)
+    results = workers.run(
+        f"{__name__}:_body_equivalence", loop=loop, optimizer_kind="sgd", algorithm=algorithm, bn=False
+    )
     for result in results:
         assert result["bunsan"] <= tolerance
     assert results[0]["params"] == results[1]["params"]
@@ -281,8 +283,9 @@ def _body_unused(rank, world_size, optimizer_kind):
 
 @pytest.mark.parametrize("optimizer_kind", ["sgd", "adamw"])
 def test_a_parameter_no_rank_used_keeps_grad_none_and_does_not_move(workers, optimizer_kind):
-    for grad_none, frozen_none, unmoved, some_grad in workers.run(f"{__name__}:_body_unused",
-                                                                  optimizer_kind=optimizer_kind):
+    for grad_none, frozen_none, unmoved, some_grad in workers.run(
+        f"{__name__}:_body_unused", optimizer_kind=optimizer_kind
+    ):
         assert grad_none and frozen_none and unmoved
         assert some_grad  # used by rank 0 only: both ranks get the average (rank 1 too)
 
@@ -342,7 +345,10 @@ def _body_batchnorm(rank, world_size):
     model, optimizer = bunsan.distribute(model, optimizer)
     outputs, mean_diff = [], None
     for x, y in batches:
-        for m, opt, xs, ys in ((reference, ref_opt, x, y), (model, optimizer, x[rank::world_size], y[rank::world_size])):
+        for m, opt, xs, ys in (
+            (reference, ref_opt, x, y),
+            (model, optimizer, x[rank::world_size], y[rank::world_size]),
+        ):
             opt.zero_grad()
             F.cross_entropy(m(xs), ys).backward()
             opt.step()
@@ -355,8 +361,13 @@ def _body_batchnorm(rank, world_size):
         with torch.no_grad():
             outputs.append(model(x).tolist())
         model.train()
-    return model.bn.running_mean.tolist(), model.bn.running_var.tolist(), outputs, mean_diff, \
-        int(model.bn.num_batches_tracked)
+    return (
+        model.bn.running_mean.tolist(),
+        model.bn.running_var.tolist(),
+        outputs,
+        mean_diff,
+        int(model.bn.num_batches_tracked),
+    )
 
 
 def test_batchnorm_statistics_stay_equal_across_ranks(workers):
@@ -440,8 +451,10 @@ def _body_objects(rank, world_size):
     loaded_lr = plain_opt.param_groups[0]["lr"]
     momentum_ok = all(
         torch.equal(plain_opt.state[q]["momentum_buffer"], torch_opt.state[p]["momentum_buffer"])
-        for p, q in zip([p for p in model.parameters() if p.requires_grad and p.grad is not None],
-                        [q for q in plain_model.parameters() if q.requires_grad])
+        for p, q in zip(
+            [p for p in model.parameters() if p.requires_grad and p.grad is not None],
+            [q for q in plain_model.parameters() if q.requires_grad],
+        )
         if p in torch_opt.state
     )
     return calls, untouched, same, loaded_lr, math.isclose(optimizer.param_groups[0]["lr"], 0.05), momentum_ok
@@ -621,8 +634,9 @@ def _body_nanogpt(rank, world_size, wrap):
     raw = _TinyGPT()
     decay = [p for n, p in raw.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in raw.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=1e-3, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, betas=(0.9, 0.95)
+    )
     if wrap == "bunsan":
         model, optimizer = bunsan.distribute(raw, optimizer)
     else:
@@ -733,5 +747,7 @@ def test_gradscaler_and_clipping_while_quantizing_equal_one_process(workers, sca
     Before: GradScaler's scale 256 ended 0.38 away from one process (the scaled gradient
     stayed in the workers' momentum), clipping 0.03 (clipped amounts came back later).
     """
-    for diff in workers.run(f"{__name__}:_body_scaled_and_clipped_while_quantizing", scale=scale, clip=clip, nesterov=nesterov):
+    for diff in workers.run(
+        f"{__name__}:_body_scaled_and_clipped_while_quantizing", scale=scale, clip=clip, nesterov=nesterov
+    ):
         assert diff < 1e-5, diff

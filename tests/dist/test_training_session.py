@@ -72,8 +72,13 @@ def _algorithm_variants() -> list:
 
 def _net(hidden: int = 16) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Dropout(0.2),  # dropout: RNG state matters
-        nn.Linear(4 * 6 * 6, hidden), nn.ReLU(), nn.Linear(hidden, 3),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.2),  # dropout: RNG state matters
+        nn.Linear(4 * 6 * 6, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 3),
     )
 
 
@@ -99,13 +104,18 @@ class _HalveEachTime:
         return True
 
 
-def _session(directory: str, algorithm: str, hidden: int = 16, options: dict | None = None, **limits) -> TrainingSession:
+def _session(
+    directory: str, algorithm: str, hidden: int = 16, options: dict | None = None, **limits
+) -> TrainingSession:
     torch.manual_seed(0)  # the same initial model in every session of a body
     model = _net(hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr and momentum come from the schedules
     halve = _HalveEachTime()
     session = TrainingSession(
-        model, F.cross_entropy, optimizer, algorithms.create(algorithm, **(options or _OPTIONS.get(algorithm, {}))),
+        model,
+        F.cross_entropy,
+        optimizer,
+        algorithms.create(algorithm, **(options or _OPTIONS.get(algorithm, {}))),
         _data(67, seed=1),
         # The global minibatch grows from 16 to 24 after 40 samples: inside epoch 1.
         minibatch_size=schedule([16, 24], epoch_size=40),
@@ -150,8 +160,9 @@ def _body_exact_resume(rank, world_size, tmp, algorithm, options, stop):
     ids=["after-epoch-2", "inside-epoch-2"],
 )
 def test_resumed_run_equals_uninterrupted_run(workers, tmp_path, algorithm, options, stop):
-    results = workers.run(f"{__name__}:_body_exact_resume", tmp=str(tmp_path), algorithm=algorithm, options=options,
-                          stop=stop)
+    results = workers.run(
+        f"{__name__}:_body_exact_resume", tmp=str(tmp_path), algorithm=algorithm, options=options, stop=stop
+    )
     for result in results:
         if algorithm == "auto":  # decided alike in both runs (here after the restart: 10 measured steps)
             straight, first, second = result["decisions"]
@@ -192,9 +203,17 @@ def _body_cross_validation(rank, world_size, rank_dependent):
     model = _net()
     callback = _StopOnSecond(rank, rank_dependent)
     session = TrainingSession(
-        model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0), "data_parallel", _data(67, seed=1),
-        minibatch_size=16, max_epochs=10, metrics={"error": classification_error}, learning_rate_per_sample=0.01,
-        cross_validation=CrossValidation(_data(23, seed=2), callback=callback, minibatch_size=8), progress=False,
+        model,
+        F.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        "data_parallel",
+        _data(67, seed=1),
+        minibatch_size=16,
+        max_epochs=10,
+        metrics={"error": classification_error},
+        learning_rate_per_sample=0.01,
+        cross_validation=CrossValidation(_data(23, seed=2), callback=callback, minibatch_size=8),
+        progress=False,
     )
     callback.session = session
     with warnings.catch_warnings(record=True) as caught:
@@ -233,15 +252,25 @@ def _body_test_metric(rank, world_size):
     model = _net()
     x, y = _data(31, seed=3)
     session = TrainingSession(
-        model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.05), "data_parallel", _data(67, seed=1),
-        minibatch_size=16, max_samples=48, metrics={"error": classification_error},
-        test=Test((x, y), minibatch_size=8), progress=False,
+        model,
+        F.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        "data_parallel",
+        _data(67, seed=1),
+        minibatch_size=16,
+        max_samples=48,
+        metrics={"error": classification_error},
+        test=Test((x, y), minibatch_size=8),
+        progress=False,
     )
     summary = session.train()
     model.eval()
     with torch.no_grad():  # single-process reference on the same (synchronized) model
         output = model(x)
-        expected = {"loss": F.cross_entropy(output, y).item(), "error": classification_error(output, y).sum().item() / len(y)}
+        expected = {
+            "loss": F.cross_entropy(output, y).item(),
+            "error": classification_error(output, y).sum().item() / len(y),
+        }
     return summary.test.as_dict(), expected
 
 
@@ -259,13 +288,19 @@ def _body_evaluate_odd_sizes(rank, world_size, n, minibatch_size):
     torch.manual_seed(0)
     model = _net()
     x, y = _data(n, seed=4)
-    result = evaluate(model, F.cross_entropy, {"error": classification_error}, torch.utils.data.TensorDataset(x, y),
-                      minibatch_size)
+    result = evaluate(
+        model, F.cross_entropy, {"error": classification_error}, torch.utils.data.TensorDataset(x, y), minibatch_size
+    )
     with torch.no_grad():
         model.eval()
         output = model(x)
-    return result.samples, result.metrics["error"], classification_error(output, y).sum().item() / n, \
-        result.loss, F.cross_entropy(output, y).item()
+    return (
+        result.samples,
+        result.metrics["error"],
+        classification_error(output, y).sum().item() / n,
+        result.loss,
+        F.cross_entropy(output, y).item(),
+    )
 
 
 @pytest.mark.parametrize(("n", "minibatch_size"), [(1, 4), (5, 2), (33, 1000)])
@@ -296,8 +331,16 @@ def test_checkpoint_of_another_model_gives_one_clear_error(workers, tmp_path):
 def _body_minibatch_too_small(rank, world_size):
     model = _net()
     try:
-        TrainingSession(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), "data_parallel",
-                        _data(67, seed=1), minibatch_size=[4, 1], max_epochs=1, progress=False)
+        TrainingSession(
+            model,
+            F.cross_entropy,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            "data_parallel",
+            _data(67, seed=1),
+            minibatch_size=[4, 1],
+            max_epochs=1,
+            progress=False,
+        )
     except ValueError as error:
         return str(error)
     return None
@@ -318,10 +361,17 @@ def _body_other_world_size(rank, world_size, tmp):
     torch.manual_seed(0)
     model = _net()
     session = TrainingSession(
-        model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0), algorithms.create("data_parallel", group=solo),
-        _data(67, seed=1), minibatch_size=schedule([16, 24], epoch_size=40), max_epochs=1,
-        metrics={"error": classification_error}, learning_rate_per_sample=0.01,
-        checkpoint=Checkpoint(Path(tmp) / "run.pt", every=40), progress=False,
+        model,
+        F.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        algorithms.create("data_parallel", group=solo),
+        _data(67, seed=1),
+        minibatch_size=schedule([16, 24], epoch_size=40),
+        max_epochs=1,
+        metrics={"error": classification_error},
+        learning_rate_per_sample=0.01,
+        checkpoint=Checkpoint(Path(tmp) / "run.pt", every=40),
+        progress=False,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -347,10 +397,19 @@ def _body_reporting(rank, world_size, tmp):
     torch.manual_seed(0)
     model = _net()
     TrainingSession(
-        model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.05), "data_parallel", _data(67, seed=1),
-        minibatch_size=16, max_epochs=2, metrics={"error": classification_error},
-        cross_validation=CrossValidation(_data(23, seed=2)), test=Test(_data(31, seed=3)),
-        progress=False, callbacks=[ProgressPrinter(bar=False, stream=stream)], log_csv=f"{tmp}/log.csv",
+        model,
+        F.cross_entropy,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        "data_parallel",
+        _data(67, seed=1),
+        minibatch_size=16,
+        max_epochs=2,
+        metrics={"error": classification_error},
+        cross_validation=CrossValidation(_data(23, seed=2)),
+        test=Test(_data(31, seed=3)),
+        progress=False,
+        callbacks=[ProgressPrinter(bar=False, stream=stream)],
+        log_csv=f"{tmp}/log.csv",
     ).train()
     return stream.getvalue()
 
@@ -364,8 +423,9 @@ def test_progress_and_csv_come_from_rank_0_only(workers, tmp_path):
     assert sum(line.startswith("cross-validation ") for line in lines) == 2
     assert any(line.startswith("test: loss") for line in lines)
     rows = (tmp_path / "log.csv").read_text().splitlines()
-    assert rows[0] == ("epoch,samples,loss,error,cv_loss,cv_error,learning_rate_per_sample,minibatch_size,"
-                       "samples_per_s,seconds")
+    assert rows[0] == (
+        "epoch,samples,loss,error,cv_loss,cv_error,learning_rate_per_sample,minibatch_size,samples_per_s,seconds"
+    )
     assert [row.split(",")[:2] for row in rows[1:]] == [["1", "66"], ["2", "132"]]
     assert all(row.split(",")[4] for row in rows[1:])  # a cross-validation every epoch
 
