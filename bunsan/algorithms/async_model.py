@@ -115,7 +115,7 @@ def async_step(
     and then the ``N - 1`` pulls sharing the link, ``2 alpha + N M / beta + apply``
     (``2 (alpha + M / beta) + apply`` at 2 workers either way). Measured on the 2-core machine
     of the docs at 4 workers on 1 Gbit/s and 100 Mbit/s links, the remotes' median step in
-    predict-21 to predict-23 (20 rows: four models, both links): within 16% of this in all 20
+    bunsan's validation runs (docs/experiments/predict/) (20 rows: four models, both links): within 16% of this in all 20
     (median 5%); priced with each pull on a link of its own (``2 (alpha + M / beta)``, rank 0's
     link bounding only the round), 7 of 20, 21-35% under in the others (the 10.5M MLP at
     100 Mbit/s: 11.2 s against 14.8-16.3 s). Unmeasured beyond 4 workers: where noise staggers
@@ -159,7 +159,7 @@ def shared_compute(
     core) slows them all, even at ``ranks_per_core`` 1. (The server's share ``S / (c + T)`` falls as
     ``c`` grows, but the remotes' ``(N - 1) c / (c + T)`` rises faster while each remote's round
     trip ``T`` holds at least its share of the server's work, ``S / (N - 1)``, as async's does: the
-    sum still grows; on the 92 async rows of predict-21 to 24 the rounds settle within 21.) With ``ranks_per_core`` 1 (or less: a core
+    sum still grows; on the 92 async rows of bunsan's validation runs (docs/experiments/predict/) the rounds settle within 21.) With ``ranks_per_core`` 1 (or less: a core
     or more each) and a share of at most 1 it is ``compute_s``.
 
     Async SGD on a shared host: on the 2-core machine of the docs, at 4 workers on 1 Gbit/s and
@@ -198,8 +198,8 @@ def async_rank_steps(
     memory and applies, counts as one more thread on the CPU for the share of each remote step it
     fills (:func:`shared_compute`), slowing every rank's compute; rank 0's worker is not charged it
     alone. Charged to rank 0's worker, the 10.5M MLP at 4 workers on 2 cores over loopback had
-    rank 0's worker at 438-547 ms, measured 108-134 ms, and its job +16% to +52% (predict-21 to
-    predict-23; docs/experiments/plan.md, "The server thread as one more thread"). With a
+    rank 0's worker at 438-547 ms, measured 108-134 ms, and its job +16% to +52% (
+    bunsan's validation runs (docs/experiments/predict/)). With a
     core per rank the server's work fills exactly the remotes' round trips and nothing slows.
 
     Rank 0's worker computes at :attr:`Profile.core_compute_s` where ranks share cores and it was

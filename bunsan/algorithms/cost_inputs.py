@@ -88,7 +88,7 @@ class Profile:
             at ``copy_s_per_element``. Async SGD's passes then cost it times the slowdown
             :func:`~bunsan.algorithms.async_model.shared_compute` gives the compute
             (:func:`~bunsan.algorithms.async_model.async_rank_steps`): timed with every rank at once, 4 ranks on 2 cores, the 10.5M MLP's copy came out at 5.9-11.4 ms in
-            predict-21 to 24 and 10.9-15.9 ms in a probe after (a copy is short beside a time
+            bunsan's validation runs (docs/experiments/predict/) and 10.9-15.9 ms in a probe after (a copy is short beside a time
             slice: how often a rank is preempted decides it), with one rank per core at once
             5.4-7.7 ms, and rank 0's worker, on a core of its own while the remote workers wait
             on 100 Mbit/s links, made its six passes at 5-7 ms each (priced at the first, its
@@ -100,7 +100,7 @@ class Profile:
             SGD's rank 0 worker, which never waits, is priced at it whatever the remote workers do
             (:func:`~bunsan.algorithms.async_model.async_rank_steps`): at 4 workers on 2 cores, its fixed cost taken out, its step was 0.63-0.73 of ``compute_s``
             on every network for the digits CNN and ResNet-20 (0.44-0.84 for MNIST-1D's 4-6 ms
-            steps; predict-23 to 28), where the model's sharing gave it the whole ``compute_s``
+            steps; bunsan's validation runs (docs/experiments/predict/)), where the model's sharing gave it the whole ``compute_s``
             while the remotes computed (loopback, 1 Gbit/s) and ``compute_s / 2`` while they
             waited (100 Mbit/s), and a rank on a core of its own is slower than half of two
             sharing it (the 2-worker jobs' compute was 1.63-1.94 times less, not 2): the job's

@@ -397,7 +397,7 @@ def exact_released_together(profile: Profile, candidate: Candidate, workers: int
     step pays the wait of steps run free. Over a shaped link the same step's exchange is bound by the
     wire, which releases every rank at once, and their computes start together: the digits CNN's exact
     at 1 Gbit/s stepped in 32.0 ms, as on loopback (31.2 ms), where a 15.5 ms exchange on top of
-    loopback's step had priced it +36% (predict-30)."""
+    loopback's step had priced it +36% in bunsan's validation runs (docs/experiments/predict/)."""
     if workers <= 1 or not overlap or profile.ranks_per_core <= 1 or profile.synced_straggler_s is None:
         return False
     options = candidate.options
