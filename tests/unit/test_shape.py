@@ -33,13 +33,10 @@ LONG_MODULES = {
     "of tools/predict.py (issue 65: the campaign's part out of the package)",
     "bench/plan.py": "bunsan plan's CLI, its sources of profile and network and the --job replay (issue 65: "
     "the sources apart from the CLI)",
-    "bench/compare.py": "the comparison benchmark's run, table and plots in one module (issue 65's shape "
-    "rule, a follow-up)",
     "comm/group.py": "process-group life cycle, failure reports and the abort channel together (issue 65's "
     "shape rule, a follow-up)",
     "compression/quantize.py": "the N-bit codec's packing, encode and decode paths for CPU and GPU (issue "
     "65's shape rule, a follow-up)",
-    "optim.py": "DistributedOptimizer and distribute() with its checks (issue 65's shape rule, a follow-up)",
 }
 # "module:function" -> why it is still long, and the issue that will split it
 LONG_FUNCTIONS = {
