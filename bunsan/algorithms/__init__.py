@@ -11,6 +11,7 @@ from typing import Any
 
 from bunsan.algorithms.async_sgd import AsyncSGD
 from bunsan.algorithms.auto import Auto
+from bunsan.algorithms.averagers import AveragingOptimizer, BlockMomentumAverager, ModelAverager
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
 from bunsan.algorithms.data_parallel import DataParallelSGD, QuantizedHookState, quantized_hook
@@ -20,8 +21,11 @@ __all__ = [
     "Algorithm",
     "AsyncSGD",
     "Auto",
+    "AveragingOptimizer",
+    "BlockMomentumAverager",
     "BlockMomentumSGD",
     "DataParallelSGD",
+    "ModelAverager",
     "ModelAveragingSGD",
     "QuantizedHookState",
     "create",
