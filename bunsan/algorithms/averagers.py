@@ -90,18 +90,13 @@ def _param_list(params: Any) -> list[Tensor]:
 class ModelAverager:
     """Average the replicas' parameters at the end of every ``period`` optimizer steps.
 
-    Called as torch's ``PeriodicModelAverager``: ``averager.average_parameters(params)``
-    after every ``optimizer.step()`` on every rank, with the model's parameters or the
-    optimizer's ``param_groups`` (the same tensors, in the same order, every call and on
-    every rank). The first ``warmup_steps`` steps are not averaged: DDP averages their
-    gradients (torch's ``post_localSGD_hook`` with ``start_localSGD_iter=warmup_steps``).
-    Then every ``period`` local steps the parameters are replaced by their mean over the ranks:
-    ModelAveragingSGD's arithmetic, ``block_size = period * batch``, ``warm_start = warmup_steps *
-    batch * world_size``.
-
-    Unlike torch's averager, which also averages after the first step past the warm-up,
-    the first average comes after ``period`` local steps; torch's
-    ``PeriodicModelAverager(period, warmup_steps + period - 1)`` averages at the same steps.
+    Called as torch's ``PeriodicModelAverager``: ``average_parameters(params)`` after every
+    ``optimizer.step()`` on every rank, with the same tensors in the same order (parameters or
+    ``param_groups``). The first ``warmup_steps`` steps are DDP's (``post_localSGD_hook`` with
+    ``start_localSGD_iter=warmup_steps``); then every ``period`` local steps the parameters become
+    their mean over the ranks: ModelAveragingSGD's arithmetic, ``block_size = period * batch``.
+    Torch's averager also averages after the first step past the warm-up; this one first after
+    ``period`` local steps (as torch's ``PeriodicModelAverager(period, warmup_steps + period - 1)``).
     Call :meth:`join` on every rank after the loop (uneven data; equal replicas after it).
 
     Args:
@@ -152,28 +147,23 @@ class ModelAverager:
     # -- the calls of a training loop ----------------------------------------------------
     @torch.no_grad()
     def begin(self, params: Any) -> None:
-        """Local. Record the model the first block starts from; call it before the first local step.
-
-        Needed only with ``warmup_steps=0`` and only for :class:`BlockMomentumAverager`'s first
-        block (:class:`AveragingOptimizer` calls it). Without it, the first block's start is
-        unknown and its round is a plain average; block momentum applies from the second block.
-        """
+        """Local. Record the model the first block starts from, before the first local step (needed with
+        ``warmup_steps=0``; :class:`AveragingOptimizer` calls it). Without it the first block's start is
+        unknown and its round is a plain average; block momentum applies from the second block."""
         self._bind(params)
         if not self._started and self.step >= self.warmup_steps:
             self._begin_blocks()
 
     @torch.no_grad()
     def average_parameters(self, params: Any) -> bool:
-        """Count one optimizer step; at the end of a block, average. Collective then, on every rank.
-
-        Returns:
-            Whether a round ran (torch's averager returns None; Lightning ignores the value).
-        """
+        """Count one optimizer step; at the end of a block, average (collective then, on every rank).
+        Returns whether a round ran (torch's averager returns None; Lightning ignores the value)."""
         self.step += 1
         if self.step < self.warmup_steps:
             return False
-        if self.step == self.warmup_steps:  # the last exact step: the replicas are equal, blocks begin
+        if self.step == self.warmup_steps:  # the last exact step: blocks begin from one model
             self._bind(params)
+            self._equalize()
             self._begin_blocks()
             return False
         self.block_steps += 1
@@ -187,11 +177,10 @@ class ModelAverager:
     def join(self, params: Any = None) -> None:
         """Collective. This rank has no more data: average its partial block, answer the others' rounds.
 
-        Call it on every rank after its training loop. It contributes this rank's partial
-        block once, then takes part in the other ranks' rounds with weight 0 until every rank
-        has joined; then every replica holds the same model. ``params`` is needed only on a
-        rank that never called :meth:`average_parameters` with them. During the warm-up DDP
-        averages the gradients: a rank that ends then needs DDP's own ``join()``.
+        Call it on every rank after its loop: it contributes this rank's partial block once, then
+        answers the other ranks' rounds with weight 0 until all have joined; then every replica is the
+        same. ``params``: only on a rank that never passed them. Uneven data during the warm-up needs
+        DDP's own ``join()``: DDP averages the gradients then.
         """
         if params is not None:
             self._bind(params)
@@ -220,13 +209,23 @@ class ModelAverager:
                 "parameters, in the same order, at every call (the averager keeps W, D and W_start for them)"
             )
 
+    def _equalize(self) -> None:
+        """Collective. Average the replicas if they differ, e.g. DDP's hook, which counts backward passes,
+        ended its warm-up before this count did (a GradScaler skipped a warm-up step). Equal replicas stay
+        bit for bit (a mean of equal values may round)."""
+        for f in self._flats:
+            f.pack(f.buffer)
+            spread = torch.cat([f.buffer, -f.buffer])
+            all_reduce(spread, op="max", group=self.process_group)  # max and -min of every element
+            if not torch.equal(spread[: f.numel], -spread[f.numel :]):  # the same answer on every rank
+                all_reduce(f.buffer.div_(self.world_size), group=self.process_group)
+                f.unpack(f.buffer)
+
     def _begin_blocks(self) -> None:
         """Local. ``W = W_start =`` the current model, ``D = 0``, an empty block."""
         for f in self._flats:
             f.pack(f.buffer)
-            f.global_model = f.buffer.clone()
-            f.start = f.buffer.clone()
-            f.momentum = torch.zeros_like(f.buffer)
+            f.global_model, f.start, f.momentum = f.buffer.clone(), f.buffer.clone(), torch.zeros_like(f.buffer)
         self.block_steps = 0
         self._started = True
 
