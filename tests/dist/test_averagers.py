@@ -214,3 +214,67 @@ def test_grad_scaler_skip_does_not_count_on_any_rank(workers):
     # in the local phase only rank 1's scaler saw it, yet the wrapper skipped the step on both
     assert results[0]["scales"][1] == results[1]["scales"][1] == 2.0**7
     assert results[0]["scales"][4] == 2.0**7 and results[1]["scales"][4] == 2.0**6
+
+
+def _body_lightning(rank, world_size, n_batches=9, warmup=2, period=3):
+    """Lightning's DDPStrategy calls ``_model_averager.average_parameters(iter(params))``: ours there."""
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class _Pool(ClusterEnvironment):  # the pool's ranks: Lightning starts no processes
+        creates_processes_externally = True
+        main_address, main_port = "127.0.0.1", 0
+        detect = staticmethod(lambda: True)
+        world_size, global_rank = staticmethod(lambda: world_size), staticmethod(lambda: rank)
+        local_rank, node_rank = staticmethod(lambda: rank), staticmethod(lambda: 0)
+
+        def set_world_size(self, size: int) -> None: ...
+
+        def set_global_rank(self, rank: int) -> None: ...
+
+    class _AveragingDDP(DDPStrategy):
+        def configure_ddp(self) -> None:
+            super().configure_ddp()  # Lightning registers DDP comm hooks only on CUDA: this one by hand
+            state = PostLocalSGDState(None, None, start_localSGD_iter=warmup, post_local_gradient_allreduce=False)
+            self.model.register_comm_hook(state, post_localSGD_hook)
+            self._model_averager = averager
+
+    class _Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, _):
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.5)
+
+    data = _data(rank, n_batches)
+    averager = BlockMomentumAverager(period, warmup_steps=warmup, **BMUF)
+    module = _Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world_size, strategy=_AveragingDDP(cluster_environment=_Pool()), max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+    )  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    averager.join(module.parameters())
+
+    ddp, _ = _ddp(warmup)  # the same training as a plain loop
+    plain = BlockMomentumAverager(period, warmup_steps=warmup, **BMUF)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.5)
+    _train(ddp, optimizer, data, after_step=lambda: plain.average_parameters(optimizer.param_groups))
+    plain.join()
+    lightning, reference = _flat(module), _flat(ddp)
+    return {"steps": averager.step, "rounds": averager.rounds, "diff": (lightning - reference).abs().max().item()}
+
+
+@pytest.mark.timeout(90)
+def test_lightning_ddp_strategy_takes_the_averager(workers):
+    results = workers.run(f"{__name__}:_body_lightning")
+    for r in results:
+        assert r["steps"] == 9 and r["rounds"] == 3  # 2 warm-up steps, blocks of 3, the last one partial
+        assert r["diff"] <= 1e-6, r["diff"]
