@@ -153,3 +153,24 @@ def test_state_dict_round_trip_before_the_first_call():
         ModelAverager(3).load_state_dict(state["averager"])
     with pytest.warns(UserWarning, match="no 'averager' entry"):
         resumed.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+
+
+def test_grad_scaler_steps_equal_the_plain_optimizers():
+    """The wrapper unscales the gradients itself (GradScaler hands it the scale): the same steps as plain SGD."""
+    torch.manual_seed(0)
+    models = [nn.Linear(2, 1), nn.Linear(2, 1)]
+    models[1].load_state_dict(models[0].state_dict())
+    plain = torch.optim.SGD(models[0].parameters(), lr=0.1)
+    wrapped = AveragingOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1), ModelAverager(2))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in models]
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(4, 2, generator=g)
+        for model, optimizer, scaler in zip(models, (plain, wrapped), scalers):
+            optimizer.zero_grad()
+            loss = model(x).square().mean() * (float("inf") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    torch.testing.assert_close(list(models[1].parameters()), list(models[0].parameters()), rtol=0, atol=0)
+    assert wrapped.skipped_steps == 1 and wrapped.averager.step == 3
