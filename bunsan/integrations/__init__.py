@@ -1,4 +1,6 @@
-"""bunsan's quantized DDP communication hook inside other trainers: Lightning and the Hugging Face Trainer.
+"""bunsan's quantized DDP communication hook inside other trainers: Lightning's
+``bunsan.integrations.lightning.QuantizedDDPStrategy`` and the Hugging Face Trainer's
+``bunsan.integrations.transformers.QuantizedHookCallback`` (docs/how-to/ddp-hooks.md).
 
 Each integration lives in a module of its own and imports its framework only when one of its
 names is used, so that ``import bunsan.integrations`` needs neither::
