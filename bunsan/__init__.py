@@ -58,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "datasets": "",
     "errors": "",
     "hpo": "",
+    "integrations": "",
     "models": "",
     "nn": "",
     "parallel": "",
@@ -94,6 +95,7 @@ __all__ = [
     "finalize",
     "hpo",
     "init",
+    "integrations",
     "is_initialized",
     "is_main",
     "local_rank",
@@ -126,7 +128,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from bunsan import algorithms, comm, data, datasets, errors, hpo, models, nn, parallel, train
+    from bunsan import algorithms, comm, data, datasets, errors, hpo, integrations, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, AsyncSGD, Auto, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.console import RankFilter, rank_zero_only
     from bunsan.console import print as print  # bunsan.print: exported by name, not in __all__ (see above)

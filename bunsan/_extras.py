@@ -10,6 +10,13 @@ of ``pyproject.toml`` (:data:`EXTRAS` mirrors them)::
     pip install 'bunsan[tensorboard]'  # tensorboard: TrainingSession(tensorboard=...)
     pip install 'bunsan[all]'          # all of the above
 
+and the trainers that bunsan's DDP communication hook integrates with (:data:`FRAMEWORKS`, not
+in ``all``: a framework the user brings, not a feature of bunsan)::
+
+    pip install 'bunsan[lightning]'     # bunsan.integrations.lightning
+    pip install 'bunsan[accelerate]'    # tested with the hook, nothing of bunsan imports it
+    pip install 'bunsan[transformers]'  # bunsan.integrations.transformers
+
 Code that needs one of these imports it through :func:`require` (or checks with
 :func:`check` without importing), so a missing package fails with
 :class:`MissingExtraError`, one sentence that names the extra, e.g.
@@ -31,6 +38,7 @@ from bunsan.errors import MissingExtraError
 __all__ = [
     "COMMANDS",
     "EXTRAS",
+    "FRAMEWORKS",
     "MissingExtraError",
     "available",
     "check",
@@ -49,6 +57,13 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "tensorboard": ("tensorboard",),
 }
 
+# the trainers' extras (pyproject.toml lists them apart from `all`): extra -> the distributions it installs
+FRAMEWORKS: dict[str, tuple[str, ...]] = {
+    "lightning": ("lightning",),
+    "accelerate": ("accelerate",),
+    "transformers": ("transformers",),
+}
+
 # top-level module -> the distribution that provides it (where the names differ, and the others for completeness)
 _DISTRIBUTIONS: dict[str, str] = {
     "sklearn": "scikit-learn",
@@ -57,6 +72,9 @@ _DISTRIBUTIONS: dict[str, str] = {
     "optuna": "optuna",
     "tqdm": "tqdm",
     "tensorboard": "tensorboard",
+    "lightning": "lightning",
+    "accelerate": "accelerate",
+    "transformers": "transformers",
 }
 
 
@@ -69,8 +87,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
 
 def install_hint(extra: str) -> str:
     """The command that installs ``extra``: ``pip install 'bunsan[EXTRA]'``."""
-    if extra not in EXTRAS:
-        raise ValueError(f"unknown extra {extra!r}; choose one of: {', '.join(sorted(EXTRAS))}")
+    if extra not in EXTRAS and extra not in FRAMEWORKS:
+        raise ValueError(f"unknown extra {extra!r}; choose one of: {', '.join(sorted({*EXTRAS, *FRAMEWORKS}))}")
     return f"pip install 'bunsan[{extra}]'"
 
 

@@ -49,9 +49,10 @@ def no_process_group_left():
         dist.destroy_process_group()
 
 
-# Variables that pytest or torch set themselves (torch sets the inductor cache directory
-# the first time an optimizer is built; OpenMP runtimes set KMP_*).
-_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# Variables that pytest, torch or Lightning set themselves (torch sets the inductor cache directory
+# the first time an optimizer is built; `import lightning` sets PYTORCH_NVML_BASED_CUDA_CHECK;
+# OpenMP runtimes set KMP_*).
+_SET_BY_OTHERS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 @pytest.fixture(autouse=True)

@@ -115,21 +115,8 @@ def test_accelerate_trains_resumes_and_equals_distribute(workers):
     assert results[0][1] == results[1][1]
 
 
-def _body_lightning(rank, world_size, bits):
+def _lightning_module():
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy
-
-    class QuantizedDDPStrategy(DDPStrategy):  # the snippet of docs/how-to/ddp-hooks.md
-        def __init__(self, bits=1, total_steps=None, warmup_steps=None, **kwargs):
-            super().__init__(**kwargs)
-            self.bits, self.total_steps, self.warmup_steps = bits, total_steps, warmup_steps
-
-        def configure_ddp(self):
-            super().configure_ddp()
-            self.hook_state = QuantizedHookState(
-                self.model, bits=self.bits, total_steps=self.total_steps, warmup_steps=self.warmup_steps
-            )
-            self.model.register_comm_hook(self.hook_state, quantized_hook)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -143,25 +130,39 @@ def _body_lightning(rank, world_size, bits):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    _launcher_environment(rank, world_size)
+    return Module()
+
+
+def _lightning_fit(rank, world_size, steps, ckpt_path=None, **hook):
+    """Fit the MLP for ``steps`` steps with the shipped strategy; returns (module, strategy, trainer)."""
+    import lightning.pytorch as pl
+
+    from bunsan.integrations.lightning import QuantizedDDPStrategy
+
     x, y = _data(world_size)
     # this rank's half, as the reference takes it (Lightning's own sampler would shuffle): one batch per epoch
     shard = torch.utils.data.TensorDataset(x[rank::world_size], y[rank::world_size])
     loader = torch.utils.data.DataLoader(shard, batch_size=16)
-    strategy = QuantizedDDPStrategy(bits=bits, warmup_steps=0, bucket_cap_mb=BUCKET_MB)
+    strategy = QuantizedDDPStrategy(**hook, bucket_cap_mb=BUCKET_MB)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
         strategy=strategy,
-        max_steps=STEPS,
+        max_steps=steps,
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = Module()
-    trainer.fit(module, loader)
+    module = _lightning_module()
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return module, strategy, trainer
+
+
+def _body_lightning(rank, world_size, bits):
+    _launcher_environment(rank, world_size)
+    module, strategy, _ = _lightning_fit(rank, world_size, STEPS, bits=bits, warmup_steps=0)
     assert strategy.hook_state.quantized_steps == STEPS
     return _flat(module.net).tolist(), _reference(rank, world_size, bits).tolist()
 
@@ -172,3 +173,26 @@ def test_lightning_strategy_registers_the_hook_and_equals_distribute(workers):
     for hooked, reference in results:
         torch.testing.assert_close(torch.tensor(hooked), torch.tensor(reference), rtol=0, atol=1e-6)
     assert results[0][0] == results[1][0]
+
+
+def _body_lightning_resume(rank, world_size, folder, first, then):
+    _launcher_environment(rank, world_size)
+    hook = {"bits": 1, "warmup_steps": 1}
+    straight, _, _ = _lightning_fit(rank, world_size, first + then, **hook)
+    _, strategy, trainer = _lightning_fit(rank, world_size, first, **hook)
+    path = os.path.join(folder, "hook.ckpt")
+    trainer.save_checkpoint(path)  # every rank: the hook states are gathered, rank 0 writes
+    residual = torch.cat([r.reshape(-1) for r in strategy.hook_state.residuals()["residual"].values()])
+    resumed, strategy, _ = _lightning_fit(rank, world_size, first + then, ckpt_path=path, **hook)
+    assert strategy.hook_state.step == first + then and strategy.hook_state.quantized_steps == first + then - 1
+    return torch.equal(_flat(straight.net), _flat(resumed.net)), residual.tolist()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs lightning (the lightning extra)")
+def test_lightning_checkpoint_resumes_every_ranks_residuals_bit_for_bit(workers, tmp_path):
+    results = workers.run(f"{__name__}:_body_lightning_resume", folder=str(tmp_path), first=4, then=3)
+    (equal0, residual0), (equal1, residual1) = results
+    assert equal0 and equal1
+    residual0, residual1 = torch.tensor(residual0), torch.tensor(residual1)
+    assert residual0.abs().sum() > 0 and residual1.abs().sum() > 0
+    assert not torch.equal(residual0, residual1)  # per rank: a rank-0-only checkpoint would lose rank 1's

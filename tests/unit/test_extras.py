@@ -20,7 +20,7 @@ from bunsan._extras import MissingExtraError
 from bunsan.errors import BunsanError
 
 REPO = Path(__file__).resolve().parents[2]
-OPTIONAL_MODULES = ("sklearn", "matplotlib", "mnist1d", "tqdm", "optuna", "tensorboard")
+OPTIONAL_MODULES = ("sklearn", "matplotlib", "mnist1d", "tqdm", "optuna", "tensorboard", "lightning", "transformers")
 
 
 def _hide(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
@@ -68,11 +68,30 @@ def test_extras_table_mirrors_pyproject():
                 found.add(name)
         return found
 
-    for extra, names in _extras.EXTRAS.items():
+    for extra, names in {**_extras.EXTRAS, **_extras.FRAMEWORKS}.items():
         assert distributions(extra) == set(names), extra
     assert distributions("all") == set().union(*map(set, _extras.EXTRAS.values()))
+    assert set(declared) == {*_extras.EXTRAS, *_extras.FRAMEWORKS, "all", "test"}
     # the suite's extra: everything but tensorboard, whose one test hides it
     assert {"scikit-learn", "mnist1d", "matplotlib", "optuna", "tqdm"} <= distributions("test")
+
+
+def test_trainer_integrations_name_their_extra(monkeypatch):
+    from bunsan.integrations import lightning, transformers
+
+    _hide(monkeypatch, "lightning", "transformers")
+    monkeypatch.setattr(lightning, "_built", {})
+    monkeypatch.setattr(transformers, "_built", {})
+    with pytest.raises(
+        MissingExtraError, match=r"^bunsan.integrations.lightning needs lightning, .*'bunsan\[lightning\]'$"
+    ):
+        lightning.QuantizedDDPStrategy  # noqa: B018 - the class is built on first use
+    with pytest.raises(
+        MissingExtraError, match=r"^bunsan.integrations.transformers needs transformers, .*'bunsan\[transformers\]'$"
+    ):
+        transformers.QuantizedHookCallback  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'Other'"):
+        lightning.Other  # noqa: B018
 
 
 def test_bundled_data_sets_name_the_data_extra(monkeypatch):
