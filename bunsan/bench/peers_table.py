@@ -18,7 +18,16 @@ from typing import Any
 
 from bunsan.bench.tta import time_to_error
 
-__all__ = ["COLUMNS", "DOC_RUNS", "RIGHT", "doc_commands", "render_peers", "summarize", "table_cells"]
+__all__ = [
+    "COLUMNS",
+    "DOC_RUNS",
+    "PEERS_ESTIMATE_S",
+    "RIGHT",
+    "peers_commands",
+    "render_peers",
+    "summarize",
+    "table_cells",
+]
 
 COLUMNS = (
     "network",
@@ -43,6 +52,10 @@ DOC_RUNS = {
     "peers-mnist1d": f"--model mnist1d_cnn --dataset mnist1d --epochs 20 --batch 128 --lr 0.05 {_COMMON}",
     "peers-resnet20": f"--model resnet20 --dataset digits32 --epochs 10 --batch 64 --lr 0.05 --recompute-bn {_COMMON}",
 }
+
+
+# seconds the commands took as estimated from short trials on 2 cores (not yet measured by a full run)
+PEERS_ESTIMATE_S = 0
 
 
 def _median_or_none(values: Sequence[float]) -> float | None:
@@ -127,6 +140,6 @@ def render_peers(out: Path) -> str:
     return "\n\n".join(parts)
 
 
-def doc_commands() -> tuple[str, ...]:
+def peers_commands() -> tuple[str, ...]:
     """The commands of the ``peers`` block of docs/benchmarks.md, ``{out}`` for bench-docs' output directory."""
     return tuple(f"bunsan bench peers {arguments} --out {{out}}/{run}" for run, arguments in DOC_RUNS.items())
