@@ -29,24 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bunsan._table import format_table
-from bunsan.bench._common import (
-    Refused,
-    add_job_arguments,
-    check_at_least,
-    check_positive,
-    command_main,
-    job_command,
-    job_directory,
-    job_environment,
-    load_average,
-    record_document,
-    refuse,
-    report_failures,
-    run_jobs,
-    say_jobs,
-    slug,
-    write_record,
-)
+from bunsan.bench import _common
 from bunsan.bench.peers_spec import PeerSetting, parse_seeds, parse_setting
 from bunsan.bench.peers_table import COLUMNS, RIGHT, summarize, table_cells
 
@@ -108,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--points", type=float, default=1.0, help="target = exact's mean final error + POINTS; default %(default)s"
     )
-    add_job_arguments(parser, "peers", timeout_s=1800.0)
+    _common.add_job_arguments(parser, "peers", timeout_s=1800.0)
     parser.add_argument("--dry-run", action="store_true", help="check the input and print the jobs, start nothing")
 
 
@@ -120,16 +103,16 @@ def _plan(args: argparse.Namespace) -> tuple[list[PeerSetting], list[int], list[
         if len(set(labels)) != len(labels):
             raise ValueError(f"--settings lists a setting twice: {labels}")
         seeds = parse_seeds(args.seeds)
-        check_at_least(("-np", args.workers, 1), ("--epochs", args.epochs, 1), ("--batch", args.batch, 1))
-        check_at_least(("--threads", args.threads, 1))
+        _common.check_at_least(("-np", args.workers, 1), ("--epochs", args.epochs, 1), ("--batch", args.batch, 1))
+        _common.check_at_least(("--threads", args.threads, 1))
         if args.batch % args.workers:
             raise ValueError(f"the global minibatch --batch {args.batch} does not split evenly over {args.workers}")
-        check_positive("--lr", args.lr)
-        check_positive("--timeout-s", args.timeout_s)
+        _common.check_positive("--lr", args.lr)
+        _common.check_positive("--timeout-s", args.timeout_s)
         networks = [None if n.strip().lower() == LOOPBACK else n.strip() for n in args.networks]
         return settings, seeds, networks
     except (TypeError, ValueError) as err:
-        raise Refused(str(err)) from None
+        raise _common.Refused(str(err)) from None
 
 
 def _job_spec(args: argparse.Namespace, setting: PeerSetting, seed: int, out: Path) -> dict[str, Any]:
@@ -148,7 +131,7 @@ def _job_spec(args: argparse.Namespace, setting: PeerSetting, seed: int, out: Pa
 
 
 def _command(args: argparse.Namespace, setting: PeerSetting, seed: int, network: str | None, result: Path) -> list[str]:
-    return job_command(JOB_MODULE, "--spec", _job_spec(args, setting, seed, result), args.workers, network)
+    return _common.job_command(JOB_MODULE, "--spec", _job_spec(args, setting, seed, result), args.workers, network)
 
 
 _RESULT_KEYS = (
@@ -209,27 +192,27 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         settings, seeds, networks = _plan(args)
         refusal = _check_networks(networks)
         if refusal is not None:
-            raise Refused(refusal)
+            raise _common.Refused(refusal)
         from bunsan.bench.job import check_model_and_data
 
         check_model_and_data(args.model, args.dataset)
     except ValueError as err:  # Refused, or a model the data set cannot feed
-        return refuse(PROG, err)
+        return _common.refuse(PROG, err)
     out = Path(args.out)
     jobs = []
     for network in networks:
         name = network or LOOPBACK
         for seed in seeds:
             for setting in settings:
-                directory = job_directory(out / slug(name) / f"seed{seed}", args.workers, setting.label)
+                directory = _common.job_directory(out / _common.slug(name) / f"seed{seed}", args.workers, setting.label)
                 record = {"label": setting.label, "workers": args.workers, "network": name, "seed": seed}
                 record.update(epochs=args.epochs, batch=args.batch, dir=str(directory))
                 jobs.append((record, partial(_command, args, setting, seed, network)))
     if args.dry_run:
-        return say_jobs(jobs, say)
-    load_before = load_average()
-    records, interrupted = run_jobs(
-        jobs, args.timeout_s, job_environment(args.threads), on_result=_take_result, progress=_progress, say=say
+        return _common.say_jobs(jobs, say)
+    load_before = _common.load_average()
+    records, interrupted = _common.run_jobs(
+        jobs, args.timeout_s, _common.job_environment(args.threads), on_result=_take_result, progress=_progress, say=say
     )
     rows = summarize(records, args.points)
     cells = table_cells(rows)
@@ -240,10 +223,10 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
         f"+ {args.points} points; PowerSGD with one DDP bucket"
     )
     say(format_table(COLUMNS, cells, right=RIGHT))
-    failed = report_failures(records, say)
-    document = record_document("peers", args, args.workers, load_before, started, COLUMNS, cells, records)
+    failed = _common.report_failures(records, say)
+    document = _common.record_document("peers", args, args.workers, load_before, started, COLUMNS, cells, records)
     document["summary"] = rows
-    write_record(args, out, document, say)
+    _common.write_record(args, out, document, say)
     if interrupted:
         return 130
     return 1 if failed else 0
@@ -251,7 +234,7 @@ def run(args: argparse.Namespace, *, say: Callable[[str], None] = print) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bunsan.bench.peers``: the same as ``bunsan bench peers``."""
-    return command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run)
+    return _common.command_main(argv, PROG, DESCRIPTION, EPILOG, add_arguments, run)
 
 
 if __name__ == "__main__":

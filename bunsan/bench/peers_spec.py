@@ -8,7 +8,8 @@ A setting is ``NAME[:KEY=VALUE,...]``, and a bare ``KEY`` is ``KEY=true`` (``pow
   ``batched``), ``PowerSGDState(matrix_approximation_rank=R, start_powerSGD_iter=S)``; ``S`` defaults to a
   tenth of the training's steps (torch's advice), at least 2 (torch refuses less with error feedback). Always one
   DDP bucket: on Gloo with 2+ buckets PowerSGD aborts with a collective mismatch or hangs (its collectives are
-  launched from future callbacks, in different orders on different ranks).
+  launched from future callbacks, in different orders on different ranks). On torch 2.13 the batched hook
+  fails at its first compressed step (``_orthogonalize`` asserts a 3-D batch and is given a matrix).
 * ``postlocal:period=K[,warmup=S]``: torch's ``post_localSGD_hook`` (no gradient exchange after ``S`` steps,
   ``post_local_gradient_allreduce=False``: on CPU torch's default subgroup needs CUDA) with
   ``PeriodicModelAverager(period=K, warmup_steps=S)`` in a ``PostLocalSGDOptimizer``.
