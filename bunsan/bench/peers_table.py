@@ -54,8 +54,9 @@ DOC_RUNS = {
 }
 
 
-# seconds the commands took as estimated from short trials on 2 cores (not yet measured by a full run)
-PEERS_ESTIMATE_S = 0
+# the commands' duration estimated on 2 cores from 2-worker trials (about 75 min for MNIST-1D, a guess of
+# 5 h for ResNet-20, whose step was not timed); not yet measured by a full run
+PEERS_ESTIMATE_S = 23400
 
 
 def _median_or_none(values: Sequence[float]) -> float | None:
