@@ -1,4 +1,4 @@
-"""The ``bunsan`` command: ``run``, ``bench`` (``compare``, ``throughput``, ``comm``, ``tta``),
+"""The ``bunsan`` command: ``run``, ``bench`` (``compare``, ``throughput``, ``comm``, ``tta``, ``peers``),
 ``doctor`` and ``plan``.
 
 One argparse subparser per subcommand; each registers a handler that takes
@@ -80,7 +80,7 @@ def _add_run(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     # These modules import only the standard library at the top: `bunsan run` stays free of torch.
-    from bunsan.bench import comm_bench, compare, netns, throughput, tta
+    from bunsan.bench import comm_bench, compare, netns, peers, throughput, tta
 
     parser = subparsers.add_parser(
         "bench",
@@ -96,6 +96,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         ("throughput", throughput, "images/s per worker and in total on synthetic data, scaling efficiency"),
         ("comm", comm_bench, "all-reduce and all-gather bus bandwidth over message sizes, bunsan vs torch"),
         ("tta", tta, "time-to-accuracy of every setting of a compare record; auto against the best"),
+        ("peers", peers, "bunsan's DDP hooks and averagers side by side with torch's: bytes, step time, error"),
     ):
         _add_module(benchmarks, name, module, summary)
 

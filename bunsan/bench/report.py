@@ -67,6 +67,7 @@ from bunsan.bench.doc_tables import (
     render_quantized,
     stack_tables,
 )
+from bunsan.bench.peers_table import PEERS_ESTIMATE_S, peers_commands, render_peers
 
 __all__ = ["STAMP_RE", "Block", "blocks", "main", "markdown_table", "replace_block", "stamp"]
 
@@ -340,12 +341,11 @@ def blocks() -> list[Block]:
         Block("quantized", DOCS, (quantized.format(n=2), quantized.format(n=4)), render_quantized, 130),
         Block("accuracy-mnist1d", DOCS, accuracy, render_accuracy, 420),
         Block("async-bench", DOCS, (async_bench,), render_async, 60),
+        Block("peers", DOCS, peers_commands(), render_peers, PEERS_ESTIMATE_S, needs_root=True),
     ]
 
 
 # -- running ------------------------------------------------------------------------------------
-
-
 def argv_of(command: str, out: Path) -> list[str]:
     """The command as an argument list: ``{out}`` filled in, ``bunsan``/``python`` made this interpreter's."""
     words = shlex.split(command.replace("{out}", str(out)))
