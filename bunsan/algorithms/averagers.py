@@ -1,13 +1,10 @@
 """Model averaging and block momentum (BMUF) for plain DDP and Lightning: torch's averager call shape.
 
-:class:`ModelAverager` and :class:`BlockMomentumAverager` are called as torch's
-``PeriodicModelAverager`` is, ``averager.average_parameters(params)`` after every
-``optimizer.step()``; :class:`AveragingOptimizer` wraps an optimizer as torch's
-``PostLocalSGDOptimizer`` does. The arithmetic is that of
-:class:`~bunsan.algorithms.model_averaging.ModelAveragingSGD` and
-:class:`~bunsan.algorithms.block_momentum.BlockMomentumSGD` (Chen & Huo 2016, the pure
-functions of :mod:`bunsan.algorithms.bmuf`), counted in optimizer steps instead of samples:
-``period`` steps per block is ``block_size = period * batch`` samples per worker, and
+:class:`ModelAverager` and :class:`BlockMomentumAverager` are called as torch's ``PeriodicModelAverager``
+is, ``averager.average_parameters(params)`` after every ``optimizer.step()``; :class:`AveragingOptimizer`
+wraps an optimizer as torch's ``PostLocalSGDOptimizer`` does. The arithmetic is that of ``ModelAveragingSGD``
+and ``BlockMomentumSGD`` (Chen & Huo 2016; :mod:`bunsan.algorithms.bmuf`), counted in optimizer steps
+instead of samples: ``period`` steps per block is ``block_size = period * batch`` samples per worker, and
 ``warmup_steps`` steps is ``warm_start = warmup_steps * batch * world_size`` samples.
 
 Distributed invariants (those of :mod:`bunsan.algorithms.blockwise`): a *round* is one all-reduce
@@ -33,13 +30,14 @@ from torch.distributed import ProcessGroup
 from bunsan._validate import check_int, check_number, check_type
 from bunsan.algorithms.bmuf import (
     block_gain,
+    default_block_learning_rate,
     default_block_momentum,
     reset_momentum_buffers,
     scaled_block_momentum,
     update_block_start_,
     update_global_model_,
 )
-from bunsan.comm import all_reduce, get_world_size, wait
+from bunsan.comm import Traffic, all_reduce, get_world_size, wait
 from bunsan.comm.layout import FlatGroup, group_by_kind
 from bunsan.errors import CheckpointError
 
@@ -49,12 +47,8 @@ _TENSOR_KEYS = (("global_model", "global_model"), ("momentum", "block_momentum_b
 
 
 def _resolve_defaults(world_size: int) -> tuple[float, float]:
-    """``(block_momentum, block_learning_rate)`` for ``None`` arguments: CNTK's ``(1 - 1/N, 1.0)``.
-
-    The one place :class:`BlockMomentumAverager` resolves its defaults, so that they follow
-    :class:`~bunsan.algorithms.block_momentum.BlockMomentumSGD`'s.
-    """
-    return default_block_momentum(world_size), 1.0
+    """``(block_momentum, block_learning_rate)`` for ``None``: ``BlockMomentumSGD``'s, ``(1 - 1/N, 1/sqrt(N))``."""
+    return default_block_momentum(world_size), default_block_learning_rate(world_size)
 
 
 def _empty() -> Tensor:
@@ -122,6 +116,7 @@ class ModelAverager:
         self.step = 0  # optimizer steps counted (torch's name)
         self.block_steps = 0  # local steps since the current block began
         self.rounds = 0  # rounds that applied an update
+        self.traffic = Traffic()  # bytes this rank sent and received in its all-reduces
         self._flats: list[_Flat] = []
         self._params: list[Tensor] = []
         self._started = False  # W, D and W_start are known
@@ -216,9 +211,11 @@ class ModelAverager:
         for f in self._flats:
             f.pack(f.buffer)
             spread = torch.cat([f.buffer, -f.buffer])
-            all_reduce(spread, op="max", group=self.process_group)  # max and -min of every element
+            all_reduce(
+                spread, op="max", group=self.process_group, traffic=self.traffic
+            )  # max and -min of every element
             if not torch.equal(spread[: f.numel], -spread[f.numel :]):  # the same answer on every rank
-                all_reduce(f.buffer.div_(self.world_size), group=self.process_group)
+                all_reduce(f.buffer.div_(self.world_size), group=self.process_group, traffic=self.traffic)
                 f.unpack(f.buffer)
 
     def _begin_blocks(self) -> None:
@@ -231,8 +228,10 @@ class ModelAverager:
 
     def _exchange(self, meta: Tensor) -> tuple[int, int, int]:
         """All-reduce every flat buffer and ``meta`` (in this order on every rank); return ``meta``'s sums."""
-        works = [all_reduce(f.buffer, group=self.process_group, async_op=True) for f in self._flats]
-        meta_work = all_reduce(meta, group=self.process_group, async_op=True)
+        works = [
+            all_reduce(f.buffer, group=self.process_group, async_op=True, traffic=self.traffic) for f in self._flats
+        ]
+        meta_work = all_reduce(meta, group=self.process_group, async_op=True, traffic=self.traffic)
         for work in works:
             wait(work, "model averaging all-reduce")
         wait(meta_work, "model averaging count all-reduce")
@@ -448,7 +447,7 @@ class AveragingOptimizer(torch.optim.Optimizer):
             return False
         grad_scale = getattr(self, "grad_scale", None)  # None: scaler.unscale_() already ran
         flag = found_inf.detach().to(torch.float64).reshape(1).clone()
-        all_reduce(flag, op="max", group=self.averager.process_group)
+        all_reduce(flag, op="max", group=self.averager.process_group, traffic=self.averager.traffic)
         if flag.item() > 0:
             return True
         if grad_scale is not None:

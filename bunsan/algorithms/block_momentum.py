@@ -15,7 +15,10 @@ momentum before the next block starts::
 ``W_start`` is the model every replica starts the next block from (the paper's
 ``W_g``). CNTK's parameterization is kept: ``zeta = (1 - bm) * N *
 block_learning_rate`` with ``N`` the world size, and ``bm = 1 - 1/N`` by default,
-so that by default ``zeta = block_learning_rate``.
+so that ``zeta = block_learning_rate`` then. The block learning rate defaults to
+``1 / sqrt(N)``, for the learning rate of the global minibatch that DDP users bring;
+CNTK's default, for its per-worker framing, is 1
+(:func:`bunsan.algorithms.bmuf.default_block_learning_rate`).
 
 Block momentum as a time constant (CNTK's ``blockMomentumAsTimeConstant``): ``bm``
 is the momentum of a *full* block of ``block_size`` samples per worker, i.e.
@@ -46,6 +49,7 @@ from bunsan._validate import check_number
 from bunsan.algorithms.blockwise import BlockwiseSGD
 from bunsan.algorithms.bmuf import (
     block_gain,
+    default_block_learning_rate,
     default_block_momentum,
     momentum_to_time_constant,
     reset_momentum_buffers,
@@ -59,6 +63,7 @@ __all__ = [
     "BlockMomentumSGD",
     "BlockwiseSGD",
     "block_gain",
+    "default_block_learning_rate",
     "default_block_momentum",
     "momentum_to_time_constant",
     "reset_momentum_buffers",
@@ -101,8 +106,11 @@ class BlockMomentumSGD(BlockwiseSGD):
             multiple of the minibatch size (a warning says so otherwise).
         block_momentum: ``bm`` of a full block, in ``[0, 1)``; ``None`` means
             ``1 - 1/N`` for ``N`` workers.
-        block_learning_rate: scales ``zeta = (1 - bm) * N * block_learning_rate``;
-            1.0 applies the filtered update in full.
+        block_learning_rate: scales ``zeta = (1 - bm) * N * block_learning_rate``, whose
+            long-run gain is ``N * block_learning_rate``. ``None`` means ``1 / sqrt(N)``
+            (gain ``sqrt(N)``), for a learning rate of the global minibatch as DDP users bring;
+            ``1.0`` is CNTK's default, for its per-worker framing in which each worker runs a
+            single-process recipe (:func:`bunsan.algorithms.bmuf.default_block_learning_rate`).
         nesterov: start each block from the look-ahead ``W + bm * D``.
         reset_local_momentum: drop the local optimizer's momentum buffers after
             each synchronization, so that momentum from before the average does
@@ -128,7 +136,7 @@ class BlockMomentumSGD(BlockwiseSGD):
         block_size: int,
         *,
         block_momentum: float | None = None,
-        block_learning_rate: float = 1.0,
+        block_learning_rate: float | None = None,
         nesterov: bool = True,
         reset_local_momentum: bool = True,
         warm_start: int = 0,
@@ -151,17 +159,19 @@ class BlockMomentumSGD(BlockwiseSGD):
             block_learning_rate,
             minimum=0.0,
             min_inclusive=False,
-            hint="1.0 (the default) applies the filtered block update in full",
+            allow_none=True,
+            hint="None means 1/sqrt(world_size); 1.0 is CNTK's per-worker framing",
         )
         self.requested_block_momentum = None if block_momentum is None else float(block_momentum)
-        self.block_learning_rate = float(block_learning_rate)
+        self.requested_block_learning_rate = None if block_learning_rate is None else float(block_learning_rate)
         # Resolved by setup() once the world size is known.
         self.block_momentum = self.requested_block_momentum
+        self.block_learning_rate = self.requested_block_learning_rate
 
     def __repr__(self) -> str:
         return (
             f"BlockMomentumSGD(block_size={self.block_size}, block_momentum={self.requested_block_momentum}, "
-            f"block_learning_rate={self.block_learning_rate}, nesterov={self.nesterov}, "
+            f"block_learning_rate={self.requested_block_learning_rate}, nesterov={self.nesterov}, "
             f"reset_local_momentum={self.reset_local_momentum}, warm_start={self.warm_start})"
         )
 
@@ -169,6 +179,13 @@ class BlockMomentumSGD(BlockwiseSGD):
         super().setup(named_params)
         if self.requested_block_momentum is None:
             self.block_momentum = default_block_momentum(self.world_size)
+        if self.requested_block_learning_rate is None:
+            self.block_learning_rate = default_block_learning_rate(self.world_size)
+
+    def _resolved_block_learning_rate(self) -> float:
+        if self.block_learning_rate is None:
+            self.block_learning_rate = default_block_learning_rate(self.world_size)
+        return self.block_learning_rate
 
     def _resolved_block_momentum(self) -> float:
         if self.block_momentum is None:
@@ -186,9 +203,9 @@ class BlockMomentumSGD(BlockwiseSGD):
 
     def filter_coefficients(self, samples_per_worker: float) -> tuple[float, float]:
         bm = scaled_block_momentum(self._resolved_block_momentum(), self.block_size, samples_per_worker)
-        return bm, block_gain(bm, self.world_size, self.block_learning_rate)
+        return bm, block_gain(bm, self.world_size, self._resolved_block_learning_rate())
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(block_momentum=self.block_momentum, block_learning_rate=self.block_learning_rate)
+        state.update(block_momentum=self.block_momentum, block_learning_rate=self._resolved_block_learning_rate())
         return state

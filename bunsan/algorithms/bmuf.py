@@ -16,6 +16,7 @@ from bunsan._validate import check_int, check_number
 
 __all__ = [
     "block_gain",
+    "default_block_learning_rate",
     "default_block_momentum",
     "momentum_to_time_constant",
     "reset_momentum_buffers",
@@ -33,6 +34,22 @@ def default_block_momentum(world_size: int) -> float:
     """
     check_int("world_size", world_size, minimum=1)
     return 1.0 - 1.0 / world_size
+
+
+def default_block_learning_rate(world_size: int) -> float:
+    """``1 / sqrt(N)``: the filter's long-run gain ``N * block_learning_rate`` becomes ``sqrt(N)``.
+
+    The default for the global-minibatch framing, DDP's: the learning rate is that of the averaged
+    gradient, so each local step already moves about as far as an exact step would. Averaging N
+    workers' block changes divides their noise variance by N, which allows ``sqrt(N)`` times one
+    worker's change at the same noise: the square-root scaling rule (Krizhevsky 2014, "One weird
+    trick for parallelizing convolutional neural networks"; Hoffer et al. 2017, "Train longer,
+    generalize better"). CNTK's per-worker framing, where each worker runs a single-process
+    recipe and the workers' progress adds up, is ``block_learning_rate=1``: gain ``N``, the
+    linear rule (docs/explanation/block-algorithms.md).
+    """
+    check_int("world_size", world_size, minimum=1)
+    return 1.0 / math.sqrt(world_size)
 
 
 def momentum_to_time_constant(block_momentum: float, block_size: int) -> float:

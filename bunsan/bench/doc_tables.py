@@ -21,15 +21,20 @@ __all__ = [
     "COMM_COLUMNS",
     "COMM_NETWORK_COLUMNS",
     "COMPARE_COLUMNS",
+    "DEFAULTS_SEEDS",
+    "DEFAULTS_SETTINGS",
     "THROUGHPUT_COLUMNS",
     "THROUGHPUT_NETWORK_COLUMNS",
+    "accuracy_commands",
     "accuracy_label",
+    "defaults_commands",
     "job_table",
     "markdown_table",
     "render_accuracy",
     "render_async",
     "render_compare",
     "render_ddp",
+    "render_defaults",
     "render_quantized",
     "stack_tables",
 ]
@@ -228,6 +233,14 @@ ACCURACY_ORDER = [
 ]
 
 
+def accuracy_commands(compare: str) -> tuple[str, ...]:
+    """One ``compare`` run per entry of :data:`ACCURACY_RUNS`; ``compare`` holds every other argument."""
+    return tuple(
+        f"{compare} --lr {lr} --momentum {momentum} --algorithms {' '.join(labels)} --out {{out}}/{run}"
+        for run, (lr, momentum, labels) in ACCURACY_RUNS.items()
+    )
+
+
 def accuracy_label(label: str) -> str:
     """``block_momentum:block_size=256,block_learning_rate=0.5`` -> ``block_momentum block 256, ζ=0.5``. Pure."""
     name, _, rest = label.partition(":")
@@ -268,3 +281,51 @@ def render_accuracy(out: Path) -> str:
             ]
         )
     return markdown_table(["algorithm", "lr, momentum", "test error", "bytes/sample", "time"], rows)
+
+
+# The defaults against exact SGD over three seeds: each setting as a user gets it without arguments,
+# and CNTK's block learning rate beside bunsan's default.
+DEFAULTS_SEEDS = (0, 1, 2)
+DEFAULTS_SETTINGS = (
+    "data_parallel",
+    "data_parallel:bits=1",
+    "block_momentum:block_size=1024",
+    "block_momentum:block_size=1024,block_learning_rate=1.0",
+    "model_averaging:block_size=1024",
+)
+
+
+def defaults_commands(compare: str) -> tuple[str, ...]:
+    """One ``compare`` run per seed of :data:`DEFAULTS_SETTINGS`; ``compare`` holds every other argument."""
+    settings = " ".join(DEFAULTS_SETTINGS)
+    return tuple(
+        f"{compare} --seed {seed} --algorithms {settings} --out {{out}}/defaults-s{seed}" for seed in DEFAULTS_SEEDS
+    )
+
+
+def render_defaults(out: Path) -> str:
+    """Test error per seed, the mean, and the mean minus exact SGD's mean, one row per setting."""
+    errors: dict[str, list[float | None]] = {label: [] for label in DEFAULTS_SETTINGS}
+    for seed in DEFAULTS_SEEDS:
+        records = {r["label"]: r for r in _load(out / f"defaults-s{seed}" / "compare.json")["configs"]}
+        for label in DEFAULTS_SETTINGS:
+            r = records.get(label, {})
+            errors[label].append(100 * r["test_error"] if r.get("status") == "ok" else None)
+
+    def mean(values: list[float | None]) -> float | None:
+        return None if None in values else sum(v for v in values if v is not None) / len(values)
+
+    exact = mean(errors[DEFAULTS_SETTINGS[0]])
+    rows = []
+    for label in DEFAULTS_SETTINGS:
+        m = mean(errors[label])
+        rows.append(
+            [
+                f"`{label}`",
+                " / ".join("failed" if e is None else f"{e:.1f}" for e in errors[label]),
+                "-" if m is None else f"{m:.2f}%",
+                "-" if m is None or exact is None or label == DEFAULTS_SETTINGS[0] else f"{m - exact:+.2f}",
+            ]
+        )
+    seeds = " / ".join(str(seed) for seed in DEFAULTS_SEEDS)
+    return markdown_table(["setting", f"test error (%), seeds {seeds}", "mean", "minus exact"], rows)

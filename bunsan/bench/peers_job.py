@@ -110,58 +110,35 @@ def _zero() -> float:
     return 0.0
 
 
-def _averagers(kind: str) -> tuple[Any, Any]:
-    """bunsan's averager class for ``kind`` and ``AveragingOptimizer``; ImportError naming what is missing."""
-    from bunsan import algorithms
-
-    wanted = "ModelAverager" if kind == "bunsan-ma" else "BlockMomentumAverager"
-    missing = [name for name in (wanted, "AveragingOptimizer") if not hasattr(algorithms, name)]
-    if missing:
-        raise ImportError(
-            f"setting {kind} needs bunsan.algorithms.{' and '.join(missing)}, which this bunsan does not have yet "
-            "(the model-averaging branch)"
-        )
-    return getattr(algorithms, wanted), algorithms.AveragingOptimizer
-
-
-def _counted_bytes(averager: Any) -> float:
-    """What a bunsan averager says it sent: ``stats()["bytes_sent"]``, else its ``traffic.sent``."""
-    stats = getattr(averager, "stats", None)
-    if callable(stats):
-        return float(stats().get("bytes_sent", 0.0))
-    traffic = getattr(averager, "traffic", None)
-    return float(getattr(traffic, "sent", 0.0))
-
-
 def _warmup_then_local(warmup: int) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
     """A DDP hook: torch's ``allreduce_hook`` for the first ``warmup`` steps, then the local gradient (no exchange)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     steps = [0]
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def hook(state, bucket):  # unannotated: DDP refuses a hook whose annotations are strings
         exact = steps[0] < warmup
         if bucket.is_last():
             steps[0] += 1
         if exact:
             return default_hooks.allreduce_hook(state, bucket)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future = torch.futures.Future()
         future.set_result(bucket.buffer())
         return future
 
     return hook
 
 
-def _bunsan_averaging(setting: PeerSetting, ddp: nn.Module, local: torch.optim.Optimizer) -> Exchange:
-    # --- bunsan-ma / bunsan-bmuf: bunsan.algorithms.ModelAverager / BlockMomentumAverager + AveragingOptimizer,
-    # written on the model-averaging branch; until it merges, _averagers() raises an ImportError naming them.
-    averager_class, averaging_optimizer = _averagers(setting.kind)
+def _bunsan_averaging(setting: PeerSetting, ddp: Any, local: torch.optim.Optimizer) -> Exchange:
+    # bunsan's collectives bypass torch.distributed.all_reduce (ByteCounter): the averager counts its own bytes.
+    from bunsan.algorithms import AveragingOptimizer, BlockMomentumAverager, ModelAverager
+
     options = setting.options
     warmup = int(options.get("warmup", 0))
     if setting.kind == "bunsan-ma":
-        averager = averager_class(options["period"], warmup_steps=warmup)
+        averager: ModelAverager = ModelAverager(options["period"], warmup_steps=warmup)
     else:
-        averager = averager_class(
+        averager = BlockMomentumAverager(
             options["period"],
             block_momentum=options.get("block_momentum"),
             block_learning_rate=options.get("block_lr"),
@@ -169,7 +146,7 @@ def _bunsan_averaging(setting: PeerSetting, ddp: nn.Module, local: torch.optim.O
             warmup_steps=warmup,
         )
     ddp.register_comm_hook(None, _warmup_then_local(warmup))
-    return Exchange(averaging_optimizer(local, averager), lambda: _counted_bytes(averager), averager.join, {})
+    return Exchange(AveragingOptimizer(local, averager), lambda: float(averager.traffic.sent), averager.join, {})
 
 
 def _exchange(setting: PeerSetting, ddp: Any, local: torch.optim.Optimizer, total_steps: int) -> Exchange:
@@ -183,11 +160,13 @@ def _exchange(setting: PeerSetting, ddp: Any, local: torch.optim.Optimizer, tota
         return Exchange(local, _zero, _nothing, {})
     if setting.kind == "powersgd":
         start = powersgd_start(setting, total_steps)
-        state = powerSGD_hook.PowerSGDState(
+        powersgd = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=options["rank"], start_powerSGD_iter=start
         )
         batched = bool(options.get("batched"))
-        ddp.register_comm_hook(state, powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(
+            powersgd, powerSGD_hook.batched_powerSGD_hook if batched else powerSGD_hook.powerSGD_hook
+        )
         return Exchange(local, _zero, _nothing, {"start_powerSGD_iter": start})
     if setting.kind == "postlocal":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -264,7 +243,7 @@ def _set_up(spec: dict[str, Any]) -> _Run:
     model = build_model(spec["model"], datasets.info(spec["dataset"]))
     x0, y0 = train_set[:local_batch]
     _warm_up(model, x0, y0)
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[Any] = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=spec["seed"], drop_last=True
     )
     steps_per_epoch = len(sampler) // local_batch

@@ -53,17 +53,19 @@ from pathlib import Path
 
 from bunsan.bench._common import load_average, stop_with_parent
 from bunsan.bench.doc_tables import (
-    ACCURACY_RUNS,
     COMM_COLUMNS,
     COMM_NETWORK_COLUMNS,
     THROUGHPUT_COLUMNS,
     THROUGHPUT_NETWORK_COLUMNS,
+    accuracy_commands,
+    defaults_commands,
     job_table,
     markdown_table,
     render_accuracy,
     render_async,
     render_compare,
     render_ddp,
+    render_defaults,
     render_quantized,
     stack_tables,
 )
@@ -250,10 +252,6 @@ def blocks() -> list[Block]:
     )
     ddp = "bunsan run -np 2 python -m bunsan.bench.ddp_overhead --rounds 60 --json {out}/ddp_overhead.json"
     quantized = "bunsan run -np {n} python -m bunsan.bench.quantized --json {{out}}/quantized_np{n}.json"
-    accuracy = tuple(
-        f"{_ACC} --lr {lr} --momentum {momentum} --algorithms {' '.join(labels)} --out {{out}}/{run}"
-        for run, (lr, momentum, labels) in ACCURACY_RUNS.items()
-    )
     async_bench = "bunsan run -np 4 python -m bunsan.bench.async_bench --json {out}/async_bench.json"
 
     def job(path: str, columns: Sequence[str]) -> Callable[[Path], str]:
@@ -339,7 +337,8 @@ def blocks() -> list[Block]:
         ),
         Block("ddp-overhead", README, (ddp,), render_ddp, 150),
         Block("quantized", DOCS, (quantized.format(n=2), quantized.format(n=4)), render_quantized, 130),
-        Block("accuracy-mnist1d", DOCS, accuracy, render_accuracy, 420),
+        Block("accuracy-mnist1d", DOCS, accuracy_commands(_ACC), render_accuracy, 420),
+        Block("defaults", DOCS, defaults_commands(f"{_ACC} --lr 0.05 --momentum 0.9"), render_defaults, 450),
         Block("async-bench", DOCS, (async_bench,), render_async, 60),
         Block("peers", DOCS, peers_commands(), render_peers, PEERS_ESTIMATE_S, needs_root=True),
     ]

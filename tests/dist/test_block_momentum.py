@@ -49,7 +49,7 @@ def _coefficients(
         return (lambda s: (0.0, 1.0)), 0.0, False
     bm = options.get("block_momentum")
     bm = 1 - 1 / world_size if bm is None else bm
-    blr, block_size = options.get("block_learning_rate", 1.0), options["block_size"]
+    blr, block_size = options.get("block_learning_rate", world_size**-0.5), options["block_size"]  # 1/sqrt(N)
 
     def coefficients(samples_per_worker: float) -> tuple[float, float]:
         bm_s = bm ** (samples_per_worker / block_size)  # the momentum held as a time constant

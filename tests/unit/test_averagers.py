@@ -44,7 +44,7 @@ def test_block_momentum_averager_rejects_bad_arguments(kwargs, error, match):
 
 
 def test_defaults_resolve_through_one_function():
-    assert _resolve_defaults(4) == (0.75, 1.0)
+    assert _resolve_defaults(4) == (0.75, 0.5)
     averager = BlockMomentumAverager(2)
     assert (averager.block_momentum, averager.block_learning_rate) == _resolve_defaults(1)  # no process group: N=1
 
