@@ -13,7 +13,7 @@ from bunsan.algorithms.async_sgd import AsyncSGD
 from bunsan.algorithms.auto import Auto
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
-from bunsan.algorithms.data_parallel import DataParallelSGD, QuantizedHookState, quantized_hook
+from bunsan.algorithms.data_parallel import DataParallelSGD, HookOptimizer, QuantizedHookState, quantized_hook
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Auto",
     "BlockMomentumSGD",
     "DataParallelSGD",
+    "HookOptimizer",
     "ModelAveragingSGD",
     "QuantizedHookState",
     "create",
