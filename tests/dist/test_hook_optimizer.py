@@ -95,6 +95,8 @@ def _body_equals_dpsgd(rank, world_size, bits, opt, warmup_steps, rotate=False, 
     [(1, "sgd", 2), (1, "sgd_wd", 0), (1, "nesterov", 2), (4, "sgd_wd", 0), (4, "nesterov", 0)],
 )
 def test_local_momentum_equals_data_parallel_sgd(workers, bits, opt, warmup_steps):
+    # bit for bit: the same momentum arithmetic (LocalMomentum's) on the same gradients, the same codec per
+    # chunk, and at 2 ranks every sum is of two terms (a + b == b + a), whatever DDP's bucket layout
     results = workers.run(f"{__name__}:_body_equals_dpsgd", bits=bits, opt=opt, warmup_steps=warmup_steps)
     hooked, reference, plain = (torch.tensor(v) for v in results[0][:3])
     assert results[0][4] == (0.8 if bits == 1 else None)  # DataParallelSGD's cap at 2 ranks
@@ -204,3 +206,19 @@ def _body_errors(rank, world_size):
 
 def test_errors_with_a_process_group(workers):
     assert workers.run(f"{__name__}:_body_errors") == [True, True]
+
+
+def test_local_momentum_with_4_ranks(workers4):
+    # 3+ ranks: the owners re-quantize their stripes with residuals of their own; the cap is 0.5
+    for warmup_steps in (0, 2):
+        results = workers4.run(f"{__name__}:_body_equals_dpsgd", bits=1, opt="sgd_wd", warmup_steps=warmup_steps)
+        hooked, reference, plain = (torch.tensor(v) for v in results[0][:3])
+        assert results[0][4] == 0.5
+        assert all(r[0] == results[0][0] for r in results)
+        assert (hooked - plain).abs().max() > 1e-4
+        if warmup_steps == 0:
+            assert hooked.equal(reference) and all(r[3] == 0.0 for r in results)
+        else:
+            # the exact warm-up: Gloo's ring all-reduce sums 4 ranks' values in an order that depends on the
+            # element's place in its bucket, and DDP's buckets are not DataParallelSGD's (2 ranks: a + b)
+            torch.testing.assert_close(hooked, reference, rtol=0, atol=1e-6)
