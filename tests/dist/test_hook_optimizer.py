@@ -29,7 +29,7 @@ def _make(name, params):
     return cls(params, **kw)
 
 
-def _train_hooked(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=False, wrap=True, start=None):
+def _train_hooked(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=False, wrap=True, start=None, clip=None):
     """DDP + quantized_hook (+ HookOptimizer); ``start``: a checkpoint to resume from (model, hook, optimizer)."""
     module = _mlp()
     if start is not None:
@@ -50,11 +50,13 @@ def _train_hooked(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=Fa
     for _ in range(steps):
         optimizer.zero_grad()
         F.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return model, state, optimizer
 
 
-def _train_dpsgd(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=False):
+def _train_dpsgd(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=False, clip=None):
     model = _mlp()
     algorithm = DataParallelSGD(
         bits=bits, warm_start=warmup_steps * BATCH * world_size, bucket_size_mb=SMALL_BUCKETS_MB, rotate=rotate
@@ -64,17 +66,19 @@ def _train_dpsgd(rank, world_size, steps, *, bits, warmup_steps, opt, rotate=Fal
     for _ in range(steps):
         optimizer.zero_grad()
         F.mse_loss(model(x[rank::world_size]), y[rank::world_size]).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
     return model, algorithm
 
 
-def _body_equals_dpsgd(rank, world_size, bits, opt, warmup_steps, rotate=False, steps=8):
+def _body_equals_dpsgd(rank, world_size, bits, opt, warmup_steps, rotate=False, clip=None, steps=8):
     hooked, state, optimizer = _train_hooked(
-        rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, rotate=rotate
+        rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, rotate=rotate, clip=clip
     )
     assert state.quantized_steps == steps - warmup_steps
     reference, algorithm = _train_dpsgd(
-        rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, rotate=rotate
+        rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, rotate=rotate, clip=clip
     )
     assert algorithm.rotate == rotate
     plain, _, _ = _train_hooked(rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, wrap=False)
@@ -104,6 +108,15 @@ def test_local_momentum_equals_data_parallel_sgd(workers, bits, opt, warmup_step
     assert hooked.equal(reference), float((hooked - reference).abs().max())
     assert results[0][3] == 0.0 and results[1][3] == 0.0  # the workers' momentum too
     assert (hooked - plain).abs().max() > 1e-4  # the wrapper changed what the hook alone does
+
+
+def test_clipping_between_backward_and_step_equals_data_parallel_sgd(workers):
+    # p.grad shows the mean gradient, not the momentum, and the workers' momentum follows the clipping
+    results = workers.run(f"{__name__}:_body_equals_dpsgd", bits=1, opt="sgd_wd", warmup_steps=1, clip=0.05)
+    hooked, reference, plain = (torch.tensor(v) for v in results[0][:3])
+    assert results[0][0] == results[1][0]
+    assert hooked.equal(reference), float((hooked - reference).abs().max())
+    assert results[0][3] == 0.0 and results[1][3] == 0.0
 
 
 def test_one_bit_adam_equals_data_parallel_sgd(workers):
