@@ -84,7 +84,6 @@ class _WorkerMomentum(LocalMomentum):
         self._warned_rebase = False
         self._buckets = []  # this step's quantized buckets, their slots over DDP's buffers
         self._hook_state = state
-        self._at_step = -1  # the hook's step that _buckets belong to
         self._group_of = {}
         self._held = []
         self.converted = False  # the last exchange was quantized and finite: p.grad is in gradient units
@@ -92,8 +91,7 @@ class _WorkerMomentum(LocalMomentum):
     # -- called by quantized_hook ------------------------------------------------------
     def before_encode(self, bucket: Bucket, buffer: Tensor, n: int) -> None:
         """This worker's momentum step for every parameter of ``buffer`` (DDP's bucket), divided by ``n``."""
-        if self._at_step != self._hook_state.step:  # the step's first quantized bucket
-            self._at_step = self._hook_state.step
+        if not self._hook_state._pending:  # the step's first bucket (a step that raised left nothing either)
             self.quantizing = True
             self.converted = False
             self._in_gradient_units, self._unit_samples, self._buckets = [], None, []
