@@ -14,7 +14,7 @@ from bunsan.algorithms.auto import Auto
 from bunsan.algorithms.averagers import AveragingOptimizer, BlockMomentumAverager, ModelAverager
 from bunsan.algorithms.base import Algorithm
 from bunsan.algorithms.block_momentum import BlockMomentumSGD
-from bunsan.algorithms.data_parallel import DataParallelSGD, QuantizedHookState, quantized_hook
+from bunsan.algorithms.data_parallel import DataParallelSGD, HookOptimizer, QuantizedHookState, quantized_hook
 from bunsan.algorithms.model_averaging import ModelAveragingSGD
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "BlockMomentumAverager",
     "BlockMomentumSGD",
     "DataParallelSGD",
+    "HookOptimizer",
     "ModelAverager",
     "ModelAveragingSGD",
     "QuantizedHookState",

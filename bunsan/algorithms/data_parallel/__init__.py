@@ -38,13 +38,16 @@ Distributed invariants kept here:
 
 The quantized exchange also runs inside plain DistributedDataParallel as a
 communication hook (:mod:`bunsan.algorithms.data_parallel.ddp_hook`), with the same
-per-bucket functions (:mod:`bunsan.algorithms.data_parallel.quantized`).
+per-bucket functions (:mod:`bunsan.algorithms.data_parallel.quantized`); its local
+momentum and 1-bit Adam there need the optimizer wrapper
+:class:`~bunsan.algorithms.data_parallel.hook_optimizer.HookOptimizer`.
 """
 
 from __future__ import annotations
 
 from bunsan.algorithms.data_parallel.algorithm import DataParallelSGD
 from bunsan.algorithms.data_parallel.ddp_hook import QuantizedHookState, quantized_hook
+from bunsan.algorithms.data_parallel.hook_optimizer import HookOptimizer
 from bunsan.algorithms.data_parallel.momentum import HEAVY_MOMENTUM_1BIT, QUANTIZED_MOMENTUM_1BIT
 from bunsan.algorithms.data_parallel.stripes import plan_stripes
 
@@ -52,6 +55,7 @@ __all__ = [
     "HEAVY_MOMENTUM_1BIT",
     "QUANTIZED_MOMENTUM_1BIT",
     "DataParallelSGD",
+    "HookOptimizer",
     "QuantizedHookState",
     "plan_stripes",
     "quantized_hook",

@@ -103,9 +103,9 @@ class QuantizedHookState:
     exact steps of about a third of training with SGD (the default when ``total_steps``
     is given), which keeps 1 bit's accuracy close to exact training. More bits (4, 8)
     lose less per step and need little or no warm-up (the default is none). Local
-    momentum and its momentum cap (DataParallelSGD's ``local_momentum``) need the
-    optimizer and are not done by a hook: with heavy SGD momentum prefer more bits or
-    a longer warm-up.
+    momentum and its momentum cap (DataParallelSGD's ``local_momentum``), and 1-bit
+    Adam, need the optimizer: wrap it in
+    :class:`~bunsan.algorithms.data_parallel.hook_optimizer.HookOptimizer` with this state.
 
     Checkpoints: residuals differ by rank, so every rank saves and loads its own
     :meth:`state_dict`.
@@ -145,6 +145,7 @@ class QuantizedHookState:
         "_exact_bytes",
         "_in_step",
         "_layouts",
+        "_momentum",
         "_names",
         "_pending",
         "_quantized_bytes",
@@ -220,6 +221,7 @@ class QuantizedHookState:
         self._sent_finite: list[Tensor] = []
         self._encode_s = self._decode_s = 0.0
         self._exact_bytes = self._quantized_bytes = 0
+        self._momentum: Any = None  # a HookOptimizer's per-worker momentum (hook_optimizer.py), if attached
 
     def __repr__(self) -> str:
         return f"QuantizedHookState(bits={self.bits}, warmup_steps={self.warmup_steps}, step={self.step})"
@@ -247,6 +249,8 @@ class QuantizedHookState:
             local = 0.0 if all(bool(c) for c in self._sent_finite) else 1.0
             flag = torch.tensor([local], dtype=torch.float32, device=last.device)
             all_reduce(flag, group=self.group, traffic=self.traffic)  # same bucket, same order: every rank
+            if self._momentum is not None:  # a HookOptimizer: commit (finite) or drop this step's momentum
+                self._momentum.after_exchange(flag.item() == 0)
             if flag.item() > 0:
                 for layout in self._touched:
                     layout.stripes.residual.copy_(layout.backup)
@@ -390,7 +394,10 @@ def _launch(state: QuantizedHookState, index: int, params: list[Tensor], buffer:
     else:
         layout.owner_backup.zero_()
     state._touched.append(layout)
-    buffer.div_(n)  # as DataParallelSGD copies a gradient in: divided before the sum
+    if state._momentum is not None:  # a HookOptimizer: this worker's momentum step, divided by n, in place
+        state._momentum.before_encode(layout.bucket, buffer, n)
+    else:
+        buffer.div_(n)  # as DataParallelSGD copies a gradient in: divided before the sum
     start = time.perf_counter()
     # 1. quantize every stripe with this rank's residual; send stripe j to rank j (overlaps backward)
     encode_stripes(quantizer, q, buffer, feedback=True)

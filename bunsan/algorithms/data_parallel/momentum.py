@@ -322,10 +322,15 @@ class LocalMomentum(Algorithm):
                     lo = int(slot.storage_offset() - bucket.buffer.storage_offset())
                     pieces.setdefault(bucket.index, []).append((lo, lo + int(slot.numel()), previous, scale, divisor))
 
-    def _sample_gradient_units(self) -> None:
+    def _sample_gradient_units(self, grads: Sequence[Tensor | None] | None = None) -> None:
         """After the exchange: remember a few values of each converted ``p.grad``, to tell in ``step()``
-        whether and by how much the user rescaled it (:meth:`_rebase_workers`). One small copy per step."""
-        grads = [p.grad for p, _ in self._in_gradient_units]
+        whether and by how much the user rescaled it (:meth:`_rebase_workers`). One small copy per step.
+
+        ``grads``: what ``p.grad`` will hold, one per entry of ``_in_gradient_units``, where it is not set
+        yet (a DDP communication hook: DDP copies its bucket into ``p.grad`` after the hook).
+        """
+        if grads is None:
+            grads = [p.grad for p, _ in self._in_gradient_units]
         if any(g is None for g in grads):
             self._unit_samples = None
             return
