@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ __all__ = [
     "DOC_RUNS",
     "PEERS_ESTIMATE_S",
     "RIGHT",
-    "peers_commands",
+    "peers_command",
     "render_peers",
     "summarize",
     "table_cells",
@@ -43,9 +43,8 @@ RIGHT = set(COLUMNS) - {"network", "setting"}
 
 # the block's runs of docs/benchmarks.md: output directory -> the command's arguments (one model each)
 _SETTINGS = (
-    "exact fp16 powersgd:rank=1 powersgd:rank=2 powersgd:rank=4 powersgd:rank=1,batched powersgd:rank=2,batched "
-    "powersgd:rank=4,batched postlocal:period=4 bunsan:bits=1 bunsan:bits=4 bunsan:bits=8 bunsan-ma:period=4 "
-    "bunsan-bmuf:period=4"
+    "exact fp16 powersgd:rank=1 powersgd:rank=2 powersgd:rank=4 powersgd:rank=1,batched postlocal:period=4 "
+    "bunsan:bits=1 bunsan:bits=4 bunsan:bits=8 bunsan-ma:period=4 bunsan-bmuf:period=4"
 )
 _COMMON = f"-np 4 --seeds 0,1,2 --networks loopback rate=1gbit rate=100mbit --settings {_SETTINGS}"
 DOC_RUNS = {
@@ -54,9 +53,8 @@ DOC_RUNS = {
 }
 
 
-# the commands' duration estimated on 2 cores from 2-worker trials (about 75 min for MNIST-1D, a guess of
-# 5 h for ResNet-20, whose step was not timed); not yet measured by a full run
-PEERS_ESTIMATE_S = 23400
+# each run's duration on 2 cores, estimated from 2-worker trials (ResNet-20's step was not timed: a guess)
+PEERS_ESTIMATE_S = {"peers-mnist1d": 4500, "peers-resnet20": 18000}
 
 
 def _median_or_none(values: Sequence[float]) -> float | None:
@@ -129,18 +127,17 @@ def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     ]
 
 
-def render_peers(out: Path) -> str:
-    """The block of docs/benchmarks.md: each run of :data:`DOC_RUNS`' table under its model's name."""
+def render_peers(run: str) -> Callable[[Path], str]:
+    """The renderer of the block ``run`` of docs/benchmarks.md (a key of :data:`DOC_RUNS`): its table."""
     from bunsan.bench.doc_tables import markdown_table
 
-    parts = []
-    for run in DOC_RUNS:
+    def render(out: Path) -> str:
         document = json.loads((out / run / "peers.json").read_text())
-        head = f"{document['arguments']['model']} on {document['arguments']['dataset']}"
-        parts.append(f"**{head}**\n\n" + markdown_table(document["columns"], document["table"]))
-    return "\n\n".join(parts)
+        return markdown_table(document["columns"], document["table"])
+
+    return render
 
 
-def peers_commands() -> tuple[str, ...]:
-    """The commands of the ``peers`` block of docs/benchmarks.md, ``{out}`` for bench-docs' output directory."""
-    return tuple(f"bunsan bench peers {arguments} --out {{out}}/{run}" for run, arguments in DOC_RUNS.items())
+def peers_command(run: str) -> str:
+    """The command of the block ``run`` of docs/benchmarks.md, ``{out}`` for bench-docs' output directory."""
+    return f"bunsan bench peers {DOC_RUNS[run]} --out {{out}}/{run}"

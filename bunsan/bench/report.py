@@ -30,8 +30,7 @@ above half the cores at the start.
     python -m bunsan.bench.report --only ddp-overhead,quantized
     python -m bunsan.bench.report --render-only      # rewrite from the outputs of an earlier run
 
-Blocks that shape the network (``--network``) need root and iproute2, else are skipped. A block whose command fails
-keeps its old table and the command exits 1. No torch is imported at the top.
+Blocks that shape the network need root and iproute2, else are skipped; a block whose command fails keeps its table.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from bunsan.bench.doc_tables import (
     render_quantized,
     stack_tables,
 )
-from bunsan.bench.peers_table import PEERS_ESTIMATE_S, peers_commands, render_peers
+from bunsan.bench.peers_table import PEERS_ESTIMATE_S, peers_command, render_peers
 
 __all__ = ["STAMP_RE", "Block", "blocks", "main", "markdown_table", "replace_block", "stamp"]
 
@@ -340,7 +339,10 @@ def blocks() -> list[Block]:
         Block("accuracy-mnist1d", DOCS, accuracy_commands(_ACC), render_accuracy, 420),
         Block("defaults", DOCS, defaults_commands(f"{_ACC} --lr 0.05 --momentum 0.9"), render_defaults, 450),
         Block("async-bench", DOCS, (async_bench,), render_async, 60),
-        Block("peers", DOCS, peers_commands(), render_peers, PEERS_ESTIMATE_S, needs_root=True),
+        *(
+            Block(r, DOCS, (peers_command(r),), render_peers(r), s, needs_root=True)
+            for r, s in PEERS_ESTIMATE_S.items()
+        ),
     ]
 
 

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bunsan
 from bunsan.algorithms import DataParallelSGD, HookOptimizer, QuantizedHookState, quantized_hook
+from bunsan.compression.rotation import RotatedQuantizer
 from tests.dist.test_ddp_hook import SMALL_BUCKETS_MB, _data, _flat, _grads, _mlp, _Probe
 
 BATCH = 16  # per rank (tests.dist.test_ddp_hook._data)
@@ -80,7 +81,8 @@ def _body_equals_dpsgd(rank, world_size, bits, opt, warmup_steps, rotate=False, 
     reference, algorithm = _train_dpsgd(
         rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, rotate=rotate, clip=clip
     )
-    assert algorithm.rotate == rotate
+    assert algorithm.rotate == (rotate if rotate is not None else opt != "sgd" and bits == 1)
+    assert isinstance(state._quantizer, RotatedQuantizer) == algorithm.rotate
     plain, _, _ = _train_hooked(rank, world_size, steps, bits=bits, warmup_steps=warmup_steps, opt=opt, wrap=False)
     mine = optimizer._local._momentum
     theirs = algorithm._momentum
@@ -119,10 +121,11 @@ def test_clipping_between_backward_and_step_equals_data_parallel_sgd(workers):
     assert results[0][3] == 0.0 and results[1][3] == 0.0
 
 
-def test_one_bit_adam_equals_data_parallel_sgd(workers):
-    # DataParallelSGD rotates for Adam at 1 bit by default: the state is built with rotate=True
+@pytest.mark.parametrize("rotate", [True, None])
+def test_one_bit_adam_equals_data_parallel_sgd(workers, rotate):
+    # DataParallelSGD rotates for Adam at 1 bit by default; so does the wrapper with the state's default (None)
     for opt in ("adam", "adamw"):
-        results = workers.run(f"{__name__}:_body_equals_dpsgd", bits=1, opt=opt, warmup_steps=3, rotate=True)
+        results = workers.run(f"{__name__}:_body_equals_dpsgd", bits=1, opt=opt, warmup_steps=3, rotate=rotate)
         hooked, reference, plain = (torch.tensor(v) for v in results[0][:3])
         assert results[0][4] == 0.5  # 1-bit Adam's cap
         assert results[0][0] == results[1][0]

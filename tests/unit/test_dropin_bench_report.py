@@ -208,3 +208,33 @@ def test_a_run_stamps_its_table_with_the_load_and_keeps_the_stamp(tmp_path, caps
     assert (tmp_path / "out" / "t.stamp").read_text() == line + "\n"
     printed = capsys.readouterr().out
     assert "| new |" in printed and line in printed and "other processes used" in printed
+
+
+def test_defaults_table_gives_each_seed_the_mean_and_the_difference_from_exact(tmp_path):
+    errors = {  # per setting, seeds 0 / 1 / 2; the last setting fails at seed 1
+        "data_parallel": (0.08, 0.10, 0.12),
+        "data_parallel:bits=1": (0.09, 0.11, 0.13),
+        "block_momentum:block_size=1024": (0.10, 0.10, 0.10),
+        "block_momentum:block_size=1024,block_learning_rate=1.0": (0.20, 0.20, 0.26),
+        "model_averaging:block_size=1024": (0.08, None, 0.09),
+    }
+    for seed in doc_tables.DEFAULTS_SEEDS:
+        configs = [
+            {"label": label, "status": "ok", "test_error": e[seed]} if e[seed] is not None else {"label": label}
+            for label, e in errors.items()
+        ]
+        (tmp_path / f"defaults-s{seed}").mkdir()
+        (tmp_path / f"defaults-s{seed}" / "compare.json").write_text(json.dumps({"configs": configs}))
+    rows = [line.split(" | ") for line in doc_tables.render_defaults(tmp_path).splitlines()[2:]]
+    assert [r[2:] for r in rows] == [
+        ["10.00%", "- |"],
+        ["11.00%", "+1.00 |"],
+        ["10.00%", "+0.00 |"],
+        ["22.00%", "+12.00 |"],
+        ["-", "- |"],
+    ]
+    assert rows[0][1] == "8.0 / 10.0 / 12.0" and rows[4][1] == "8.0 / failed / 9.0"
+    assert "`data_parallel:bits=1`" in rows[1][0]
+    (block,) = [b for b in report.blocks() if b.name == "defaults"]
+    assert [c.split("--seed ")[1].split()[0] for c in block.commands] == ["0", "1", "2"]
+    assert all(" ".join(doc_tables.DEFAULTS_SETTINGS) in c for c in block.commands)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from bunsan.algorithms import HookOptimizer, QuantizedHookState
+from bunsan.compression.rotation import RotatedQuantizer
 from bunsan.errors import CheckpointError
 
 
@@ -42,12 +45,23 @@ def test_refuses_wrapping_twice():
         HookOptimizer(_sgd(model), state)
 
 
-def test_adam_needs_a_warm_up_and_is_told_to_rotate():
+def test_adam_needs_a_warm_up_rotates_by_default_and_is_told_to_rotate_otherwise():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="warm-up"):
         HookOptimizer(torch.optim.Adam(model.parameters()), QuantizedHookState(model, bits=1, warmup_steps=0))
+    default = QuantizedHookState(model, bits=1, warmup_steps=5)
+    assert not isinstance(default._quantizer, RotatedQuantizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HookOptimizer(torch.optim.AdamW(model.parameters()), default)
+    assert isinstance(default._quantizer, RotatedQuantizer) and default._quantizer.chunk_size == 1024
+    sgd = QuantizedHookState(model, bits=1, warmup_steps=5)
+    HookOptimizer(_sgd(model), sgd)
+    assert not isinstance(sgd._quantizer, RotatedQuantizer)  # SGD keeps plain chunks, as DataParallelSGD
     with pytest.warns(UserWarning, match="rotate=True"):
-        HookOptimizer(torch.optim.AdamW(model.parameters()), QuantizedHookState(model, bits=1, warmup_steps=5))
+        HookOptimizer(
+            torch.optim.AdamW(model.parameters()), QuantizedHookState(model, bits=1, warmup_steps=5, rotate=False)
+        )
     rotated = QuantizedHookState(model, bits=1, warmup_steps=5, rotate=True)
     assert HookOptimizer(torch.optim.Adam(model.parameters()), rotated).quantized_momentum == 0.5
 

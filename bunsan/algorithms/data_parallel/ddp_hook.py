@@ -122,10 +122,10 @@ class QuantizedHookState:
             ``total_steps`` at 1 bit, 0 above.
         total_steps: the steps of the whole training, for the default warm-up.
         rotate: quantize each chunk after a fixed random rotation
-            (:class:`bunsan.compression.RotatedQuantizer`); default False, as
-            DataParallelSGD chooses with SGD (it rotates only for 1-bit Adam, whose
-            frozen-variance optimizer a hook alone does not provide). The codec runs one
-            call per segment on CPU and one per bucket on a GPU, as in DataParallelSGD.
+            (:class:`bunsan.compression.RotatedQuantizer`). Default (None): as DataParallelSGD
+            chooses, off, and on at 1 bit once a :class:`HookOptimizer` wraps Adam/AdamW
+            (1-bit Adam needs it). The codec runs one call per segment on CPU and one per
+            bucket on a GPU, as in DataParallelSGD.
         chunk_size: elements per quantization chunk (default 512, or 1024 rotated).
         grad_scaler: the ``torch.amp.GradScaler`` of the training, if any. Residuals are kept
             in the units of the scaled gradient the hook sees; when the scale changes (it
@@ -140,6 +140,7 @@ class QuantizedHookState:
     """
 
     __slots__ = (
+        "_codec_default",
         "_decode_s",
         "_encode_s",
         "_exact_bytes",
@@ -172,7 +173,7 @@ class QuantizedHookState:
         *,
         warmup_steps: int | None = None,
         total_steps: int | None = None,
-        rotate: bool = False,
+        rotate: bool | None = None,
         chunk_size: int | None = None,
         grad_scaler: Any = None,
         group: ProcessGroup | None = None,
@@ -183,7 +184,8 @@ class QuantizedHookState:
             raise ValueError(f"bits must be 32 (exact) or 1..16 (quantized), got {bits}")
         check_int("warmup_steps", warmup_steps, minimum=0, allow_none=True, hint="exact steps before quantizing")
         check_int("total_steps", total_steps, minimum=1, allow_none=True, hint="the steps of the whole training")
-        check_type("rotate", rotate, bool)
+        if rotate is not None:
+            check_type("rotate", rotate, bool, hint="or None for the default")
         check_int("chunk_size", chunk_size, minimum=1, allow_none=True, hint="elements per quantization chunk")
         if warmup_steps is None:
             if total_steps is not None and bits == 1:
@@ -207,6 +209,7 @@ class QuantizedHookState:
         self.skipped_steps = 0  # quantized steps that carried an inf or NaN on some rank
         self.traffic = Traffic()
         self._quantizer: Quantizer | RotatedQuantizer | None = None
+        self._codec_default = rotate is None and chunk_size is None  # a HookOptimizer with Adam may rotate
         if bits != 32:
             codec = RotatedQuantizer if rotate else Quantizer
             default = ROTATED_CHUNK_SIZE if rotate else DEFAULT_CHUNK_SIZE

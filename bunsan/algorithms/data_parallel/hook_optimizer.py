@@ -49,7 +49,7 @@ from bunsan.algorithms.data_parallel.ddp_hook import QuantizedHookState
 from bunsan.algorithms.data_parallel.momentum import LocalMomentum, default_quantized_momentum
 from bunsan.algorithms.onebit_adam import FrozenVarianceAdam, is_adam
 from bunsan.comm import get_world_size
-from bunsan.compression.rotation import RotatedQuantizer
+from bunsan.compression.rotation import ROTATED_CHUNK_SIZE, RotatedQuantizer
 from bunsan.errors import CheckpointError
 
 __all__ = ["HookOptimizer"]
@@ -158,9 +158,10 @@ class HookOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: a ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the DDP model's parameters.
         state: the :class:`~bunsan.algorithms.data_parallel.ddp_hook.QuantizedHookState` registered
-            with the hook, quantizing (``bits`` 1..16). Build it with ``rotate=True`` for 1-bit
-            Adam (DataParallelSGD's default there) and a warm-up of at least one step with Adam
-            (its variance is estimated from exact gradients first).
+            with the hook, quantizing (``bits`` 1..16). With Adam at 1 bit and the state's default
+            ``rotate``/``chunk_size``, its chunks become rotated (DataParallelSGD's default there);
+            Adam needs a warm-up of at least one step (its variance is estimated from exact
+            gradients first).
         quantized_momentum: the momentum the workers apply while quantizing, at most, with
             the gradient scaled by ``(1 - applied) / (1 - beta)`` so that the step
             ``lr / (1 - beta)`` is kept. ``"auto"`` (default): DataParallelSGD's choice
@@ -213,6 +214,8 @@ class HookOptimizer(torch.optim.Optimizer):
                 allow_none=True, hint="'auto', None or a momentum in [0, 1)",
             )  # fmt: skip
             cap = None if quantized_momentum is None else float(quantized_momentum)
+        if adam and state.bits == 1 and state._codec_default and not state._layouts:
+            state._quantizer = RotatedQuantizer(1, ROTATED_CHUNK_SIZE)  # DataParallelSGD's choice for 1-bit Adam
         if adam and state.bits == 1 and not isinstance(state._quantizer, RotatedQuantizer):
             warnings.warn(
                 "1-bit Adam without rotated chunks: DataParallelSGD rotates them for Adam at 1 bit (measured far "
