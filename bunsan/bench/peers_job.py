@@ -42,14 +42,13 @@ from typing import Any, NamedTuple
 _STARTED = time.perf_counter()  # before `import torch`: start-up counts from here
 
 import torch  # noqa: E402 - imported after the start-up clock on purpose
-import torch.distributed as dist  # noqa: E402 - after the start-up clock
 import torch.nn.functional as F  # noqa: E402 - after the start-up clock
 from torch import nn  # noqa: E402 - after the start-up clock
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402 - after the start-up clock
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402 - after the start-up clock
 
 import bunsan  # noqa: E402 - after the start-up clock
-from bunsan import datasets  # noqa: E402 - after the start-up clock
+from bunsan import comm, datasets  # noqa: E402 - after the start-up clock
 from bunsan.bench.job import _digest, _warm_up, build_model, evaluate, with_recomputed_bn  # noqa: E402
 from bunsan.bench.peers_spec import PeerSetting, parse_setting, powersgd_start  # noqa: E402
 from bunsan.bench.specs import per_worker_batch  # noqa: E402
@@ -74,22 +73,22 @@ class ByteCounter:
         self._original: Callable[..., Any] | None = None
 
     def install(self) -> None:
-        original = self._original = dist.all_reduce
+        original = self._original = torch.distributed.all_reduce
 
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self.counting:
                 group = kwargs.get("group", args[1] if len(args) > 1 else None)
-                n = dist.get_world_size(group)
+                n = comm.get_world_size(group)
                 with self._lock:
                     self.sent += 2 * (n - 1) / n * tensor.numel() * tensor.element_size()
                     self.calls += 1
             return original(tensor, *args, **kwargs)
 
-        dist.all_reduce = counted
+        torch.distributed.all_reduce = counted
 
     def uninstall(self) -> None:
         if self._original is not None:
-            dist.all_reduce = self._original
+            torch.distributed.all_reduce = self._original
             self._original = None
 
 
@@ -198,8 +197,8 @@ def replica_average(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     floats = [v for v in state.values() if v.is_floating_point()]
     flat = torch.cat([v.reshape(-1) for v in floats])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    comm.all_reduce(flat)
+    flat /= comm.get_world_size()
     offset = 0
     for v in floats:
         v.copy_(flat[offset : offset + v.numel()].view_as(v))
@@ -235,7 +234,7 @@ class _Run(NamedTuple):
 
 
 def _set_up(spec: dict[str, Any]) -> _Run:
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_size, rank = comm.get_world_size(), comm.get_rank()
     setting = parse_setting(spec["setting"])
     local_batch = per_worker_batch(spec["batch"], world_size)
     train_set, test_set = datasets.load(spec["dataset"], "train"), datasets.load(spec["dataset"], "test")
@@ -263,7 +262,7 @@ def _train_loop(run: _Run, exchange: Exchange, counter: ByteCounter) -> dict[str
     epoch_loss: list[tuple[float, int]] = []
     snapshots: list[dict[str, torch.Tensor]] = []
     paused = 0.0
-    dist.barrier()  # every rank is set up: the clock starts together
+    comm.barrier()  # every rank is set up: the clock starts together
     start = time.perf_counter()
     counter.counting = True
     for epoch in range(run.spec["epochs"]):
@@ -281,17 +280,17 @@ def _train_loop(run: _Run, exchange: Exchange, counter: ByteCounter) -> dict[str
             loss_sum += float(loss.detach()) * len(index)
             samples += len(index)
         epoch_loss.append((loss_sum, samples))
-        dist.barrier()  # on the clock: the epoch ends when its slowest rank is done
+        comm.barrier()  # on the clock: the epoch ends when its slowest rank is done
         epoch_end_s.append(time.perf_counter() - start - paused)
         pause = time.perf_counter()
         counter.counting = False
         stopped = _stopped_model(run.model, run.setting)
-        if dist.get_rank() == 0:
+        if comm.get_rank() == 0:
             snapshots.append(stopped)
         counter.counting = True
         paused += time.perf_counter() - pause
     exchange.finish()
-    dist.barrier()
+    comm.barrier()
     wall_s = time.perf_counter() - start - paused
     counter.counting = False
     return {
@@ -322,9 +321,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     final = _stopped_model(run.model, run.setting)
     sent = counter.sent + exchange.own_bytes()
     mine = {"sent": sent, "calls": counter.calls, "digest": digest, "epoch_loss": timed["epoch_loss"]}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() != 0:
+    everyone = comm.all_gather_object(mine)
+    if comm.get_rank() != 0:
         return None
 
     def test(state: dict[str, torch.Tensor]) -> tuple[float, float]:
@@ -334,7 +332,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     curve = [test(state)[0] for state in timed["snapshots"]]
     test_error, test_loss = test(final)
-    ranks: list[dict[str, Any]] = everyone  # type: ignore[assignment]
+    ranks: list[dict[str, Any]] = everyone
     train_loss = [
         sum(r["epoch_loss"][e][0] for r in ranks) / max(sum(r["epoch_loss"][e][1] for r in ranks), 1)
         for e in range(spec["epochs"])
@@ -343,7 +341,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
         "spec": spec,
         "setting": run.setting.label,
         "kind": run.setting.kind,
-        "workers": dist.get_world_size(),
+        "workers": comm.get_world_size(),
         "per_worker_batch": run.local_batch,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -196,3 +196,13 @@ def test_lightning_checkpoint_resumes_every_ranks_residuals_bit_for_bit(workers,
     residual0, residual1 = torch.tensor(residual0), torch.tensor(residual1)
     assert residual0.abs().sum() > 0 and residual1.abs().sum() > 0
     assert not torch.equal(residual0, residual1)  # per rank: a rank-0-only checkpoint would lose rank 1's
+
+
+@pytest.mark.timeout(90)
+def test_lightning_ddp_strategy_takes_the_averager(workers):
+    # bunsan.algorithms.ModelAverager in Lightning (body in tests/dist/test_averagers.py): here, where the pool
+    # has imported lightning already.
+    results = workers.run("tests.dist.test_averagers:_body_lightning")
+    for r in results:
+        assert r["steps"] == 9 and r["rounds"] == 3  # 2 warm-up steps, blocks of 3, the last one partial
+        assert r["diff"] <= 1e-6, r["diff"]
