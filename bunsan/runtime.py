@@ -224,13 +224,16 @@ def _stop_for_peer(where: str, peer: int, why: str, exc: BaseException) -> None:
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: types.TracebackType | None) -> None:
     """End the whole job: print this rank's traceback, tell the others, exit now."""
     _state.failed = True
+    _group.silence_watch()  # this rank failed: its watch must not name a peer's exit as the cause
     info = _state.info
     where = f"rank {info.rank} of {info.world_size}" if info else "a rank"
+    broken = isinstance(exc, CommunicationError) or _group.is_backend_error(exc)
     earlier = _group.abort_reason()
-    if earlier is not None and info is not None and earlier[0] != info.rank:
+    if earlier is not None and info is not None and earlier[0] != info.rank and broken:
         # Our collective broke because another rank failed first: that one's traceback is the story.
+        # An error of our own (the same bug on every rank) is reported as ours, below.
         _stop_for_peer(where, earlier[0], _group.peer_failure(earlier[1]), exc)
-    if info is not None and (isinstance(exc, CommunicationError) or _group.is_backend_error(exc)):
+    if info is not None and broken:
         # A peer that died without a word (SIGKILL, OOM) broke the collective: name it (issue 15).
         dead = _group.dead_ranks()
         if dead:

@@ -75,6 +75,7 @@ _ABORT_KEY = _inspector.ABORT_KEY  # defined there: the inspector ends the job b
 _PROGRESS_KEY = "progress/{rank}"
 _PEER_KEY = "peer/{rank}"  # "host pid start-time" of each rank
 _BEAT_KEY = "beat/{rank}"  # a counter the watch advances every poll; "done" once it stopped
+_FAILED_KEY = "failed/{rank}"  # the reason each rank that failed gave, or a peer found for it
 TREE_VARIABLE = treewatch.TREE_VARIABLE  # marks every process this rank starts
 DEFAULT_TIMEOUT_S = 300.0  # bunsan.init()'s collective timeout without BUNSAN_TIMEOUT
 TREE_GRACE_S = 1.0  # SIGTERM to this rank's children, then SIGKILL
@@ -249,10 +250,18 @@ def signal_abort(reason: str, failed: int | None = None) -> None:
     """Tell every other rank that rank ``failed`` (default: this one) failed. Best effort, never raises."""
     if _world.store is None or _world.world_size == 1:
         return
-    try:
-        _world.store.set(_ABORT_KEY, f"{_world.rank if failed is None else failed}:{reason}")
+    rank = _world.rank if failed is None else failed
+    try:  # each rank's own note first: the abort key holds only the latest, and ranks may fail together
+        _world.store.set(_FAILED_KEY.format(rank=rank), reason)
+        _world.store.set(_ABORT_KEY, f"{rank}:{reason}")
     except Exception:
         pass
+
+
+def silence_watch() -> None:
+    """This rank is failing on its own: its watch stops, so that it never speaks of a peer's exit as the cause."""
+    if _world.watchdog is not None:
+        _world.watchdog.silence()
 
 
 # ---------------------------------------------------------------------------
@@ -459,6 +468,9 @@ class Watchdog(threading.Thread):
         self._beats = 0
         self._local_peers: dict[int, tuple[int, str]] | None = None  # rank -> (pid, start) on this host
 
+    def silence(self) -> None:
+        self._stop_event.set()
+
     def stop(self) -> None:
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
@@ -487,19 +499,24 @@ class Watchdog(threading.Thread):
         failed, _, reason = self.store.get(_ABORT_KEY).decode(errors="replace").partition(":")
         return int(failed), reason
 
+    def _own_note(self, rank: int) -> str | None:
+        """The reason rank ``rank`` gave for its failure (:func:`signal_abort`), if it left one."""
+        try:
+            key = _FAILED_KEY.format(rank=rank)
+            return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+        except Exception:
+            return None
+
     def _check_local_peers(self) -> None:
         """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it.
 
-        Unless it left a failure note between this loop's look at the store and its death (a
-        rank that raises writes the note, then exits): then its failure is the reason."""
+        Unless it left a failure note of its own before its death (a rank that raises writes the
+        note, then exits; several ranks may raise at once): then its failure is the reason."""
         for r, (pid, start) in (self._local_peers or {}).items():
             if not treewatch.is_alive(pid, start):
-                try:
-                    note = self._abort_note()
-                except Exception:
-                    note = None
-                if note is not None and note[0] == r:
-                    self._end(f"rank {r} {peer_failure(note[1])}", peer=r)
+                note = self._own_note(r)
+                if note is not None:
+                    self._end(f"rank {r} {peer_failure(note)}", peer=r)
                     return
                 why = f"{SILENT_DEATH} (process {pid} on {self.host} is gone: killed by a signal or out of memory?)"
                 signal_abort(why, failed=r)

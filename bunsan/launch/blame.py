@@ -114,15 +114,16 @@ def attribute_failure(
         code = returncodes.get(origin.rank)
         if code is None and origin.rank in returncodes and not final:
             return Attribution(origin.rank, origin.code, "", wait_for=origin.rank)
+        also = _also_raised(origin, origins[1:])
         if code not in (None, 0):
             assert code is not None
             return Attribution(
                 origin.rank,
                 exit_code_of(code),
-                f"rank {origin.rank} {describe_exit(code)} (it failed first: {origin.what})",
+                f"rank {origin.rank} {describe_exit(code)} (it failed first: {origin.what}){also}",
             )
         return Attribution(
-            origin.rank, origin.code, f"rank {origin.rank} failed first ({origin.what}); exit code {origin.code}"
+            origin.rank, origin.code, f"rank {origin.rank} failed first ({origin.what}); exit code {origin.code}{also}"
         )
     first_code = returncodes.get(first)
     first_status = exit_code_of(first_code) if first_code is not None else 1
@@ -145,6 +146,17 @@ def attribute_failure(
     if first_code is None:
         return Attribution(first, first_status, f"rank {first} failed")
     return Attribution(first, first_status, f"rank {first} {describe_exit(first_code)}")
+
+
+def _also_raised(origin: FailureReport, others: Sequence[FailureReport]) -> str:
+    """``"; rank 1 raised too (the same error)"``: the other ranks whose own exception ended them. Pure."""
+    ranks = sorted({r.rank for r in others if r.rank != origin.rank})
+    if not ranks:
+        return ""
+    names = "rank " + str(ranks[0]) if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    whats = {r.what for r in others if r.rank in ranks}
+    said = "the same error" if whats == {origin.what} else "; ".join(sorted(whats))
+    return f"; {names} raised too ({said})"
 
 
 def describe_exit(returncode: int) -> str:

@@ -73,6 +73,8 @@ SCRIPT = textwrap.dedent(
             intruder.set(key, "1:forged by an intruder")
         time.sleep(3.0)  # six polls of the watch
         print(f"rank {rank} survived the intruder", flush=True)
+    elif mode == "raise_all":  # the same bug on every rank, at the same step (a port of nanoGPT's train.py met it)
+        raise RuntimeError("the same bug on every rank")
     elif rank == target and mode == "raise":
         time.sleep(0.2)
         raise RuntimeError(f"boom on rank {rank}")

@@ -94,3 +94,18 @@ def test_a_raising_rank_in_a_job_started_by_hand_leaves_no_process(tmp_path):
     assert (rank0.code, rank1.code) == (1, 1), rank0.output + rank1.output
     assert "stopping because rank 1 failed" in rank0.output
     assert rank0.left == [], rank0.left
+
+
+@pytest.mark.timeout(200)
+def test_every_rank_that_raised_is_named_as_having_raised(tmp_path):
+    """Issue 67, item 5: both ranks raise the same error at the same step. Neither is said to have died
+    without a word (a survivor's watch once took the other's exit for a silent death), each prints its
+    own traceback, and the launcher names both: the earliest first. Three runs: the order is a race."""
+    for attempt in range(3):
+        (directory := tmp_path / str(attempt)).mkdir()
+        outcome = edges.bunsan_run(directory, "raise_all", -1)
+        assert outcome.code == 1, outcome.output
+        assert "died without a word" not in outcome.output and "stopping because" not in outcome.output, outcome.output
+        assert "rank 0 of 2 failed" in outcome.output and "rank 1 of 2 failed" in outcome.output, outcome.output
+        assert "raised too (the same error)" in outcome.launcher_line, outcome.launcher_line
+        assert outcome.left == [], outcome.left

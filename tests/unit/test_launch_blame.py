@@ -46,6 +46,16 @@ def test_the_earliest_of_two_raised_reports_wins():
     assert attribute_failure(2, {0: None, 1: 3, 2: 1}, reports).code == 3  # its real exit code
 
 
+def test_every_rank_that_raised_is_named_the_earliest_first():
+    same = [_report(1, "raised", t=1.0, what="E: x"), _report(0, "raised", t=1.1, what="E: x")]
+    assert attribute_failure(0, {0: 1, 1: 1}, same).cause == (
+        "rank 1 exited with code 1 (it failed first: E: x); rank 0 raised too (the same error)"
+    )
+    other = [*same, _report(2, "raised", t=1.2, what="F: y"), _report(3, "stopped", peer=1, t=1.3)]
+    cause = attribute_failure(3, {0: 1, 1: 1, 2: 1, 3: 1}, other).cause
+    assert cause.endswith("; ranks 0, 2 raised too (E: x; F: y)"), cause
+
+
 def test_a_silent_death_is_blamed_even_when_a_survivor_raised():
     reports = [_report(0, "raised", t=1.0, what="CommunicationError: connection closed")]
     blame = attribute_failure(0, {0: 1, 1: -9}, reports)
