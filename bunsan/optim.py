@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import _allocator
 from bunsan import algorithms as _algorithms
+from bunsan._delegate import optimizer_attribute
 from bunsan._validate import check_type
 from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
@@ -88,29 +89,9 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
         runtime.track_optimizer(self)  # finalize() joins it unless the script does
 
     # The wrapped optimizer's attributes, seen through this object.
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    param_groups = optimizer_attribute("param_groups")
+    state = optimizer_attribute("state")
+    defaults = optimizer_attribute("defaults")
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({type(self.optimizer).__name__}, {self.algorithm!r})"

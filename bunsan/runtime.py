@@ -1,10 +1,8 @@
 """Start and stop a bunsan job: where am I, who else is there, which device.
 
-:func:`init` reads the variables that the usual launchers set, creates the
-torch.distributed world, and arranges that an uncaught exception on any rank ends
-the whole job within seconds (see :mod:`bunsan.comm.group`). It is idempotent, and
-a lone ``python train.py`` works too: a world of size 1 where every collective is
-the identity.
+:func:`init` reads the variables that the usual launchers set, creates the torch.distributed world, and
+arranges that an uncaught exception on any rank ends the whole job within seconds (see :mod:`bunsan.comm.group`).
+It is idempotent, and a lone ``python train.py`` works too: a world of size 1 where every collective is the identity.
 
 Which launcher started the process, and what it says, is :mod:`bunsan.environment`.
 """
@@ -230,8 +228,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: types.Tra
     broken = isinstance(exc, CommunicationError) or _group.is_backend_error(exc)
     earlier = _group.abort_reason()
     if earlier is not None and info is not None and earlier[0] != info.rank and broken:
-        # Our collective broke because another rank failed first: that one's traceback is the story.
-        # An error of our own (the same bug on every rank) is reported as ours, below.
+        # Our collective broke because another rank failed first (an error of our own is reported as ours)
         _stop_for_peer(where, earlier[0], _group.peer_failure(earlier[1]), exc)
     if info is not None and broken:
         # A peer that died without a word (SIGKILL, OOM) broke the collective: name it (issue 15).

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from bunsan._validate import check_int, check_number, check_type
+from bunsan.algorithms.blockwise import _Flat  # the same flat block state as BlockMomentumSGD
 from bunsan.algorithms.bmuf import (
     block_gain,
     default_block_learning_rate,
@@ -49,20 +49,6 @@ _TENSOR_KEYS = (("global_model", "global_model"), ("momentum", "block_momentum_b
 def _resolve_defaults(world_size: int) -> tuple[float, float]:
     """``(block_momentum, block_learning_rate)`` for ``None``: ``BlockMomentumSGD``'s, ``(1 - 1/N, 1/sqrt(N))``."""
     return default_block_momentum(world_size), default_block_learning_rate(world_size)
-
-
-def _empty() -> Tensor:
-    return torch.empty(0)
-
-
-@dataclass
-class _Flat(FlatGroup):
-    """The parameters of one (dtype, device) and their block state as flat tensors."""
-
-    buffer: Tensor = field(default_factory=_empty)  # what travels: the block's model change
-    global_model: Tensor = field(default_factory=_empty)  # W
-    momentum: Tensor = field(default_factory=_empty)  # D
-    start: Tensor = field(default_factory=_empty)  # W_start
 
 
 def _param_list(params: Any) -> list[Tensor]:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bunsan._delegate import optimizer_attribute
 from bunsan._validate import check_choice, check_number, check_type
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.data_parallel.ddp_hook import QuantizedHookState
@@ -240,29 +241,10 @@ class HookOptimizer(torch.optim.Optimizer):
         """The momentum the workers apply at most while quantizing (None: the optimizer's own)."""
         return self._local.quantized_momentum
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+    # The wrapped optimizer's attributes, seen through this object.
+    param_groups = optimizer_attribute("param_groups")
+    state = optimizer_attribute("state")
+    defaults = optimizer_attribute("defaults")
 
     def __repr__(self) -> str:
         return f"HookOptimizer({type(self.optimizer).__name__}, {self.hook_state!r})"
