@@ -179,14 +179,18 @@ def _exchange(setting: PeerSetting, ddp: Any, local: torch.optim.Optimizer, tota
         averager = PeriodicModelAverager(period=options["period"], warmup_steps=warmup)
         return Exchange(PostLocalSGDOptimizer(optim=local, averager=averager), _zero, _nothing, {})
     if setting.kind == "bunsan":
-        from bunsan.algorithms import QuantizedHookState, quantized_hook
+        from bunsan.algorithms import HookOptimizer, QuantizedHookState, quantized_hook
 
         quantized = QuantizedHookState(
             ddp, bits=options["bits"], warmup_steps=options.get("warmup"), total_steps=total_steps
         )
         ddp.register_comm_hook(quantized, quantized_hook)
+        paired = options["bits"] != 32 and not options.get("plain")  # the local momentum of DataParallelSGD
         return Exchange(
-            local, lambda: float(quantized.traffic.sent), _nothing, {"warmup_steps": quantized.warmup_steps}
+            HookOptimizer(local, quantized) if paired else local,
+            lambda: float(quantized.traffic.sent),
+            _nothing,
+            {"warmup_steps": quantized.warmup_steps, "hook_optimizer": paired},
         )
     return _bunsan_averaging(setting, ddp, local)
 

@@ -13,8 +13,10 @@ A setting is ``NAME[:KEY=VALUE,...]``, and a bare ``KEY`` is ``KEY=true`` (``pow
 * ``postlocal:period=K[,warmup=S]``: torch's ``post_localSGD_hook`` (no gradient exchange after ``S`` steps,
   ``post_local_gradient_allreduce=False``: on CPU torch's default subgroup needs CUDA) with
   ``PeriodicModelAverager(period=K, warmup_steps=S)`` in a ``PostLocalSGDOptimizer``.
-* ``bunsan:bits=B[,warmup=S]``: :func:`bunsan.algorithms.quantized_hook`; without ``warmup`` the
-  :class:`~bunsan.algorithms.QuantizedHookState` default (a third of training at 1 bit, none above).
+* ``bunsan:bits=B[,warmup=S,plain]``: :func:`bunsan.algorithms.quantized_hook` with its optimizer wrapper
+  :class:`~bunsan.algorithms.HookOptimizer` (local momentum, as ``DataParallelSGD(bits=B)``; ``plain``: the hook
+  alone); without ``warmup`` the :class:`~bunsan.algorithms.QuantizedHookState` default (a third of training at
+  1 bit, none above).
 * ``bunsan-ma:period=K[,warmup=S]`` and ``bunsan-bmuf:period=K[,warmup=S,block_momentum=M,block_lr=L,nesterov=B]``:
   bunsan's ``ModelAverager`` / ``BlockMomentumAverager`` in an ``AveragingOptimizer``, gradients exchanged
   exactly during the ``S`` warm-up steps only.
@@ -49,12 +51,12 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fp16": ((), ()),
     "powersgd": (("rank",), ("batched", "start")),
     "postlocal": (("period",), ("warmup",)),
-    "bunsan": (("bits",), ("warmup",)),
+    "bunsan": (("bits",), ("warmup", "plain")),
     "bunsan-ma": (("period",), ("warmup",)),
     "bunsan-bmuf": (("period",), ("warmup", "block_momentum", "block_lr", "nesterov")),
 }
 _COUNTS = {"rank": 1, "period": 1, "start": 2, "warmup": 0}  # integer options and their minimum
-_BOOLS = ("batched", "nesterov")
+_BOOLS = ("batched", "nesterov", "plain")
 _FLOATS = ("block_momentum", "block_lr")
 
 
