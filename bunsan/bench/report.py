@@ -399,7 +399,6 @@ def _run_commands(
     block: Block, out: Path, root: Path, timeout_s: float, done: dict[str, bool]
 ) -> tuple[bool, tuple[float, float] | None, float, float | None]:
     """Run the block's commands not run yet (``done`` keeps each command's success) and watch the machine.
-
     Returns:
         (every command succeeded, 1-minute load average at the start and the end or None, seconds taken,
         cores other processes used on average meanwhile or None).
@@ -408,8 +407,9 @@ def _run_commands(
     for command in block.commands:
         if command not in done:
             print(f"[bench-docs] {block.name}: {command.replace('{out}', str(out))}", flush=True)
+            limit = max(timeout_s, 2 * block.estimate_s)  # a block's run may take longer than the default
             try:
-                proc = subprocess.run(argv_of(command, out), cwd=root, timeout=timeout_s, preexec_fn=stop_with_parent())
+                proc = subprocess.run(argv_of(command, out), cwd=root, timeout=limit, preexec_fn=stop_with_parent())
                 done[command] = proc.returncode == 0
             except subprocess.TimeoutExpired:
                 done[command] = False
