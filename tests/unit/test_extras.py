@@ -77,15 +77,19 @@ def test_extras_table_mirrors_pyproject():
 
 
 def test_trainer_integrations_name_their_extra(monkeypatch):
-    from bunsan.integrations import lightning, transformers
+    from bunsan.integrations import fabric, lightning, transformers
 
     _hide(monkeypatch, "lightning", "transformers")
-    monkeypatch.setattr(lightning, "_built", {})
-    monkeypatch.setattr(transformers, "_built", {})
+    for module in (fabric, lightning, transformers):
+        monkeypatch.setattr(module, "_built", {})
     with pytest.raises(
         MissingExtraError, match=r"^bunsan.integrations.lightning needs lightning, .*'bunsan\[lightning\]'$"
     ):
         lightning.QuantizedDDPStrategy  # noqa: B018 - the class is built on first use
+    with pytest.raises(
+        MissingExtraError, match=r"^bunsan.integrations.fabric needs lightning, .*'bunsan\[lightning\]'$"
+    ):
+        fabric.QuantizedFabricStrategy  # noqa: B018
     with pytest.raises(
         MissingExtraError, match=r"^bunsan.integrations.transformers needs transformers, .*'bunsan\[transformers\]'$"
     ):
