@@ -515,6 +515,10 @@ class Watchdog(threading.Thread):
         for r, (pid, start) in (self._local_peers or {}).items():
             if not treewatch.is_alive(pid, start):
                 note = self._own_note(r)
+                if note is None:  # the inspector, ending the job, writes the abort key only
+                    with contextlib.suppress(Exception):
+                        failed, reason = self._abort_note() or (None, "")
+                        note = reason if failed == r else None
                 if note is not None:
                     self._end(f"rank {r} {peer_failure(note)}", peer=r)
                     return
