@@ -12,7 +12,9 @@ Distributed invariants kept here:
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -20,9 +22,45 @@ from torch import nn
 from bunsan.algorithms import QuantizedHookState
 from bunsan.comm import all_gather_object, get_rank, get_world_size
 
-__all__ = ["KEY", "check_arguments", "gather_states", "load_state", "own_state", "rank_state"]
+__all__ = [
+    "KEY",
+    "check_arguments",
+    "gather_states",
+    "hook_arguments",
+    "lazy_attribute",
+    "load_state",
+    "own_state",
+    "rank_state",
+]
 
 KEY = "bunsan_quantized_hook"  # the checkpoint's entry: {"world_size": n, "ranks": [state_dict of rank 0, ...]}
+
+
+def lazy_attribute(module: str, name: str, build: Callable[[], type]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that builds the class ``name`` on first use (its framework imported then).
+
+    The class is kept in the module's ``_built`` dict, read at each call (tests empty it).
+    """
+
+    def getattr_(attribute: str) -> Any:
+        if attribute != name:
+            raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
+        built: dict[str, type] = sys.modules[module]._built
+        if name not in built:
+            built[name] = build()
+        return built[name]
+
+    return getattr_
+
+
+def hook_arguments(
+    bits: int, total_steps: int | None, warmup_steps: int | None, rotate: Any, chunk_size: Any, grad_scaler: Any
+) -> dict[str, Any]:
+    """QuantizedHookState's keyword arguments as an integration takes them: the optional ones only where given."""
+    given = {"rotate": rotate, "chunk_size": chunk_size, "grad_scaler": grad_scaler}
+    arguments = {"bits": bits, "total_steps": total_steps, "warmup_steps": warmup_steps}
+    arguments.update({k: v for k, v in given.items() if v is not None})
+    return arguments
 
 
 def check_arguments(owner: str, hook_arguments: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bunsan._extras import require
+from bunsan.integrations._hook_checkpoint import lazy_attribute
 
 __all__ = ["QuantizedFabricStrategy"]
 
@@ -37,19 +38,12 @@ if TYPE_CHECKING:  # the class is built on first use, when Lightning is imported
 _built: dict[str, type] = {}
 
 
-def __getattr__(name: str) -> Any:
-    if name != "QuantizedFabricStrategy":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _built:
-        _built[name] = _build()
-    return _built[name]
-
-
 def _build() -> type:
     """Define the strategy class on Fabric's ``DDPStrategy`` (imported here, on first use)."""
     strategies = require("lightning.fabric.strategies", "bunsan.integrations.fabric", "lightning")
     from bunsan.algorithms import QuantizedHookState, quantized_hook
     from bunsan.integrations._hook_checkpoint import KEY, check_arguments, gather_states, load_state
+    from bunsan.integrations._hook_checkpoint import hook_arguments as arguments_of
 
     class QuantizedFabricStrategy(strategies.DDPStrategy):  # type: ignore[name-defined]
         """Fabric's ``DDPStrategy`` that exchanges gradients with :func:`bunsan.algorithms.quantized_hook`.
@@ -79,9 +73,7 @@ def _build() -> type:
             grad_scaler: Any = None,
             **ddp_arguments: Any,
         ) -> None:
-            given = {"rotate": rotate, "chunk_size": chunk_size, "grad_scaler": grad_scaler}
-            hook_arguments = {"bits": bits, "total_steps": total_steps, "warmup_steps": warmup_steps}
-            hook_arguments.update({k: v for k, v in given.items() if v is not None})
+            hook_arguments = arguments_of(bits, total_steps, warmup_steps, rotate, chunk_size, grad_scaler)
             self.hook_arguments = check_arguments("QuantizedFabricStrategy", hook_arguments)
             super().__init__(**ddp_arguments)
             self.hook_state: QuantizedHookState | None = None
@@ -118,3 +110,6 @@ def _build() -> type:
     QuantizedFabricStrategy.__module__ = __name__
     QuantizedFabricStrategy.__qualname__ = "QuantizedFabricStrategy"
     return QuantizedFabricStrategy
+
+
+__getattr__ = lazy_attribute(__name__, "QuantizedFabricStrategy", _build)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bunsan._extras import require
+from bunsan.integrations._hook_checkpoint import lazy_attribute
 
 __all__ = ["QuantizedDDPStrategy"]
 
@@ -39,19 +40,12 @@ if TYPE_CHECKING:  # the class is built on first use, when Lightning is imported
 _built: dict[str, type] = {}
 
 
-def __getattr__(name: str) -> Any:
-    if name != "QuantizedDDPStrategy":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _built:
-        _built[name] = _build()
-    return _built[name]
-
-
 def _build() -> type:
     """Define the strategy class on Lightning's ``DDPStrategy`` (imported here, on first use)."""
     strategies = require("lightning.pytorch.strategies", "bunsan.integrations.lightning", "lightning")
     from bunsan.algorithms import QuantizedHookState, quantized_hook
     from bunsan.integrations._hook_checkpoint import KEY, check_arguments, gather_states, load_state
+    from bunsan.integrations._hook_checkpoint import hook_arguments as arguments_of
 
     class QuantizedDDPStrategy(strategies.DDPStrategy):  # type: ignore[name-defined]
         """Lightning's ``DDPStrategy`` that exchanges gradients with :func:`bunsan.algorithms.quantized_hook`.
@@ -85,9 +79,7 @@ def _build() -> type:
         ) -> None:
             if ddp_arguments.get("ddp_comm_hook") is not None:
                 raise ValueError("QuantizedDDPStrategy registers bunsan's hook: do not pass ddp_comm_hook as well")
-            given = {"rotate": rotate, "chunk_size": chunk_size, "grad_scaler": grad_scaler}
-            hook_arguments = {"bits": bits, "total_steps": total_steps, "warmup_steps": warmup_steps}
-            hook_arguments.update({k: v for k, v in given.items() if v is not None})
+            hook_arguments = arguments_of(bits, total_steps, warmup_steps, rotate, chunk_size, grad_scaler)
             self.hook_arguments = check_arguments("QuantizedDDPStrategy", hook_arguments)
             super().__init__(**ddp_arguments)
             self.hook_state: QuantizedHookState | None = None
@@ -123,3 +115,6 @@ def _build() -> type:
     QuantizedDDPStrategy.__module__ = __name__
     QuantizedDDPStrategy.__qualname__ = "QuantizedDDPStrategy"  # pickle finds it through the module's __getattr__
     return QuantizedDDPStrategy
+
+
+__getattr__ = lazy_attribute(__name__, "QuantizedDDPStrategy", _build)

@@ -31,6 +31,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from bunsan._extras import require
+from bunsan.integrations._hook_checkpoint import lazy_attribute
 
 __all__ = ["QuantizedHookCallback"]
 
@@ -40,14 +41,6 @@ if TYPE_CHECKING:  # the class is built on first use, when transformers is impor
 _built: dict[str, type] = {}
 
 FILE = "bunsan_quantized_hook_rank{rank}.pt"  # one per rank in each checkpoint folder
-
-
-def __getattr__(name: str) -> Any:
-    if name != "QuantizedHookCallback":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name not in _built:
-        _built[name] = _build()
-    return _built[name]
 
 
 def _read_own(folder: str, rank: int) -> dict[str, Any] | None:
@@ -88,6 +81,7 @@ def _build() -> type:
     from bunsan.algorithms import QuantizedHookState, quantized_hook
     from bunsan.comm import get_rank
     from bunsan.integrations._hook_checkpoint import check_arguments
+    from bunsan.integrations._hook_checkpoint import hook_arguments as arguments_of
 
     prefix = require(
         "transformers.trainer_utils", "bunsan.integrations.transformers", "transformers"
@@ -129,9 +123,7 @@ def _build() -> type:
         ) -> None:
             if not isinstance(trainer, hf.Trainer):
                 raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer).__name__}")
-            given = {"rotate": rotate, "chunk_size": chunk_size, "grad_scaler": grad_scaler}
-            hook_arguments = {"bits": bits, "total_steps": total_steps, "warmup_steps": warmup_steps}
-            hook_arguments.update({k: v for k, v in given.items() if v is not None})
+            hook_arguments = arguments_of(bits, total_steps, warmup_steps, rotate, chunk_size, grad_scaler)
             probe = dict(hook_arguments)
             if total_steps is None and warmup_steps is None:
                 probe["total_steps"] = 1  # the Trainer's max_steps at on_train_begin
@@ -176,3 +168,6 @@ def _build() -> type:
     QuantizedHookCallback.__module__ = __name__
     QuantizedHookCallback.__qualname__ = "QuantizedHookCallback"
     return QuantizedHookCallback
+
+
+__getattr__ = lazy_attribute(__name__, "QuantizedHookCallback", _build)
