@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
-__all__ = ["optimizer_attribute"]
+__all__ = ["init_optimizer_hooks", "optimizer_attribute"]
 
 
 def optimizer_attribute(name: str) -> Any:
@@ -18,3 +19,13 @@ def optimizer_attribute(name: str) -> Any:
         setattr(self.optimizer, name, value)
 
     return property(get, set_)
+
+
+def init_optimizer_hooks(wrapper: Any) -> None:
+    """Give a wrapping optimizer torch's hook registries and step wrapper, as ``torch.optim.Optimizer.__init__``
+    makes them (OrderedDicts: a ``RemovableHandle`` keeps a weak reference), so that step hooks fire."""
+    for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post"):
+        setattr(wrapper, f"_optimizer_{name}_hooks", OrderedDict())
+    wrapper._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    wrapper._optimizer_load_state_dict_post_hooks = OrderedDict()
+    wrapper._patch_step_function()

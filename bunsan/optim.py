@@ -10,7 +10,6 @@ around the user's own update rule.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from bunsan import _allocator
 from bunsan import algorithms as _algorithms
-from bunsan._delegate import optimizer_attribute
+from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
 from bunsan._validate import check_type
 from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
@@ -75,15 +74,7 @@ class DistributedOptimizer(torch.optim.Optimizer, Joinable):
             raise TypeError("the optimizer is already distributed; pass the original torch optimizer")
         self.optimizer = optimizer
         self.algorithm = algorithm
-        # torch's hook registries (OrderedDicts: RemovableHandle keeps a weak reference).
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        # Wrap step() as torch.optim.Optimizer.__init__ does, so step hooks fire.
-        self._patch_step_function()
+        init_optimizer_hooks(self)
         from bunsan import runtime
 
         runtime.track_optimizer(self)  # finalize() joins it unless the script does

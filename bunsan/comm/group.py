@@ -1,31 +1,26 @@
 """The process group, its rendezvous store and the job-wide failure watch.
 
-This module creates the torch.distributed world for :func:`bunsan.init` and keeps
-one promise of bunsan's: a rank that fails ends the whole job within seconds,
-whatever started it (``bunsan run``, torchrun, mpirun, srun). Launchers other than
-``bunsan run`` do not always kill the survivors, and a survivor blocked in a
-collective would otherwise sit until the collective timeout (minutes). So:
+This module creates the torch.distributed world for :func:`bunsan.init` and keeps one promise of bunsan's: a rank that
+fails ends the whole job within seconds, whatever started it (``bunsan run``, torchrun, mpirun, srun). Launchers other
+than ``bunsan run`` do not always kill the survivors, and a survivor blocked in a collective would otherwise sit until
+the collective timeout (minutes). So:
 
-1. A failing rank prints its traceback and sets an abort key in the rendezvous
-   store before it exits (:func:`signal_abort`).
-2. Every rank runs a daemon thread (:class:`Watchdog`) with its own store
-   connection. It polls the abort key every ``poll_s`` and ends its process when
-   the key appears or when the store itself is gone (rank 0, which hosts it,
-   died without a word, e.g. by SIGKILL). It also publishes how many collectives
-   this rank has started, so that a timed-out collective can name the ranks that
-   never reached it (:func:`lagging_ranks`).
+1. A failing rank prints its traceback and sets an abort key in the rendezvous store before it exits
+   (:func:`signal_abort`).
+2. Every rank runs a daemon thread (:class:`Watchdog`) with its own store connection. It polls the abort key every
+   ``poll_s`` and ends its process when the key appears or when the store itself is gone (rank 0, which hosts it,
+   died without a word, e.g. by SIGKILL). It also publishes how many collectives this rank has started, so that a
+   timed-out collective can name the ranks that never reached it (:func:`lagging_ranks`).
 
-A failure of a non-zero rank that dies silently (SIGKILL) is seen by its peers as
-a closed gloo/NCCL connection, which raises in the collective and so takes path 1;
-the watch also checks, every ``poll_s``, that the ranks on its own host are alive,
-and :func:`dead_ranks` tells which rank vanished, so the survivors name it.
+A failure of a non-zero rank that dies silently (SIGKILL) is seen by its peers as a closed gloo/NCCL connection, which
+raises in the collective and so takes path 1; the watch also checks, every ``poll_s``, that the ranks on its own host
+are alive, and :func:`dead_ranks` tells which rank vanished, so the survivors name it.
 
 What listens on the network, and who may talk to it: :mod:`bunsan.comm.rendezvous`.
 
-A rank that ends the job on its own (a failed peer, a lost store) first ends its
-own child processes (:mod:`bunsan.launch.treewatch`), and tells ``bunsan run``
-why in one line on ``BUNSAN_REPORT_FD`` (:func:`report`), so that the launcher
-names the rank that failed first, not the first process to exit.
+A rank that ends the job on its own (a failed peer, a lost store) first ends its own child processes
+(:mod:`bunsan.launch.treewatch`), and tells ``bunsan run`` why in one line on ``BUNSAN_REPORT_FD`` (:func:`report`),
+so that the launcher names the rank that failed first, not the first process to exit.
 """
 
 from __future__ import annotations
@@ -113,9 +108,9 @@ def world_settings(
 ) -> tuple[str, float, float | None]:
     """:func:`bunsan.init`'s arguments, else ``BUNSAN_BACKEND``/``BUNSAN_TIMEOUT``/``BUNSAN_STALL_S``, else defaults.
 
-    The defaults: nccl when a CUDA device is visible, else gloo; :data:`DEFAULT_TIMEOUT_S`;
-    ``None`` for the inspector's own. Unchecked, but a variable that is not a number of
-    seconds raises :class:`~bunsan.errors.ConfigurationError`.
+    The defaults: nccl when a CUDA device is visible, else gloo; :data:`DEFAULT_TIMEOUT_S`; ``None`` for the
+    inspector's own. Unchecked, but a variable that is not a number of seconds raises
+    :class:`~bunsan.errors.ConfigurationError`.
     """
 
     def seconds(name: str, raw: str) -> float:
@@ -200,11 +195,10 @@ def create_world(
 def _bind_torch_defaults_before_the_group_exists() -> None:
     """Import ``torch.distributed.nn`` now, while there is no default process group.
 
-    Its functions bind ``group=group.WORLD`` as a default argument at import. Imported
-    after ``init_process_group`` (any torch optimizer imports it, through
-    ``torch._dynamo``), that default keeps the group alive past
-    ``destroy_process_group()``, and a Gloo thread can end the finished process in
-    ``std::terminate`` at shutdown (docs/experiments/design-notes.md, "Launcher, runtime and CLI").
+    Its functions bind ``group=group.WORLD`` as a default argument at import. Imported after ``init_process_group``
+    (any torch optimizer imports it, through ``torch._dynamo``), that default keeps the group alive past
+    ``destroy_process_group()``, and a Gloo thread can end the finished process in ``std::terminate`` at shutdown
+    (docs/experiments/design-notes.md, "Launcher, runtime and CLI").
     """
     with contextlib.suppress(ImportError):
         import torch.distributed.nn  # noqa: F401 - imported for its side effect, see the docstring
@@ -213,9 +207,8 @@ def _bind_torch_defaults_before_the_group_exists() -> None:
 def destroy_world(*, barrier: bool) -> None:
     """Stop the watch and destroy the process group.
 
-    With ``barrier`` (a normal end; collective) every rank stops its watch before
-    rank 0, which hosts the store, may leave: otherwise a slower rank would take
-    rank 0's exit for a crash.
+    With ``barrier`` (a normal end; collective) every rank stops its watch before rank 0, which hosts the store, may
+    leave: otherwise a slower rank would take rank 0's exit for a crash.
     """
     if _world.watchdog is not None:
         _world.watchdog.stop()
@@ -285,9 +278,8 @@ def _open_report_channel() -> None:
 def report(event: str, *, peer: int | None = None, code: int = 1, what: str = "") -> None:
     """Tell ``bunsan run`` why this rank is about to exit, in one line. Best effort, never raises.
 
-    ``event`` is ``"raised"`` (this rank failed on its own: the launcher names it
-    as the cause) or ``"stopped"`` (it ends because rank ``peer`` failed or
-    died). Written before the abort key is set, so the launcher has the cause
+    ``event`` is ``"raised"`` (this rank failed on its own: the launcher names it as the cause) or ``"stopped"`` (it
+    ends because rank ``peer`` failed or died). Written before the abort key is set, so the launcher has the cause
     before any consequence exits.
     """
     if _world.report_fd is None:
@@ -315,8 +307,8 @@ def end_children() -> None:
 def end_process(code: int = 1) -> None:
     """End this rank's child processes (SIGTERM, then SIGKILL), flush, and exit with ``code`` at once.
 
-    A normal interpreter shutdown could block in the process group's teardown
-    while the other ranks sit in a collective, so this never returns.
+    A normal interpreter shutdown could block in the process group's teardown while the other ranks sit in a
+    collective, so this never returns.
     """
     with contextlib.suppress(Exception):
         sys.stdout.flush()
@@ -354,16 +346,13 @@ def mark_finished() -> None:
 def dead_ranks(wait_s: float | None = None, local_wait_s: float = 1.0) -> list[int] | None:
     """The ranks whose process is gone, or None when that cannot be told (no store). Not collective.
 
-    A rank on this host is dead when its process no longer exists (or is a
-    zombie, or its pid was reused); a process killed a moment ago may take a
-    little to vanish, so this waits up to ``local_wait_s`` for one to. A rank on
-    another host is dead when its watch's heartbeat stood still for ``wait_s``
-    (default 3 polls; 0 skips the check). A rank that said it finished
-    (:func:`mark_finished`) is never dead. When the store does not answer, this
-    host's ranks are checked from the processes the watch learned (a launcher
-    tearing the job down may have stopped the store first); where that finds none
-    dead and rank 0 hosted the store, the answer is rank 0. Call it from the main
-    thread (it uses the main store connection).
+    A rank on this host is dead when its process no longer exists (or is a zombie, or its pid was reused); a process
+    killed a moment ago may take a little to vanish, so this waits up to ``local_wait_s`` for one to. A rank on
+    another host is dead when its watch's heartbeat stood still for ``wait_s`` (default 3 polls; 0 skips the check). A
+    rank that said it finished (:func:`mark_finished`) is never dead. When the store does not answer, this host's
+    ranks are checked from the processes the watch learned (a launcher tearing the job down may have stopped the store
+    first); where that finds none dead and rank 0 hosted the store, the answer is rank 0. Call it from the main thread
+    (it uses the main store connection).
     """
     watchdog = _world.watchdog
     store = _world.store  # the caller's connection: the watch thread uses its own
@@ -433,8 +422,7 @@ def abort_reason() -> tuple[int, str] | None:
 def lagging_ranks() -> list[int] | None:
     """Ranks that have started fewer collectives than this one, or None if unknown.
 
-    Read from the counters the watch threads publish; used to name the missing
-    ranks when a collective times out.
+    Read from the counters the watch threads publish; used to name the missing ranks when a collective times out.
     """
     watchdog = _world.watchdog
     if watchdog is None:
@@ -500,25 +488,22 @@ class Watchdog(threading.Thread):
         return int(failed), reason
 
     def _own_note(self, rank: int) -> str | None:
-        """The reason rank ``rank`` gave for its failure (:func:`signal_abort`), if it left one."""
-        try:
+        """The reason rank ``rank`` gave for its failure (:func:`signal_abort`), or the abort key's if it names
+        ``rank`` (the inspector, ending the job, writes that key only); None when it left no note."""
+        with contextlib.suppress(Exception):
             key = _FAILED_KEY.format(rank=rank)
-            return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
-        except Exception:
-            return None
+            if self.store.check([key]):
+                return self.store.get(key).decode("utf-8", "replace")
+            note = self._abort_note()
+            return note[1] if note is not None and note[0] == rank else None
+        return None
 
     def _check_local_peers(self) -> None:
-        """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it.
-
-        Unless it left a failure note of its own before its death (a rank that raises writes the
-        note, then exits; several ranks may raise at once): then its failure is the reason."""
+        """A rank on this host whose process is gone died without a word (SIGKILL, OOM): end the job, naming it,
+        unless it left a failure note before its death (several ranks may raise at once): then that is the reason."""
         for r, (pid, start) in (self._local_peers or {}).items():
             if not treewatch.is_alive(pid, start):
                 note = self._own_note(r)
-                if note is None:  # the inspector, ending the job, writes the abort key only
-                    with contextlib.suppress(Exception):
-                        failed, reason = self._abort_note() or (None, "")
-                        note = reason if failed == r else None
                 if note is not None:
                     self._end(f"rank {r} {peer_failure(note)}", peer=r)
                     return

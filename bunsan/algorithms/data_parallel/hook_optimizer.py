@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bunsan._delegate import optimizer_attribute
+from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
 from bunsan._validate import check_choice, check_number, check_type
 from bunsan.algorithms.data_parallel.buckets import Bucket
 from bunsan.algorithms.data_parallel.ddp_hook import QuantizedHookState
@@ -227,14 +226,7 @@ class HookOptimizer(torch.optim.Optimizer):
         self.hook_state = state
         self._local = _WorkerMomentum(optimizer, state, cap)
         state._momentum = self._local
-        # torch's hook registries, as torch.optim.Optimizer.__init__ makes them, and its step wrapper
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
+        init_optimizer_hooks(self)
 
     @property
     def quantized_momentum(self) -> float | None:
