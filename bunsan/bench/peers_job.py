@@ -18,7 +18,8 @@ Measured (rank 0 writes the JSON record):
 * ``test_error_curve``: at each epoch's end, the test error of the model the job would end with if it
   stopped there: for the exchanges that keep the replicas equal rank 0's, for post-local SGD and the
   averagers the average of the replicas (a collective, off the clock and uncounted), evaluated after the
-  clock stopped. ``test_error``: the final model, the same way (after ``join()``).
+  clock stopped, the ranks sharing the evaluations. ``test_error``: the final model, the same way (after
+  ``join()``).
 * ``bytes_sent_per_step``: what each rank sent per optimizer step, averaged over the ranks. Counted, not
   computed: every ``torch.distributed.all_reduce`` a hook or averager of torch makes passes through a
   counter while training runs, which counts an all-reduce of ``M`` bytes over ``N`` ranks as ``2 (N-1)/N M``
@@ -216,6 +217,20 @@ def _buckets(ddp: DistributedDataParallel) -> int | None:
     return None if logging_data is None else logging_data().get("num_buckets_reduced")
 
 
+def _evaluator(epoch: int) -> int:
+    """The rank that evaluates epoch ``epoch``'s snapshot after training: the ranks share the evaluations
+    (rank 0 also evaluates the final model), so a job's tail costs about one evaluation per rank."""
+    return (epoch + 1) % comm.get_world_size()
+
+
+def _from_rank_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as rank 0 holds it, on every rank (off the clock): a snapshot is rank 0's model even where
+    an exchange left the replicas different."""
+    for tensor in state.values():
+        torch.distributed.broadcast(tensor, 0)
+    return state
+
+
 def _stopped_model(model: nn.Module, setting: PeerSetting) -> dict[str, torch.Tensor]:
     """Collective for the averaging settings: the model the job would end with now (module docstring)."""
     if setting.averages_models:
@@ -258,7 +273,8 @@ def _set_up(spec: dict[str, Any]) -> _Run:
 
 
 def _train_loop(run: _Run, exchange: Exchange, counter: ByteCounter) -> dict[str, Any]:
-    """The timed epochs: per-epoch times, losses and snapshots (rank 0's), the step times; collective."""
+    """The timed epochs: per-epoch times, losses, the step times, and the snapshots of the epochs this rank
+    evaluates (:func:`_evaluator`); collective."""
     x_all, y_all = run.train_set.tensors
     optimizer, b = exchange.optimizer, run.local_batch
     step_s: list[float] = []
@@ -288,8 +304,8 @@ def _train_loop(run: _Run, exchange: Exchange, counter: ByteCounter) -> dict[str
         epoch_end_s.append(time.perf_counter() - start - paused)
         pause = time.perf_counter()
         counter.counting = False
-        stopped = _stopped_model(run.model, run.setting)
-        if comm.get_rank() == 0:
+        stopped = _from_rank_0(_stopped_model(run.model, run.setting))
+        if _evaluator(epoch) == comm.get_rank():
             snapshots.append(stopped)
         counter.counting = True
         paused += time.perf_counter() - pause
@@ -324,19 +340,26 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     digest = _digest(run.model)
     final = _stopped_model(run.model, run.setting)
     sent = counter.sent + exchange.own_bytes()
-    mine = {"sent": sent, "calls": counter.calls, "digest": digest, "epoch_loss": timed["epoch_loss"]}
-    everyone = comm.all_gather_object(mine)
-    if comm.get_rank() != 0:
-        return None
 
     def test(state: dict[str, torch.Tensor]) -> tuple[float, float]:
         run.model.load_state_dict(state)
         model = with_recomputed_bn(run.model, run.train_set, spec["batch"]) if spec["recompute_bn"] else run.model
         return evaluate(model, run.test_set)
 
-    curve = [test(state)[0] for state in timed["snapshots"]]
-    test_error, test_loss = test(final)
+    mine = {
+        "sent": sent,
+        "calls": counter.calls,
+        "digest": digest,
+        "epoch_loss": timed["epoch_loss"],
+        "curve": [test(state)[0] for state in timed["snapshots"]],
+    }
+    final_test = test(final) if comm.get_rank() == 0 else None
+    everyone = comm.all_gather_object(mine)
+    if final_test is None:
+        return None
+    test_error, test_loss = final_test
     ranks: list[dict[str, Any]] = everyone
+    curve = [ranks[_evaluator(e)]["curve"].pop(0) for e in range(spec["epochs"])]
     train_loss = [
         sum(r["epoch_loss"][e][0] for r in ranks) / max(sum(r["epoch_loss"][e][1] for r in ranks), 1)
         for e in range(spec["epochs"])

@@ -49,12 +49,12 @@ _SETTINGS = (
 _COMMON = f"-np 4 --seeds 0,1,2 --networks loopback rate=1gbit rate=100mbit --settings {_SETTINGS}"
 DOC_RUNS = {
     "peers-mnist1d": f"--model mnist1d_cnn --dataset mnist1d --epochs 20 --batch 128 --lr 0.05 {_COMMON}",
-    "peers-resnet20": f"--model resnet20 --dataset digits32 --epochs 10 --batch 64 --lr 0.05 --recompute-bn {_COMMON}",
+    "peers-resnet20": f"--model resnet20 --dataset digits32 --epochs 6 --batch 64 --lr 0.05 --recompute-bn {_COMMON}",
 }
 
 
-# each run's duration on 2 cores: MNIST-1D from a run of 100 of its jobs (about 18 s each), ResNet-20 a guess
-PEERS_ESTIMATE_S = {"peers-mnist1d": 2100, "peers-resnet20": 18000}
+# each run's duration on 2 cores: 108 jobs of about 18 s (MNIST-1D) and 40 s (ResNet-20) each
+PEERS_ESTIMATE_S = {"peers-mnist1d": 2100, "peers-resnet20": 4800}
 
 
 def _median_or_none(values: Sequence[float]) -> float | None:
