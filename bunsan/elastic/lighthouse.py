@@ -1,7 +1,8 @@
 """The elastic job's lighthouse: torchft's quorum server, run by ``bunsan run --min-np`` as a process of its own.
 
 ``python -m bunsan.elastic.lighthouse --min-np 2`` prints the address the workers use on its first line and
-serves until stdin closes (the launcher holds the other end, so the lighthouse ends with it) or SIGTERM.
+serves until SIGTERM or SIGINT; with ``--until-stdin-closes`` also until its stdin closes (the launcher holds
+the other end, so the lighthouse ends with the launcher however the launcher ends).
 
 The times, chosen for a job that must go on within seconds of losing a worker:
 
@@ -16,6 +17,7 @@ The times, chosen for a job that must go on within seconds of losing a worker:
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -46,18 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bunsan.elastic.lighthouse", description=__doc__.split("\n")[0])
     parser.add_argument("--min-np", type=int, required=True, help="a step commits only with this many workers")
     parser.add_argument("--bind", default="127.0.0.1:0", help="host:port to serve on; default %(default)s")
+    parser.add_argument("--until-stdin-closes", action="store_true", help="also stop when stdin closes")
     args = parser.parse_args(argv)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
     server = serve(args.bind, args.min_np)
     port = str(server.address()).rsplit(":", 1)[1]  # torchft names the host; the workers use the bound address
     print(f"http://{args.bind.rsplit(':', 1)[0]}:{port}", flush=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
 
     def wait_for_eof() -> None:
         sys.stdin.read()
         done.set()
 
-    threading.Thread(target=wait_for_eof, daemon=True).start()
+    if args.until_stdin_closes:
+        threading.Thread(target=wait_for_eof, daemon=True).start()
     done.wait()
     server.shutdown()
     return 0

@@ -43,6 +43,7 @@ MIN_NP_VARIABLE = "BUNSAN_ELASTIC_MIN_NP"  # steps commit only with at least thi
 NP_VARIABLE = "BUNSAN_ELASTIC_NP"  # the job's starting size: global batch = per-worker batch x this
 REPLICA_VARIABLE = "BUNSAN_ELASTIC_REPLICA"  # this worker's name in the quorum, unique per start
 DIR_VARIABLE = "BUNSAN_ELASTIC_DIR"  # where a worker marks that it joined (bunsan.launch.elastic)
+TRACE_VARIABLE = "BUNSAN_ELASTIC_TRACE"  # a folder: each worker appends its steps to <replica>.trace there
 TIMEOUT_S = 300.0  # a collective or quorum that waits this long fails the step: a peer hung (BUNSAN_TIMEOUT)
 
 _member: Member | None = None
@@ -79,6 +80,7 @@ class Member:
     """
 
     def __init__(self, backend: str = "gloo", timeout_s: float | None = None) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
         require("torchft", "elastic training (bunsan run --min-np)", "elastic")
         from torch.distributed import TCPStore
         from torchft.manager import Manager
@@ -112,7 +114,10 @@ class Member:
         )
         self.epoch_source: Callable[[], int] | None = None  # the first loader's epoch (bunsan.elastic.epochs)
         _quiet(self.manager)
+        trace = os.environ.get(TRACE_VARIABLE)  # one line per step: time, committed steps, committed?, members
+        self._trace = open(os.path.join(trace, f"{self.replica}.trace"), "a") if trace else None  # noqa: SIM115
         self.members_seen = 0  # the quorum size at the last step, to say when it changes
+        self._dropped: str | None = None  # why the last step was dropped, said at the next quorum
         self.in_step = False
         self.share = 1.0  # this member's part of the step's global batch, times the members (1: an equal part)
 
@@ -156,11 +161,14 @@ class Member:
         self.in_step = True
         self.share = 1.0
         members = self.size()
+        if self._dropped is not None and self.rank() == 0:
+            _say(self._dropped)
+        self._dropped = None
         if members != self.members_seen and self.members_seen and self.rank() == 0:
             _say(f"the job goes on with {members} workers (it had {self.members_seen})")
         if not self.members_seen:
             _mark_joined(self.replica)
-            if self.step_count() > 0 and os.environ.get("BUNSAN_RESTART", "0") != "0":
+            if self.step_count() > 0:  # a late joiner: it has just loaded a live peer's state
                 _say(f"{self.replica} joined at step {self.step_count()} with a live peer's state")
         self.members_seen = members
 
@@ -184,12 +192,15 @@ class Member:
         failed = self.manager.errored()
         committed = bool(self.manager.should_commit())
         self.in_step = False
-        if not committed and self.rank() == 0:
+        if not committed:  # said by the next quorum's first member: this step's may be the one that died
             cause = str(getattr(failed, "original_exception", failed) or "a member failed").splitlines()[0][:200]
-            _say(f"step {self.step_count()} was dropped on every worker ({cause}); the next quorum does it again")
+            self._dropped = f"step {self.step_count()} was dropped on every worker ({cause}); this quorum does it again"
         if committed:
             for hook in self._commit_hooks:
                 hook()
+        if self._trace is not None:
+            self._trace.write(f"{time.time():.6f} {self.step_count()} {int(committed)} {self.size()}\n")
+            self._trace.flush()
         return committed
 
     def step_count(self) -> int:

@@ -70,7 +70,7 @@ def describe_exit(rank: int, returncode: int) -> str:
 
 def _start_lighthouse(min_np: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", str(min_np)],
+        [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", str(min_np), "--until-stdin-closes"],
         stdin=subprocess.PIPE,  # its end of the job: EOF when the launcher goes
         stdout=subprocess.PIPE,
         env=env,

@@ -4,7 +4,8 @@ The README's loop with ``bunsan.epochs``: a small MLP on a synthetic set whose t
 id. Every committed step appends its epoch and the ids this worker trained to ``$LOG_DIR/<replica>.jsonl``;
 at the end each worker writes ``$LOG_DIR/final-<replica>.json`` (a digest of its parameters, the steps it
 committed, the job's committed count). ``KILL_RANK``/``KILL_STEP``: that slot's first worker SIGKILLs itself
-after the backward pass of its step ``KILL_STEP`` (mid-step: the others' exchange fails).
+after the backward pass of its step ``KILL_STEP`` (mid-step: the others' exchange fails); ``KILL_ON_DROP``: that
+slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def main() -> None:
     loader = bunsan.data.loader(data, batch_size=int(os.environ.get("BATCH", "20")), shuffle=True)
     member = bunsan.elastic.current()
     log_dir = Path(os.environ["LOG_DIR"])
-    first_start = os.environ.get("BUNSAN_RESTART", "0") == "0"
+    restart = os.environ.get("BUNSAN_RESTART") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    first_start = restart == "0"
     kill = first_start and bunsan.rank() == int(os.environ.get("KILL_RANK", "-1"))
+    kill_on_drop = int(os.environ.get("KILL_ON_DROP", "-1"))
     kill_step, pause = int(os.environ.get("KILL_STEP", "-1")), float(os.environ.get("STEP_SLEEP", "0"))
     committed = 0
     with open(log_dir / f"{member.replica}.jsonl", "w") as log:
@@ -48,6 +51,8 @@ def main() -> None:
                 if kill and member.step_count() == kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)
                 optimizer.step()
+                if not optimizer.committed and first_start and bunsan.rank() == kill_on_drop:
+                    os.kill(os.getpid(), signal.SIGKILL)  # a second death while the group is rebuilt
                 if optimizer.committed:
                     committed += 1
                     log.write(json.dumps({"epoch": epoch, "step": member.step_count(), "ids": ids.tolist()}) + "\n")

@@ -88,25 +88,30 @@ def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_a_worker_killed_mid_step_leaves_the_others_training_every_sample_once(tmp_path):
-    job = run_job(tmp_path, 3, 2, 150, KILL_RANK="1", KILL_STEP="13")
+def test_rank_0_killed_mid_step_leaves_the_others_training_every_sample_once(tmp_path):
+    """Rank 0 included: the rendezvous is the launcher's lighthouse, not rank 0's store."""
+    job = run_job(tmp_path, 3, 2, 150, KILL_RANK="0", KILL_STEP="13")
     assert job.code == 0, job.output
-    assert "bunsan run: rank 1 was killed by SIGKILL; the other 2 go on (--min-np 2)" in job.launcher_lines(), (
+    assert "bunsan run: rank 0 was killed by SIGKILL; the other 2 go on (--min-np 2)" in job.launcher_lines(), (
         job.output
     )
     assert "[bunsan] step 13 was dropped on every worker" in job.output
+    assert "[bunsan] the job goes on with 2 workers (it had 3)" in job.output
     assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
-    assert {f["steps"] for f in job.finals} == {4 * 10}, job.finals  # 600 samples, global batch 60: 10 a epoch
+    assert {f["steps"] for f in job.finals} == {4 * 10}, job.finals  # 600 samples, global batch 60: 10 an epoch
     assert_every_sample_once(job, workers=3, epochs=4)
     assert job.left == []
 
 
 @pytest.mark.timeout(200)
-def test_rank_0_killed_is_one_worker_less_too(tmp_path):
-    """The rendezvous is the launcher's lighthouse, not rank 0's store."""
-    job = run_job(tmp_path, 3, 2, 150, KILL_RANK="0", KILL_STEP="5")
+def test_a_second_death_while_the_group_is_rebuilt_leaves_the_last_worker_consistent(tmp_path):
+    """Item 6: rank 2 dies as soon as rank 1's death drops a step; rank 0 trains on alone, nothing lost."""
+    job = run_job(tmp_path, 3, 1, 150, KILL_RANK="1", KILL_STEP="7", KILL_ON_DROP="2")
     assert job.code == 0, job.output
-    assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
+    lines = job.launcher_lines()
+    assert any(line.startswith("bunsan run: rank 1 was killed by SIGKILL") for line in lines), job.output
+    assert any(line.startswith("bunsan run: rank 2 was killed by SIGKILL") for line in lines), job.output
+    assert len(job.finals) == 1 and job.finals[0]["steps"] == 4 * 10, job.finals
     assert_every_sample_once(job, workers=3, epochs=4)
     assert job.left == []
 
@@ -138,3 +143,48 @@ def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     assert time.monotonic() - started < 120
     assert job.finals == []
     assert job.left == []
+
+
+@pytest.mark.timeout(250)
+def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joins(tmp_path):
+    """torchrun's --max-restarts starts the lost worker again; the lighthouse is started by hand, as documented."""
+    tag = uuid.uuid4().hex
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    base = edges._env(tag, LOG_DIR=str(logs), BUNSAN_ELASTIC_NP="2", BUNSAN_ELASTIC_MIN_NP="1", EPOCHS="25")
+    base["STEP_SLEEP"] = "0.03"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", "1"],
+        env=base,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base["BUNSAN_ELASTIC_LIGHTHOUSE"] = lighthouse.stdout.readline().strip()
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        jobs = [
+            subprocess.Popen(
+                [*torchrun, "--max-restarts", "1", str(JOB)],
+                env={**base, **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for extra in ({}, {"KILL_RANK": "0", "KILL_STEP": "3"})
+        ]
+        try:
+            outputs = [job.communicate(timeout=200)[0] for job in jobs]
+        except subprocess.TimeoutExpired:
+            for job in jobs:
+                job.kill()
+            outputs = [job.communicate()[0] for job in jobs]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert "joined at step" in outputs[1], outputs[1]
+    finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+    assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
+    steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+    assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=25)
+    assert edges.left_behind(tag, wait_s=8.0) == []
