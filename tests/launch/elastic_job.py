@@ -5,7 +5,8 @@ id. Every committed step appends its epoch and the ids this worker trained to ``
 at the end each worker writes ``$LOG_DIR/final-<replica>.json`` (a digest of its parameters, the steps it
 committed, the job's committed count). ``KILL_RANK``/``KILL_STEP``: that slot's first worker SIGKILLs itself
 after the backward pass of its step ``KILL_STEP`` (mid-step: the others' exchange fails); ``KILL_ON_DROP``: that
-slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery).
+slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery);
+``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def main() -> None:
                     committed += 1
                     log.write(json.dumps({"epoch": epoch, "step": member.step_count(), "ids": ids.tolist()}) + "\n")
                     log.flush()
-                time.sleep(pause)
+                if member.size() < member.start_size:
+                    time.sleep(pause)  # short of a worker: give the restarted one time to join
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     final = {"rank": bunsan.rank(), "digest": digest, "committed": committed, "steps": member.step_count()}
     (log_dir / f"final-{member.replica}.json").write_text(json.dumps(final))
