@@ -1,15 +1,18 @@
 """The optimizer of an elastic job: exact data-parallel SGD whose step commits only if every member's exchange did.
 
-``step()`` averages the gradients over the step's members (weighted by each member's part of the global
-batch, so that the result is the gradient of the global batch's mean loss whatever the membership), asks the
-quorum whether every exchange went through, and only then steps the wrapped optimizer. A step that did not
-commit changes nothing (parameters, optimizer state, the loaders' positions): the next quorum does it again
-(docs/explanation/elastic.md). The arithmetic is :class:`bunsan.DataParallelSGD`'s exact all-reduce.
+As with :class:`bunsan.DataParallelSGD`, the gradients are averaged before ``backward()`` returns, so what a
+loop does between backward and step (clipping, ``GradScaler.unscale_``, logging a norm) sees the average:
+the members' gradients, each weighted by its part of the global batch, which makes the result the gradient
+of the global batch's mean loss whatever the membership. ``step()`` then asks the quorum whether every
+member's exchange went through, and only then steps the wrapped optimizer. A step that did not commit
+changes nothing (parameters, optimizer state, the loaders' positions): the next quorum does it again
+(docs/explanation/elastic.md). Backward passes inside :meth:`ElasticOptimizer.no_sync` send nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,12 +38,35 @@ class ElasticOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, member: Member) -> None:
         self.optimizer, self.model, self.member = optimizer, model, member
         self.committed = False
+        self._queued = self._averaged = self._accumulating = False
         init_optimizer_hooks(self)
+        for p in self._parameters():
+            p.register_post_accumulate_grad_hook(self._on_grad)
         member.register(member.unique_name("model"), model.state_dict, model.load_state_dict)
         member.register(member.unique_name("optimizer"), optimizer.state_dict, optimizer.load_state_dict)
 
     def _parameters(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def _on_grad(self, _: torch.Tensor) -> None:
+        if not self._queued and not self._accumulating:  # once per backward, after its last gradient
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self.member.begin_step()  # a loop that feeds its own batches: the step's quorum starts here
+        self._average_gradients()
+        self._averaged = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside send nothing; the last one, outside, sends."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def _average_gradients(self) -> None:
         """Each member's gradient times its share, averaged over the members: one buffer per dtype and device."""
@@ -69,12 +95,14 @@ class ElasticOptimizer(torch.optim.Optimizer):
         """Average the gradients over the step's members; step ``optimizer`` if the quorum commits the step.
 
         Returns the closure's loss, or ``None`` for a dropped step (``committed`` is then False)."""
-        self.member.begin_step()  # a loop that feeds its own batches: the step's quorum starts here
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._average_gradients()
+        if not self._averaged:  # no backward since the last step (or all of them inside no_sync)
+            self.member.begin_step()
+            self._average_gradients()
+        self._averaged = False
         self.committed = self.member.commit()
         if not self.committed:
             return None

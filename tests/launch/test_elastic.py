@@ -88,6 +88,34 @@ def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
 
 
 @pytest.mark.timeout(200)
+def test_two_workers_with_clipping_train_what_one_process_trains_on_the_global_batch(tmp_path):
+    """The average is in place before backward() returns, so clipping sees the global batch's gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.launch.elastic_job import data_and_model
+
+    job = run_job(tmp_path, 2, 2, 150, EPOCHS="2", CLIP="0.05")
+    assert job.code == 0, job.output
+    data, model = data_and_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y, _ = data.tensors
+    for epoch in range(2):
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, SAMPLES, 2 * BATCH):
+            index = order[start : start + 2 * BATCH]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[index]), y[index]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+    trained = [torch.load(p) for p in sorted((tmp_path / "logs").glob("model-*.pt"))]
+    assert len(trained) == 2
+    for state in trained:
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=2e-6)
+
+
+@pytest.mark.timeout(200)
 def test_rank_0_killed_mid_step_leaves_the_others_training_every_sample_once(tmp_path):
     """Rank 0 included: the rendezvous is the launcher's lighthouse, not rank 0's store."""
     job = run_job(tmp_path, 3, 2, 150, KILL_RANK="0", KILL_STEP="13")
