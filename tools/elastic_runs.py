@@ -6,6 +6,8 @@ Campaign tooling for issue 67's acceptance, run from a checkout as root or not::
     python tools/elastic_runs.py --runs 3 --kill none      # the uninterrupted jobs, seeds 0, 1, 2
     python tools/elastic_runs.py --runs 10 --kill second   # a second kill while the others recover
     python tools/elastic_runs.py --runs 5 --kill rejoin    # the killed slot starts again and joins
+    python tools/elastic_runs.py --runs 5 --kill restart --checkpoint   # the same kill in a fixed group:
+                                                           # --max-restarts 1 and a checkpoint every epoch
 
 Each job is ``bunsan run -np NP --min-np MIN`` of this file's worker: the MNIST-1D CNN with
 ``bunsan.epochs``, a global batch of 128, SGD lr 0.05 momentum 0.9. The workers trace their steps
@@ -34,8 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(epochs: int, seed: int, out: Path) -> None:
-    """One worker of the job (run by bunsan run)."""
+def worker(epochs: int, seed: int, out: Path, checkpoint: bool) -> None:
+    """One worker of the job (run by bunsan run): elastic, or (``checkpoint``) a fixed group that saves a
+    checkpoint at every epoch's end and resumes from it when ``--max-restarts`` starts it again."""
     import torch
     import torch.nn.functional as F
 
@@ -50,23 +53,42 @@ def worker(epochs: int, seed: int, out: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = bunsan.distribute(model, optimizer, bunsan.DataParallelSGD())
     loader = bunsan.data.loader(train, batch_size=32, shuffle=True, seed=seed)
-    for _ in bunsan.epochs(epochs):
+    member = bunsan.elastic.current()
+    name = member.replica if member is not None else f"rank{bunsan.rank()}"
+    trace = open(out / f"{name}.trace", "a") if member is None else None  # noqa: SIM115 - the member traces its own
+    saved, first = out / "checkpoint.pt", 0
+    if checkpoint and saved.exists():
+        state = torch.load(saved)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        first = state["epoch"]
+    step = first * len(loader)
+    for epoch in bunsan.epochs(epochs) if member is not None else range(first, epochs):
+        if member is None:
+            loader.set_epoch(epoch)
         for x, y in loader:
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
+            step += 1
+            if trace is not None:
+                trace.write(f"{time.time():.6f} {step} 1 {bunsan.size()}\n")
+                trace.flush()
+        if checkpoint and bunsan.is_main():
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1}
+            torch.save(state, out / "checkpoint.tmp")
+            os.replace(out / "checkpoint.tmp", saved)
     model.eval()
     with torch.no_grad():
         x, y = test.tensors
         error = float((model(x).argmax(1) != y).float().mean())
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    replica = bunsan.elastic.current().replica
-    (out / f"final-{replica}.json").write_text(json.dumps({"digest": digest, "test_error": error}))
+    (out / f"final-{name}.json").write_text(json.dumps({"digest": digest, "test_error": error}))
     bunsan.finalize()
 
 
 def _job_pids(job_id: str) -> dict[str, int]:
-    """Replica name -> pid, for the live workers of ``job_id``."""
+    """Worker name (the replica's, or ``rank<R>`` in a fixed group) -> pid, for the live workers of ``job_id``."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -76,9 +98,11 @@ def _job_pids(job_id: str) -> dict[str, int]:
         except OSError:
             continue
         if f"BUNSAN_JOB_ID={job_id}".encode() in env:
-            for item in env:
-                if item.startswith(b"BUNSAN_ELASTIC_REPLICA="):
-                    found[item.split(b"=", 1)[1].decode()] = int(entry)
+            values = dict(item.split(b"=", 1) for item in env if b"=" in item)
+            if b"BUNSAN_ELASTIC_REPLICA" in values:
+                found[values[b"BUNSAN_ELASTIC_REPLICA"].decode()] = int(entry)
+            elif b"RANK" in values and b"BUNSAN_LAUNCHER" in values:
+                found[f"rank{values[b'RANK'].decode()}"] = int(entry)
     return found
 
 
@@ -109,17 +133,19 @@ def run_one(args: argparse.Namespace, index: int, folder: Path) -> dict[str, Any
     job_id = f"el{uuid.uuid4().hex[:10]}"
     folder.mkdir(parents=True)
     env = {**os.environ, "BUNSAN_ELASTIC_TRACE": str(folder), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    restarts = ["--max-restarts", "1"] if args.kill == "rejoin" else []
-    command = [sys.executable, "-m", "bunsan", "run", "-np", str(args.np), "--min-np", str(args.min_np)]
+    restarts = ["--max-restarts", "1"] if args.kill in ("rejoin", "restart") else []
+    elastic = [] if args.checkpoint else ["--min-np", str(args.min_np)]
+    command = [sys.executable, "-m", "bunsan", "run", "-np", str(args.np), *elastic]
     command += ["--oversubscribe", "--job-id", job_id, *restarts, sys.executable, __file__, "--worker"]
     command += ["--epochs", str(args.epochs), "--seed", str(seed), "--out", str(folder)]
+    command += ["--checkpoint"] if args.checkpoint else []
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     record: dict[str, Any] = {"run": index, "seed": seed, "kill": args.kill, "np": args.np}
     steps_total = args.epochs * (4000 // 128)
     if args.kill != "none":
         slot, step = index % args.np, rng.randrange(steps_total // 10, 9 * steps_total // 10)
-        target = f"{job_id}-{slot}-0"
+        target = f"rank{slot}" if args.checkpoint else f"{job_id}-{slot}-0"
         record.update(slot=slot, step=step)
         if _wait_for_step(folder, target, step, process, args.timeout):
             pid = _job_pids(job_id).get(target)
@@ -174,6 +200,9 @@ def _summarize_traces(folder: Path, record: dict[str, Any]) -> None:
     record["finished"] = len(finals)
     record["replicas_equal"] = len({f["digest"] for f in finals}) == 1 if finals else False
     record["test_error"] = statistics.mean(f["test_error"] for f in finals) if finals else None
+    longest = max(traces.values(), key=len, default=[])
+    steps = [step for _, step, committed, _ in longest if committed]
+    record["redone_steps"] = len(steps) - len(set(steps)) + sum(not row[2] for row in longest)
     killed = record.get("killed_at")
     if killed is not None:
         after = [t for rows in traces.values() for t, _, committed, _ in rows if committed and t > killed]
@@ -189,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--kill", choices=("one", "none", "second", "rejoin"), default="one")
+    parser.add_argument("--kill", choices=("one", "none", "second", "rejoin", "restart"), default="one")
+    parser.add_argument(
+        "--checkpoint", action="store_true", help="a fixed group that checkpoints every epoch (with --kill restart)"
+    )
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--min-np", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=30)
@@ -197,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path("runs/elastic"))
     args = parser.parse_args(argv)
+    if (args.kill == "restart") != args.checkpoint and not args.worker and args.kill != "none":
+        parser.error("--kill restart goes with --checkpoint (a fixed group that restarts from its checkpoint)")
     if args.worker:
-        worker(args.epochs, args.seed, args.out)
+        worker(args.epochs, args.seed, args.out, args.checkpoint)
         return 0
     stamp = f"load average {os.getloadavg()[0]:.2f} at the start"
     records = []
@@ -221,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"restarted worker's start to a full group: median {statistics.median(rejoins):.2f} s, max {max(rejoins):.2f} s"
         )
+    walls = [r["wall_s"] for r in records]
+    redone = [r["redone_steps"] for r in records]
+    print(
+        f"job wall time: median {statistics.median(walls):.1f} s; steps trained twice: median {statistics.median(redone)}"
+    )
     if errors:
         print(f"final test error: mean {statistics.mean(errors):.2f}%, {min(errors):.2f}-{max(errors):.2f}%")
     return 0 if ok == len(records) else 1
