@@ -216,3 +216,76 @@ def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joi
     steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
     assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
     assert edges.left_behind(tag, wait_s=8.0) == []
+
+
+@pytest.mark.timeout(300)
+def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_joins(tmp_path):
+    """Two network namespaces with their own host names (real hosts' names resolve to their addresses,
+    which torchft's checkpoint server and Gloo rely on); the lighthouse runs in the launcher's namespace."""
+    import shutil
+
+    from tests.helpers.hosts import SUBNET, HostsUnavailable, start_hosts
+
+    try:
+        hosts = start_hosts(tmp_path / "ssh", count=2)
+    except HostsUnavailable as err:
+        pytest.skip(f"no test hosts: {err}")
+    etc = [Path("/etc/netns") / ns for ns in hosts.namespaces]
+    made_etc = not Path("/etc/netns").exists()
+    try:
+        if hosts.mode != "netns":
+            pytest.skip("needs network namespaces (root)")
+        names = "".join(f"{SUBNET}.{11 + i} elastic-h{i + 1}\n" for i in range(2))
+        for folder in etc:  # `ip netns exec` shows /etc/netns/<ns>/hosts as the namespace's /etc/hosts
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
+        tag, logs = uuid.uuid4().hex, tmp_path / "logs"
+        logs.mkdir()
+        base = edges._env(tag, LOG_DIR=str(logs), BUNSAN_ELASTIC_NP="2", BUNSAN_ELASTIC_MIN_NP="1", EPOCHS="10")
+        base["STEP_SLEEP"] = "0.1"
+        lighthouse = subprocess.Popen(
+            hosts.launcher(
+                [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", "1", "--bind", f"{SUBNET}.1:0"]
+            ),
+            env=base,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        base["BUNSAN_ELASTIC_LIGHTHOUSE"] = lighthouse.stdout.readline().strip()
+        torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 1 --max-restarts 1 {JOB}"
+        jobs = []
+        for i, (ns, extra) in enumerate(zip(hosts.namespaces, ({}, {"KILL_RANK": "0", "KILL_STEP": "3"}), strict=True)):
+            env = {**base, **extra, "BUNSAN_ELASTIC_HOST": f"{SUBNET}.{11 + i}"}
+            command = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f"hostname elastic-h{i + 1}; exec {torchrun}",
+            ]
+            jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            outputs = [job.communicate(timeout=200)[0] for job in jobs]
+        except subprocess.TimeoutExpired:
+            for job in jobs:
+                job.kill()
+            outputs = [job.communicate()[0] for job in jobs]
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+        assert [job.returncode for job in jobs] == [0, 0], outputs
+        assert "joined at step" in outputs[1], outputs[1]
+        finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+        assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
+        steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+        assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
+        assert edges.left_behind(tag, wait_s=8.0) == []
+    finally:
+        hosts.close()
+        for folder in etc:
+            shutil.rmtree(folder, ignore_errors=True)
+        if made_etc:
+            shutil.rmtree("/etc/netns", ignore_errors=True)
