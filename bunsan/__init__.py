@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ModelAveragingSGD": "bunsan.algorithms",
     "DistributedOptimizer": "bunsan.optim",
     "distribute": "bunsan.optim",
+    "epochs": "bunsan.elastic",
     "device": "bunsan.runtime",
     "finalize": "bunsan.runtime",
     "init": "bunsan.runtime",
@@ -55,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "algorithms": "",
     "comm": "",
     "data": "",
+    "elastic": "",
     "datasets": "",
     "errors": "",
     "hpo": "",
@@ -90,6 +92,8 @@ __all__ = [
     "datasets",
     "device",
     "distribute",
+    "elastic",
+    "epochs",
     "errors",
     "evaluate",
     "finalize",
@@ -128,10 +132,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from bunsan import algorithms, comm, data, datasets, errors, hpo, integrations, models, nn, parallel, train
+    from bunsan import algorithms, comm, data, datasets, elastic, errors, hpo, integrations, models, nn, parallel, train
     from bunsan.algorithms import Algorithm, AsyncSGD, Auto, BlockMomentumSGD, DataParallelSGD, ModelAveragingSGD
     from bunsan.console import RankFilter, rank_zero_only
     from bunsan.console import print as print  # bunsan.print: exported by name, not in __all__ (see above)
+    from bunsan.elastic import epochs
     from bunsan.evaluation import all_reduce_metrics, evaluate
     from bunsan.optim import DistributedOptimizer, distribute
     from bunsan.runtime import (

@@ -8,6 +8,7 @@ of ``pyproject.toml`` (:data:`EXTRAS` mirrors them)::
     pip install 'bunsan[hpo]'          # optuna + matplotlib: bunsan.hpo (search and plots)
     pip install 'bunsan[progress]'     # tqdm: the progress bar of TrainingSession
     pip install 'bunsan[tensorboard]'  # tensorboard: TrainingSession(tensorboard=...)
+    pip install 'bunsan[elastic]'      # torchft: elastic jobs, bunsan run --min-np (bunsan.elastic)
     pip install 'bunsan[all]'          # all of the above
 
 and the trainers that bunsan's DDP communication hook integrates with (:data:`FRAMEWORKS`, not
@@ -55,6 +56,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hpo": ("optuna", "matplotlib"),
     "progress": ("tqdm",),
     "tensorboard": ("tensorboard",),
+    "elastic": ("torchft",),
 }
 
 # the trainers' extras (pyproject.toml lists them apart from `all`): extra -> the distributions it installs
@@ -72,6 +74,7 @@ _DISTRIBUTIONS: dict[str, str] = {
     "optuna": "optuna",
     "tqdm": "tqdm",
     "tensorboard": "tensorboard",
+    "torchft": "torchft",
     "lightning": "lightning",
     "accelerate": "accelerate",
     "transformers": "transformers",

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from bunsan import _allocator
+from bunsan import _allocator, elastic
 from bunsan import algorithms as _algorithms
 from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
 from bunsan._validate import check_type
@@ -31,6 +31,7 @@ from bunsan.comm import (
     global_rank,
     is_initialized,
 )
+from bunsan.elastic import member as _elastic_member
 from bunsan.errors import CheckpointError
 from bunsan.model_checks import check_same_model, check_same_values
 
@@ -358,6 +359,8 @@ def distribute(
         from bunsan import runtime
 
         runtime.init()
+    if _elastic_member.current() is not None:  # bunsan run --min-np: steps commit or drop together
+        return model, cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm))
     if isinstance(algorithm, str) or algorithm is None:
         options = {"group": group, **algorithm_options}
         algorithm = _algorithms.create(algorithm or "data_parallel", **options)

@@ -19,14 +19,13 @@ import threading
 import time
 import traceback
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from bunsan import _allocator, comm
+from bunsan import _allocator, _cores, comm
 from bunsan._validate import check_choice, check_number
 from bunsan.comm import group as _group
 from bunsan.comm import inspector as _inspector
@@ -68,6 +67,7 @@ class _State:
 
 
 _state = _State()
+_usable_cores = _cores.usable_cores  # the cores this process may run on
 _SOLO = WorldInfo("none", 0, 1, 0, 1, None, DEFAULT_PORT, "solo")  # what a process is before init()
 
 
@@ -107,6 +107,11 @@ def init(backend: str | None = None, timeout_s: float | None = None, stall_s: fl
     fixed, :mod:`bunsan._allocator`; ``BUNSAN_MALLOC_TUNING=0`` turns it off).
     """
     if _state.info is not None:
+        return _state.info
+    if os.environ.get("BUNSAN_ELASTIC_LIGHTHOUSE"):  # bunsan run --min-np: torchft's quorum per step
+        from bunsan import elastic
+
+        _state.info, _state.backend = elastic.start(backend or "gloo"), backend or "gloo"
         return _state.info
     if comm.is_initialized():  # the user made the group; adopt it
         size_ = comm.get_world_size()
@@ -352,6 +357,12 @@ def finalize() -> None:
     """
     if _state.info is None:
         return
+    if _state.info.launcher == "elastic":  # bunsan.elastic: every committed step is already consistent
+        from bunsan import elastic
+
+        elastic.leave()
+        _state.info = None
+        return
     try:
         # Alone, or after the script destroyed the group itself, there is nobody to answer.
         if not _state.failed and comm.is_initialized() and comm.get_world_size() > 1:
@@ -424,45 +435,11 @@ def _info() -> WorldInfo | None:
     return None
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the platform tells it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def share_host_cores(group: Any = None) -> None:
-    """Collective over ``group``: in a CPU job whose group the script made itself (``mp.spawn``,
-    ``init_process_group`` under a launcher that sets no ``OMP_NUM_THREADS``), where the workers
-    sharing this host would run more intra-op threads together than it has cores, give each
-    ``cores // workers on the host`` threads, as :func:`init` gives the workers it starts one
-    (two workers each using both cores of a 2-core machine made a step 15 times slower), and
-    say so once, on the host's lowest rank. Where ``OMP_NUM_THREADS`` is set, the threads are the
-    user's: only the warning. Workers of a job :func:`init` started are left alone (it set them)."""
-    if _state.info is not None and _state.info.launcher != "external":
-        return
-    threads, cores = torch.get_num_threads(), _usable_cores()
-    everyone = comm.all_gather_object((socket.gethostname(), threads, cores), group=group)
-    host = everyone[comm.get_rank(group)][0]
-    here = [r for r, (name, _, _) in enumerate(everyone) if name == host]
-    if threads <= 1 or len(here) * threads <= cores:
-        return
-    fair = max(1, cores // len(here))
-    chosen = "OMP_NUM_THREADS" in os.environ
-    if not chosen:
-        torch.set_num_threads(fair)
-    if comm.get_rank(group) == here[0]:
-        warnings.warn(
-            f"{len(here)} workers share this host's {cores} cores and each ran {threads} intra-op threads; "
-            + (
-                f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is set, so they keep them (oversubscribed "
-                f"cores slow every step; {fair} each would fit)"
-                if chosen
-                else f"each now runs {fair} (set OMP_NUM_THREADS to choose)"
-            ),
-            stacklevel=3,
-        )
+    """Collective over ``group``: in a CPU job whose group the script made itself, no more intra-op threads
+    on a host than it has cores (:func:`bunsan._cores.share`). Workers :func:`init` started are left alone."""
+    if _state.info is None or _state.info.launcher == "external":
+        _cores.share(group)
 
 
 def _current() -> WorldInfo:

@@ -16,6 +16,14 @@ ENVIRONMENT: dict[str, str] = {
     "BUNSAN_CACHE_DIR": "bunsan.compression.native, bunsan.datasets.bundled | ~/.cache/bunsan | where the compiled C codec and the generated MNIST-1D data set (`bunsan.datasets.mnist1d(cache_dir=...)` wins) are kept",
     "BUNSAN_CODEC_CALLS": "bunsan.algorithms.data_parallel.stripes | bucket on a GPU, segment on CPU | `bucket` or `segment`: the quantized exchange codes a bucket in one call per phase, or one call per segment; another value raises",
     "BUNSAN_CODEC_GRAPHS": "bunsan.algorithms.data_parallel.graphs | on, on a CUDA device | `0` turns off the capture of the quantized exchange's codec calls as CUDA graphs; `1` keeps it on where it applies (a CUDA device); another value raises",
+    "BUNSAN_ELASTIC_DEBUG": "bunsan.elastic.member | | `1` keeps torchft's own logs (every quorum, every failure's traceback) in an elastic job; otherwise bunsan prints one line per event",
+    "BUNSAN_ELASTIC_DIR": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: where a worker marks that it has joined a quorum, so that one that has not joined when the job ends is stopped",
+    "BUNSAN_ELASTIC_HOST": "bunsan.elastic.member | 127.0.0.1 | the address an elastic worker's store and quorum server listen on and advertise",
+    "BUNSAN_ELASTIC_LIGHTHOUSE": "bunsan.elastic.member, bunsan.launch.elastic, bunsan.runtime | | set by `bunsan run --min-np`: the address of the job's lighthouse; `bunsan.init()` then joins the elastic job instead of creating a fixed group",
+    "BUNSAN_ELASTIC_MIN_NP": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: a step commits only with at least this many workers",
+    "BUNSAN_ELASTIC_NP": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: the job's starting size, which fixes the global batch (`batch_size` times it)",
+    "BUNSAN_ELASTIC_REPLICA": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: the worker's name in the quorum, new for every start of a slot",
+    "BUNSAN_ELASTIC_TRACE": "bunsan.elastic.member | | a folder: each worker of an elastic job appends a line per step to `<its name>.trace` there (the time, the steps committed, whether this one committed, the members); for measuring recovery",
     "BUNSAN_HOSTFILE": "bunsan.bench._common | | the benchmarks remove it from their jobs' environment: their own `-np` decides",
     "BUNSAN_HOSTS": "bunsan.bench._common | | the benchmarks remove it from their jobs' environment: their own `-np` decides",
     "BUNSAN_HOST_JOB_ID": "bunsan.launch.plan, bunsan.launch.proctree, bunsan.launch.remote | | `<job id>.h<group rank>`, set by a remote host's agent for that host's workers: the agent ends only its own host's share of the job",
@@ -31,7 +39,19 @@ ENVIRONMENT: dict[str, str] = {
     "BUNSAN_TREE": "bunsan.launch.treewatch | | set by `bunsan.init()` in a worker: every process the worker starts carries it, so that the worker's janitor ends them when the worker ends, under any launcher",
 }
 INTERNAL = frozenset(
-    ["BUNSAN_HOST_JOB_ID", "BUNSAN_JOB_ID", "BUNSAN_LAUNCHER", "BUNSAN_REPORT_FD", "BUNSAN_RESTART", "BUNSAN_TREE"]
+    [
+        "BUNSAN_ELASTIC_DIR",
+        "BUNSAN_ELASTIC_LIGHTHOUSE",
+        "BUNSAN_ELASTIC_MIN_NP",
+        "BUNSAN_ELASTIC_NP",
+        "BUNSAN_ELASTIC_REPLICA",
+        "BUNSAN_HOST_JOB_ID",
+        "BUNSAN_JOB_ID",
+        "BUNSAN_LAUNCHER",
+        "BUNSAN_REPORT_FD",
+        "BUNSAN_RESTART",
+        "BUNSAN_TREE",
+    ]
 )
 STANDARD: dict[str, str] = {
     "CC": "bunsan.compression.native | cc | the C compiler that builds the quantization codec, once per machine",

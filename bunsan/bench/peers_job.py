@@ -226,8 +226,7 @@ def _evaluator(epoch: int) -> int:
 def _from_rank_0(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` as rank 0 holds it, on every rank (off the clock): a snapshot is rank 0's model even where
     an exchange left the replicas different."""
-    for tensor in state.values():
-        torch.distributed.broadcast(tensor, 0)
+    comm.broadcast_tensors(list(state.values()), src=0)
     return state
 
 

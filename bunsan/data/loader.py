@@ -7,7 +7,9 @@ from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset
 
+from bunsan import elastic
 from bunsan.data.partition import Partition, _as_int
+from bunsan.elastic import member as _elastic_member
 
 __all__ = ["DistributedLoader", "loader"]
 
@@ -227,6 +229,9 @@ def loader(dataset: Dataset, batch_size: int, *args: Any, **kwargs: Any) -> Dist
             ``sampler``, ``batch_sampler``, ``shuffle``, ``batch_size`` and ``drop_last``.
 
     Returns:
-        A :class:`DistributedLoader`.
+        A :class:`DistributedLoader`; in an elastic job (``bunsan run --min-np``) a
+        :class:`bunsan.elastic.ElasticLoader`, which takes ``shuffle``, ``seed``, ``drop_last`` and ``collate_fn``.
     """
+    if _elastic_member.current() is not None:
+        return cast(DistributedLoader, elastic.loader(dataset, batch_size, *args, **kwargs))
     return DistributedLoader(dataset, batch_size, *args, **kwargs)

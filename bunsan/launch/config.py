@@ -142,6 +142,8 @@ class LaunchConfig(RemoteSettings):
         env_file: ``--env-file``: a file of ``VAR=value`` lines for the workers.
         max_restarts: Restart the whole job (all hosts, same world size) up
             to this many times after a worker fails.
+        min_np: ``--min-np``: an elastic job (:mod:`bunsan.launch.elastic`) that goes on while at least
+            this many workers remain; ``None``: a worker's failure ends the job.
         job_id: The job's id; ``None`` makes a fresh one.
         cleanup: End what is left of a job (``--job-id``, or every job whose
             launcher is gone) on its hosts, instead of launching one.
@@ -161,6 +163,7 @@ class LaunchConfig(RemoteSettings):
     exports: tuple[str, ...] = ()
     env_file: str | None = None
     max_restarts: int = 0
+    min_np: int | None = None
     job_id: str | None = None
     cleanup: bool = False
     oversubscribe: bool = False
@@ -177,6 +180,7 @@ class LaunchConfig(RemoteSettings):
         _check_remote_cwd(self.remote_cwd)
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        _check_elastic(self)
         for export in self.exports:
             name = export.split("=", 1)[0]
             if not _ENV_NAME_RE.match(name):
@@ -335,3 +339,14 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = ArgumentParser(prog="bunsan run", add_help=False)
     add_run_arguments(parser)
     return config_from_namespace(parser.parse_args(list(argv)), environ)
+
+
+def _check_elastic(config: LaunchConfig) -> None:
+    if config.min_np is None:
+        return
+    if config.min_np < 1 or (config.nproc is not None and config.min_np > config.nproc):
+        raise UsageError(f"--min-np must be between 1 and -np ({config.nproc}), got {config.min_np}")
+    if config.nproc is None:
+        raise UsageError("--min-np needs -np: the job's starting number of workers")
+    if config.hosts is not None or config.hostfile is not None:
+        raise UsageError("--min-np runs on this machine only for now; drop -H/--hostfile or --min-np")

@@ -151,11 +151,23 @@ RUN_OPTIONS = (
     Option(
         "max_restarts",
         ("--max-restarts",),
-        "after a worker fails, restart all workers on all hosts up to K times; workers see BUNSAN_RESTART=1, 2, ...",
+        "after a worker fails, restart all workers on all hosts up to K times; workers see BUNSAN_RESTART=1, 2, ... "
+        "(with --min-np: start the lost worker again, K times in the whole job)",
         "K",
         int,
         "a whole number",
         default="default 0",
+    ),
+    Option(
+        "min_np",
+        ("--min-np",),
+        "elastic job: when a worker dies the others go on while at least N remain, and --max-restarts "
+        "restarts the lost one, which rejoins (docs/how-to/elastic.md)",
+        "N",
+        int,
+        "a whole number",
+        env=False,  # a stray variable must not turn every job elastic
+        default="default: not elastic",
     ),
     Option(
         "job_id",

@@ -1,0 +1,291 @@
+"""Issue 67: elastic jobs under ``bunsan run --min-np`` with the real torchft (its lighthouse and quorum).
+
+Each job runs tests/launch/elastic_job.py on 2 or 3 workers of this machine: a worker SIGKILLs itself in the
+middle of a step, and the others must go on, end with equal replicas, and between them train every sample
+of every epoch exactly once; with ``--max-restarts`` a new worker joins with a live peer's state; with fewer
+workers than ``--min-np`` left, the job ends with one sentence. Every process of a job carries a tag in its
+environment, so what a job leaves behind is found in /proc (tests/launch/edges.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.launch import edges
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux only"),
+    pytest.mark.skipif(
+        __import__("importlib").util.find_spec("torchft") is None, reason="needs torchft: pip install 'bunsan[elastic]'"
+    ),
+]
+
+JOB = Path(__file__).with_name("elastic_job.py")
+SAMPLES, BATCH = 600, 20
+
+
+@dataclass
+class Job:
+    code: int
+    output: str
+    left: list[str]
+    finals: list[dict]
+    logs: dict[str, list[dict]]
+
+    def launcher_lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith("bunsan run: ")]
+
+
+def run_job(tmp_path: Path, np: int, min_np: int, timeout_s: float = 150, *options: str, **env: str) -> Job:
+    tag = uuid.uuid4().hex
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    environment = edges._env(tag, LOG_DIR=str(logs), **env)
+    command = [sys.executable, "-m", "bunsan", "run", "-np", str(np), "--min-np", str(min_np), "--oversubscribe"]
+    process = subprocess.Popen(
+        [*command, *options, sys.executable, str(JOB)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+    left = edges.left_behind(tag, wait_s=8.0)
+    edges.kill_tagged(tag)
+    finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+    steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in sorted(logs.glob("*.jsonl"))}
+    return Job(process.returncode, output, left, finals, steps)
+
+
+def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
+    """Every epoch's committed steps, over every worker that ever ran, train each of its samples once."""
+    global_batch = BATCH * workers
+    per_epoch = (SAMPLES // global_batch) * global_batch + (SAMPLES % global_batch)
+    by_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    by_step: dict[int, int] = collections.Counter()
+    for records in job.logs.values():
+        for record in records:
+            by_epoch[record["epoch"]].update(record["ids"])
+            by_step[record["step"]] += len(record["ids"])
+    assert sorted(by_epoch) == list(range(epochs)), sorted(by_epoch)
+    for epoch, counts in by_epoch.items():
+        assert set(counts.values()) == {1}, (epoch, [i for i, n in counts.items() if n != 1][:10])
+        assert len(counts) == per_epoch, (epoch, len(counts))
+    assert set(by_step.values()) <= {global_batch, SAMPLES % global_batch}, by_step
+
+
+@pytest.mark.timeout(200)
+def test_two_workers_with_clipping_train_what_one_process_trains_on_the_global_batch(tmp_path):
+    """The average is in place before backward() returns, so clipping sees the global batch's gradient."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.launch.elastic_job import data_and_model
+
+    job = run_job(tmp_path, 2, 2, 150, EPOCHS="2", CLIP="0.05")
+    assert job.code == 0, job.output
+    data, model = data_and_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y, _ = data.tensors
+    for epoch in range(2):
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        for start in range(0, SAMPLES, 2 * BATCH):
+            index = order[start : start + 2 * BATCH]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[index]), y[index]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+    trained = [torch.load(p) for p in sorted((tmp_path / "logs").glob("model-*.pt"))]
+    assert len(trained) == 2
+    for state in trained:
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=0, atol=2e-6)
+
+
+@pytest.mark.timeout(200)
+def test_rank_0_killed_mid_step_leaves_the_others_training_every_sample_once(tmp_path):
+    """Rank 0 included: the rendezvous is the launcher's lighthouse, not rank 0's store."""
+    job = run_job(tmp_path, 3, 2, 150, KILL_RANK="0", KILL_STEP="13")
+    assert job.code == 0, job.output
+    assert "bunsan run: rank 0 was killed by SIGKILL; the other 2 go on (--min-np 2)" in job.launcher_lines(), (
+        job.output
+    )
+    assert "[bunsan] step 13 was dropped on every worker" in job.output
+    assert "[bunsan] the job goes on with 2 workers (it had 3)" in job.output
+    assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
+    assert {f["steps"] for f in job.finals} == {4 * 10}, job.finals  # 600 samples, global batch 60: 10 an epoch
+    assert_every_sample_once(job, workers=3, epochs=4)
+    assert job.left == []
+
+
+@pytest.mark.timeout(200)
+def test_a_second_death_while_the_group_is_rebuilt_leaves_the_last_worker_consistent(tmp_path):
+    """Item 6: rank 2 dies as soon as rank 1's death drops a step; rank 0 trains on alone, nothing lost."""
+    job = run_job(tmp_path, 3, 1, 150, KILL_RANK="1", KILL_STEP="7", KILL_ON_DROP="2")
+    assert job.code == 0, job.output
+    lines = job.launcher_lines()
+    assert any(line.startswith("bunsan run: rank 1 was killed by SIGKILL") for line in lines), job.output
+    assert any(line.startswith("bunsan run: rank 2 was killed by SIGKILL") for line in lines), job.output
+    assert len(job.finals) == 1 and job.finals[0]["steps"] == 4 * 10, job.finals
+    assert_every_sample_once(job, workers=3, epochs=4)
+    assert job.left == []
+
+
+@pytest.mark.timeout(250)
+def test_a_restarted_worker_joins_with_a_live_peers_state(tmp_path):
+    job = run_job(
+        tmp_path, 2, 1, 200, "--max-restarts", "1", KILL_RANK="1", KILL_STEP="3", EPOCHS="10", STEP_SLEEP="0.1"
+    )
+    assert job.code == 0, job.output
+    assert any("a new worker starts in its place" in line for line in job.launcher_lines()), job.output
+    assert "joined at step" in job.output, job.output
+    assert len(job.finals) == 2, job.output  # the survivor and the worker that joined
+    assert job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
+    assert {f["steps"] for f in job.finals} == {10 * 15}, job.finals  # global batch 40: 15 steps an epoch
+    assert_every_sample_once(job, workers=2, epochs=10)
+    assert job.left == []
+
+
+@pytest.mark.timeout(200)
+def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
+    started = time.monotonic()
+    job = run_job(tmp_path, 2, 2, 150, KILL_RANK="1", KILL_STEP="3", EPOCHS="1000")
+    assert job.code == 137, job.output
+    assert (
+        "bunsan run: rank 1 was killed by SIGKILL, and 1 worker(s) are left, fewer than --min-np 2; stopping the job"
+        in job.launcher_lines()
+    ), job.output
+    assert time.monotonic() - started < 120
+    assert job.finals == []
+    assert job.left == []
+
+
+@pytest.mark.timeout(250)
+def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joins(tmp_path):
+    """torchrun's --max-restarts starts the lost worker again; the lighthouse is started by hand, as documented."""
+    tag = uuid.uuid4().hex
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    base = edges._env(tag, LOG_DIR=str(logs), BUNSAN_ELASTIC_NP="2", BUNSAN_ELASTIC_MIN_NP="1", EPOCHS="10")
+    base["STEP_SLEEP"] = "0.1"
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", "1"],
+        env=base,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        base["BUNSAN_ELASTIC_LIGHTHOUSE"] = lighthouse.stdout.readline().strip()
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+        jobs = [
+            subprocess.Popen(
+                [*torchrun, "--max-restarts", "1", str(JOB)],
+                env={**base, **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for extra in ({}, {"KILL_RANK": "0", "KILL_STEP": "3"})
+        ]
+        try:
+            outputs = [job.communicate(timeout=200)[0] for job in jobs]
+        except subprocess.TimeoutExpired:
+            for job in jobs:
+                job.kill()
+            outputs = [job.communicate()[0] for job in jobs]
+    finally:
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert "joined at step" in outputs[1], outputs[1]
+    finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+    assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
+    steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+    assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
+    assert edges.left_behind(tag, wait_s=8.0) == []
+
+
+@pytest.mark.timeout(300)
+def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_joins(tmp_path):
+    """Two network namespaces with their own host names (real hosts' names resolve to their addresses,
+    which torchft's checkpoint server and Gloo rely on); the lighthouse runs in the launcher's namespace."""
+    import shutil
+
+    from tests.helpers.hosts import SUBNET, HostsUnavailable, start_hosts
+
+    try:
+        hosts = start_hosts(tmp_path / "ssh", count=2)
+    except HostsUnavailable as err:
+        pytest.skip(f"no test hosts: {err}")
+    etc = [Path("/etc/netns") / ns for ns in hosts.namespaces]
+    made_etc = not Path("/etc/netns").exists()
+    try:
+        if hosts.mode != "netns":
+            pytest.skip("needs network namespaces (root)")
+        names = "".join(f"{SUBNET}.{11 + i} elastic-h{i + 1}\n" for i in range(2))
+        for folder in etc:  # `ip netns exec` shows /etc/netns/<ns>/hosts as the namespace's /etc/hosts
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
+        tag, logs = uuid.uuid4().hex, tmp_path / "logs"
+        logs.mkdir()
+        base = edges._env(tag, LOG_DIR=str(logs), BUNSAN_ELASTIC_NP="2", BUNSAN_ELASTIC_MIN_NP="1", EPOCHS="10")
+        base["STEP_SLEEP"] = "0.1"
+        lighthouse = subprocess.Popen(
+            hosts.launcher(
+                [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", "1", "--bind", f"{SUBNET}.1:0"]
+            ),
+            env=base,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        base["BUNSAN_ELASTIC_LIGHTHOUSE"] = lighthouse.stdout.readline().strip()
+        torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 1 --max-restarts 1 {JOB}"
+        jobs = []
+        for i, (ns, extra) in enumerate(zip(hosts.namespaces, ({}, {"KILL_RANK": "0", "KILL_STEP": "3"}), strict=True)):
+            env = {**base, **extra, "BUNSAN_ELASTIC_HOST": f"{SUBNET}.{11 + i}"}
+            command = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                f"hostname elastic-h{i + 1}; exec {torchrun}",
+            ]
+            jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            outputs = [job.communicate(timeout=200)[0] for job in jobs]
+        except subprocess.TimeoutExpired:
+            for job in jobs:
+                job.kill()
+            outputs = [job.communicate()[0] for job in jobs]
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+        assert [job.returncode for job in jobs] == [0, 0], outputs
+        assert "joined at step" in outputs[1], outputs[1]
+        finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+        assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
+        steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+        assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
+        assert edges.left_behind(tag, wait_s=8.0) == []
+    finally:
+        hosts.close()
+        for folder in etc:
+            shutil.rmtree(folder, ignore_errors=True)
+        if made_etc:
+            shutil.rmtree("/etc/netns", ignore_errors=True)
