@@ -173,9 +173,12 @@ def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     assert job.left == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(250)
 def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joins(tmp_path):
-    """torchrun's --max-restarts starts the lost worker again; the lighthouse is started by hand, as documented."""
+    """torchrun's --max-restarts starts the lost worker again; the lighthouse is started by hand, as documented.
+
+    Slow (``pytest -m slow``): the two-host test below runs the same path in every root run of the suite."""
     tag = uuid.uuid4().hex
     logs = tmp_path / "logs"
     logs.mkdir()
