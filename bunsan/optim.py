@@ -360,7 +360,7 @@ def distribute(
 
         runtime.init()
     if _elastic_member.current() is not None:  # bunsan run --min-np: steps commit or drop together
-        return model, cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm))
+        return model, cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm, **algorithm_options))
     if isinstance(algorithm, str) or algorithm is None:
         options = {"group": group, **algorithm_options}
         algorithm = _algorithms.create(algorithm or "data_parallel", **options)

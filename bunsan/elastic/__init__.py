@@ -109,13 +109,21 @@ def epochs(total: int) -> Iterator[int]:
 _ALGORITHMS = ("DataParallelSGD", "data_parallel")
 
 
-def distribute(model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None) -> ElasticOptimizer:
+def distribute(
+    model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None, **options: Any
+) -> ElasticOptimizer:
     """:func:`bunsan.distribute` in an elastic job: exact data parallel SGD whose steps commit or drop together."""
     name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
-    exact = algorithm is None or (name in _ALGORITHMS and getattr(algorithm, "bits", 32) >= 32)
+    exact = algorithm is None or (
+        name in _ALGORITHMS
+        and getattr(algorithm, "bits", 32) >= 32
+        and getattr(algorithm, "compression", None) is None
+        and not options
+    )
     if not exact:
+        described = f"{algorithm!r}" + (f" with {options}" if options else "")
         raise NotImplementedError(
-            f"an elastic job (bunsan run --min-np) trains with exact DataParallelSGD; {algorithm!r} is not "
+            f"an elastic job (bunsan run --min-np) trains with exact DataParallelSGD(); {described} is not "
             "elastic yet: drop --min-np to use it, or use DataParallelSGD()"
         )
     return ElasticOptimizer(model, optimizer, _member())

@@ -75,6 +75,10 @@ def step(loaders, iterators, members: list[int], commit: bool = True) -> list[li
     return taken
 
 
+def flat(parts: list[list[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(parts))
+
+
 def test_part_bounds_cut_contiguous_parts_that_differ_by_one_at_most():
     for total, parts in itertools.product(range(0, 30), range(1, 7)):
         bounds = [part_bounds(total, parts, i) for i in range(parts)]
@@ -93,9 +97,9 @@ def test_a_dropped_step_is_trained_again_and_a_lost_member_loses_no_sample():
             seen.update(part)
     dropped = step(loaders, iterators, [0, 1, 2], commit=False)  # member 1 died in the exchange
     again = step(loaders, iterators, [0, 2])
-    assert sorted(sum(dropped, [])) == sorted(sum(again, []))  # the same 12 samples, cut in two
+    assert sorted(flat(dropped)) == sorted(flat(again))  # the same 12 samples, cut in two
     assert [len(p) for p in again] == [6, 6]
-    seen.update(sum(again, []))
+    seen.update(flat(again))
     while loaders[0].epoch == 0:
         for part in step(loaders, iterators, [0, 2]):
             seen.update(part)
@@ -160,6 +164,10 @@ def test_an_elastic_job_refuses_what_it_cannot_do_yet(monkeypatch):
         elastic.distribute(model, optimizer, bunsan.DataParallelSGD(bits=1))
     with pytest.raises(NotImplementedError, match="not elastic yet"):
         elastic.distribute(model, optimizer, "block_momentum")
+    with pytest.raises(NotImplementedError, match="not elastic yet"):
+        elastic.distribute(model, optimizer, bunsan.DataParallelSGD(compression="fp16"))
+    with pytest.raises(NotImplementedError, match=r"with \{'bits': 1\}"):
+        elastic.distribute(model, optimizer, "data_parallel", bits=1)
     with pytest.raises(ValueError, match="not num_workers"):
         bunsan.data.loader(dataset(10), 2, num_workers=2)
     made = elastic.distribute(model, optimizer, bunsan.DataParallelSGD())
