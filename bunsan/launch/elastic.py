@@ -23,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
+from bunsan.launch import blame
 from bunsan.launch.local import _Job, _start_worker, _stop_job
 from bunsan.launch.output import OutputPump
 from bunsan.launch.plan import JOB_ID_VARIABLE, JobOutcome, WorkerSpec, exit_code_of
@@ -58,14 +59,8 @@ def replica_name(job_id: str, rank: int, start: int) -> str:
 
 
 def describe_exit(rank: int, returncode: int) -> str:
-    """``rank 2 was killed by SIGKILL`` or ``rank 2 exited with code 1``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"rank {rank} was killed by {name}"
-    return f"rank {rank} exited with code {returncode}"
+    """``rank 2 was killed by SIGKILL (exit code 137)`` or ``rank 2 exited with code 1``."""
+    return f"rank {rank} {blame.describe_exit(returncode)}"
 
 
 def _start_lighthouse(min_np: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:

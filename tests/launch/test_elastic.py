@@ -87,6 +87,17 @@ def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
     assert set(by_step.values()) <= {global_batch, SAMPLES % global_batch}, by_step
 
 
+def assert_restarted_worker_joined(jobs: list, outputs: list[str], logs: Path, tag: str) -> None:
+    """Two torchruns, the second's worker killed and restarted: both end 0 and equal, every sample once."""
+    assert [job.returncode for job in jobs] == [0, 0], outputs
+    assert "joined at step" in outputs[1], outputs[1]
+    finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+    assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
+    steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+    assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
+    assert edges.left_behind(tag, wait_s=8.0) == []
+
+
 @pytest.mark.timeout(200)
 def test_two_workers_with_clipping_train_what_one_process_trains_on_the_global_batch(tmp_path):
     """The average is in place before backward() returns, so clipping sees the global batch's gradient."""
@@ -120,9 +131,10 @@ def test_rank_0_killed_mid_step_leaves_the_others_training_every_sample_once(tmp
     """Rank 0 included: the rendezvous is the launcher's lighthouse, not rank 0's store."""
     job = run_job(tmp_path, 3, 2, 150, KILL_RANK="0", KILL_STEP="13")
     assert job.code == 0, job.output
-    assert "bunsan run: rank 0 was killed by SIGKILL; the other 2 go on (--min-np 2)" in job.launcher_lines(), (
-        job.output
-    )
+    assert (
+        "bunsan run: rank 0 was killed by SIGKILL (exit code 137); the other 2 go on (--min-np 2)"
+        in job.launcher_lines()
+    ), job.output
     assert "[bunsan] step 13 was dropped on every worker" in job.output
     assert "[bunsan] the job goes on with 2 workers (it had 3)" in job.output
     assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
@@ -165,8 +177,8 @@ def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     job = run_job(tmp_path, 2, 2, 150, KILL_RANK="1", KILL_STEP="3", EPOCHS="1000")
     assert job.code == 137, job.output
     assert (
-        "bunsan run: rank 1 was killed by SIGKILL, and 1 worker(s) are left, fewer than --min-np 2; stopping the job"
-        in job.launcher_lines()
+        "bunsan run: rank 1 was killed by SIGKILL (exit code 137), and 1 worker(s) are left, fewer than --min-np 2; "
+        "stopping the job" in job.launcher_lines()
     ), job.output
     assert time.monotonic() - started < 120
     assert job.finals == []
@@ -212,13 +224,7 @@ def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joi
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
-    assert [job.returncode for job in jobs] == [0, 0], outputs
-    assert "joined at step" in outputs[1], outputs[1]
-    finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
-    assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
-    steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
-    assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
-    assert edges.left_behind(tag, wait_s=8.0) == []
+    assert_restarted_worker_joined(jobs, outputs, logs, tag)
 
 
 @pytest.mark.timeout(300)
@@ -279,13 +285,7 @@ def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_join
             outputs = [job.communicate()[0] for job in jobs]
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
-        assert [job.returncode for job in jobs] == [0, 0], outputs
-        assert "joined at step" in outputs[1], outputs[1]
-        finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
-        assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], finals
-        steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
-        assert_every_sample_once(Job(0, "", [], finals, steps), workers=2, epochs=10)
-        assert edges.left_behind(tag, wait_s=8.0) == []
+        assert_restarted_worker_joined(jobs, outputs, logs, tag)
     finally:
         hosts.close()
         for folder in etc:

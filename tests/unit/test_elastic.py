@@ -181,7 +181,7 @@ def test_the_launcher_gives_each_start_of_a_slot_its_own_name_and_no_fixed_group
     assert "MASTER_PORT" not in env and env["X"] == "y"
     assert env["BUNSAN_ELASTIC_REPLICA"] == replica_name("j1", 1, 3) == "j1-1-3"
     assert (env["BUNSAN_ELASTIC_NP"], env["BUNSAN_ELASTIC_MIN_NP"], env["BUNSAN_RESTART"]) == ("4", "2", "3")
-    assert describe_exit(2, -9) == "rank 2 was killed by SIGKILL"
+    assert describe_exit(2, -9) == "rank 2 was killed by SIGKILL (exit code 137)"
     assert describe_exit(0, 3) == "rank 0 exited with code 3"
 
 
