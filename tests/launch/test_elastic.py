@@ -87,6 +87,16 @@ def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
     assert set(by_step.values()) <= {global_batch, SAMPLES % global_batch}, by_step
 
 
+def outputs_of(jobs: list, timeout_s: float = 200) -> list[str]:
+    """Each job's output once it ends; past ``timeout_s`` every job is killed (the assertions then say why)."""
+    try:
+        return [job.communicate(timeout=timeout_s)[0] for job in jobs]
+    except subprocess.TimeoutExpired:
+        for job in jobs:
+            job.kill()
+        return [job.communicate()[0] for job in jobs]
+
+
 def assert_restarted_worker_joined(jobs: list, outputs: list[str], logs: Path, tag: str) -> None:
     """Two torchruns, the second's worker killed and restarted: both end 0 and equal, every sample once."""
     assert [job.returncode for job in jobs] == [0, 0], outputs
@@ -215,12 +225,7 @@ def test_under_torchrun_one_torchrun_per_worker_restarts_the_lost_one_and_it_joi
             )
             for extra in ({}, {"KILL_RANK": "0", "KILL_STEP": "3"})
         ]
-        try:
-            outputs = [job.communicate(timeout=200)[0] for job in jobs]
-        except subprocess.TimeoutExpired:
-            for job in jobs:
-                job.kill()
-            outputs = [job.communicate()[0] for job in jobs]
+        outputs = outputs_of(jobs)
     finally:
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
@@ -277,12 +282,7 @@ def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_join
                 f"hostname elastic-h{i + 1}; exec {torchrun}",
             ]
             jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        try:
-            outputs = [job.communicate(timeout=200)[0] for job in jobs]
-        except subprocess.TimeoutExpired:
-            for job in jobs:
-                job.kill()
-            outputs = [job.communicate()[0] for job in jobs]
+        outputs = outputs_of(jobs)
         lighthouse.terminate()
         lighthouse.wait(timeout=30)
         assert_restarted_worker_joined(jobs, outputs, logs, tag)
