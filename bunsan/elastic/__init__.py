@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from bunsan import _allocator
+from bunsan.elastic.blocks import ElasticBlockOptimizer
 from bunsan.elastic.loader import ElasticLoader, part_bounds
 from bunsan.elastic.member import Member, current, join, leave, requested
 from bunsan.elastic.optimizer import ElasticOptimizer
@@ -33,6 +34,7 @@ from bunsan.environment import WorldInfo
 from bunsan.errors import ConfigurationError
 
 __all__ = [
+    "ElasticBlockOptimizer",
     "ElasticLoader",
     "ElasticOptimizer",
     "Member",
@@ -107,12 +109,26 @@ def epochs(total: int) -> Iterator[int]:
 
 
 _ALGORITHMS = ("DataParallelSGD", "data_parallel")
+_BLOCKS = ("block_momentum", "model_averaging")
 
 
 def distribute(
     model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None, **options: Any
-) -> ElasticOptimizer:
-    """:func:`bunsan.distribute` in an elastic job: exact data parallel SGD whose steps commit or drop together."""
+) -> ElasticOptimizer | ElasticBlockOptimizer:
+    """:func:`bunsan.distribute` in an elastic job: exact data parallel SGD whose steps commit or drop together,
+    or a block algorithm whose blocks do (:class:`ElasticBlockOptimizer`)."""
+    from bunsan import algorithms
+    from bunsan.algorithms.blockwise import BlockwiseSGD
+
+    if isinstance(algorithm, str) and algorithm in _BLOCKS:
+        algorithm, options = algorithms.create(algorithm, **options), {}
+    if isinstance(algorithm, BlockwiseSGD) and not options:
+        if algorithm.warm_start:
+            raise NotImplementedError(
+                f"an elastic job (bunsan run --min-np) runs {type(algorithm).__name__} without a warm start for "
+                f"now; drop warm_start={algorithm.warm_start}, or drop --min-np to use it"
+            )
+        return ElasticBlockOptimizer(model, optimizer, _member(), algorithm)
     name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
     exact = algorithm is None or (
         name in _ALGORITHMS
@@ -123,8 +139,8 @@ def distribute(
     if not exact:
         described = f"{algorithm!r}" + (f" with {options}" if options else "")
         raise NotImplementedError(
-            f"an elastic job (bunsan run --min-np) trains with exact DataParallelSGD(); {described} is not "
-            "elastic yet: drop --min-np to use it, or use DataParallelSGD()"
+            f"an elastic job (bunsan run --min-np) trains with exact DataParallelSGD(), BlockMomentumSGD or "
+            f"ModelAveragingSGD; {described} is not elastic yet: drop --min-np to use it"
         )
     return ElasticOptimizer(model, optimizer, _member())
 

@@ -67,9 +67,10 @@ class ElasticLoader:
         self._member = member
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
-        self._pending: int | None = None  # the size of the global batch handed out and not yet committed
+        self._pending = 0  # samples handed out since the last commit (a step's, or a block's batches)
         member.register(name or member.unique_name("loader"), self.state_dict, self.load_state_dict)
         member.on_commit(self._committed)
+        member.on_drop(self._dropped)
 
     def __len__(self) -> int:
         """Steps per epoch."""
@@ -83,12 +84,15 @@ class ElasticLoader:
         return 0 if self.drop_last else left
 
     def _committed(self) -> None:
-        if self._pending is None:
+        if not self._pending:
             return
         self.cursor += self._pending
-        self._pending = None
+        self._pending = 0
         if self._batch_size_at(self.cursor) == 0:  # the epoch is used up
             self.epoch, self.cursor = self.epoch + 1, 0
+
+    def _dropped(self) -> None:
+        self._pending = 0  # the next quorum trains the same samples again
 
     def order(self) -> torch.Tensor:
         """The permutation of epoch :attr:`epoch` (the same on every worker)."""
@@ -103,24 +107,27 @@ class ElasticLoader:
         return self._order
 
     def __iter__(self) -> Iterator[Any]:
-        self._pending = None
         epoch: int | None = None
         while True:
             if epoch is not None and self.epoch != epoch:
                 return  # the last step of the epoch committed
-            self._member.begin_step()  # a joiner's position arrives here
+            self._member.begin_step()  # a joiner's position arrives here; inside a block, the block's quorum
             epoch = self.epoch if epoch is None else epoch
             if self.epoch != epoch:
                 return
             members, rank = self._member.size(), self._member.rank()
-            size = self._batch_size_at(self.cursor)
+            size = self._batch_size_at(self.cursor + self._pending)
             if size < members:  # nothing left for every member: the epoch ends (drop_last's rule)
-                self.epoch, self.cursor = self.epoch + 1, 0
+                if self._pending and self._member.flush():
+                    continue  # a block in flight ended with the epoch: committed, or dropped and done again
+                self.epoch, self.cursor, self._pending = self.epoch + 1, 0, 0
                 return
             start, stop = part_bounds(size, members, rank)
-            indices = self.order()[self.cursor + start : self.cursor + stop]
+            first = self.cursor + self._pending
+            indices = self.order()[first + start : first + stop]
             self._member.share = (stop - start) * members / size
-            self._pending = size
+            self._pending += size
+            self._member.step_samples += size
             yield self._fetch(indices)
 
     def _fetch(self, indices: torch.Tensor) -> Any:
@@ -136,4 +143,4 @@ class ElasticLoader:
         """Continue at ``state``'s position; the data set must have as many samples as the one it came from."""
         if int(state["samples"]) != self.samples:
             raise ValueError(f"the position is for {state['samples']} samples, this data set has {self.samples}")
-        self.epoch, self.cursor, self._pending = int(state["epoch"]), int(state["cursor"]), None
+        self.epoch, self.cursor, self._pending = int(state["epoch"]), int(state["cursor"]), 0

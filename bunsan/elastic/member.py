@@ -93,8 +93,12 @@ class Member:
         timeout = timedelta(seconds=timeout_s or float(os.environ.get("BUNSAN_TIMEOUT") or TIMEOUT_S))
         self._states: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._commit_hooks: list[Callable[[], None]] = []
+        self._drop_hooks: list[Callable[[], None]] = []
+        self._flush: Callable[[], None] | None = None  # ends a block in flight (bunsan.elastic.blocks)
+        self.step_samples = 0  # global samples the loaders handed out in this step (a block: all its batches)
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         group = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        self._group = group
         self.manager = Manager(
             pg=group,
             load_state_dict=self._load_state,
@@ -138,6 +142,24 @@ class Member:
     def on_commit(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` after every committed step (before the optimizer's next use)."""
         self._commit_hooks.append(hook)
+
+    def on_drop(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every dropped step."""
+        self._drop_hooks.append(hook)
+
+    def on_flush(self, end_step: Callable[[], None]) -> None:
+        """``end_step()`` ends a step that spans several batches (a block) before its planned end: a loader
+        calls :meth:`flush` at the end of its epoch. One per member."""
+        if self._flush is not None:
+            raise ValueError("one block optimizer per elastic job: bunsan.distribute was called twice")
+        self._flush = end_step
+
+    def flush(self) -> bool:
+        """End the step in flight now if it spans batches; whether there was one to end."""
+        if self._flush is None or not self.in_step:
+            return False
+        self._flush()
+        return True
 
     def _state(self) -> dict[str, Any]:
         return {name: get() for name, (get, _) in self._states.items()}
@@ -192,12 +214,17 @@ class Member:
         failed = self.manager.errored()
         committed = bool(self.manager.should_commit())
         self.in_step = False
+        if not committed:
+            # A member blocked in the exchange on this one (a ring's far side of a dead peer) waits for its
+            # data until the group's timeout; closing this member's end of the group fails that wait now, so
+            # every survivor asks for the next quorum within the heartbeat timeout, not the join timeout.
+            self._group.abort()
         if not committed:  # said by the next quorum's first member: this step's may be the one that died
             cause = str(getattr(failed, "original_exception", failed) or "a member failed").splitlines()[0][:200]
             self._dropped = f"step {self.step_count()} was dropped on every worker ({cause}); this quorum does it again"
-        if committed:
-            for hook in self._commit_hooks:
-                hook()
+        self.step_samples = 0
+        for hook in self._commit_hooks if committed else self._drop_hooks:
+            hook()
         if self._trace is not None:
             self._trace.write(f"{time.time():.6f} {self.step_count()} {int(committed)} {self.size()}\n")
             self._trace.flush()

@@ -7,6 +7,8 @@ committed, the job's committed count). ``KILL_RANK``/``KILL_STEP``: that slot's 
 after the forward pass of its step ``KILL_STEP`` (mid-step: the others' exchange, in their backward, fails); ``KILL_ON_DROP``: that
 slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery);
 ``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size.
+``ALGORITHM=name:K``: ``block_momentum`` or ``model_averaging`` in blocks of ``K`` batches per worker; each
+block's batches are logged when it commits (the member's commit hook), forgotten when it is dropped.
 """
 
 from __future__ import annotations
@@ -39,9 +41,13 @@ def main() -> None:
     bunsan.init()
     data, model = data_and_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, optimizer = bunsan.distribute(model, optimizer)
-    loader = bunsan.data.loader(data, batch_size=int(os.environ.get("BATCH", "20")), shuffle=True)
+    batch = int(os.environ.get("BATCH", "20"))
+    algorithm, _, blocks = os.environ.get("ALGORITHM", "").partition(":")
+    options = {"block_size": int(blocks) * batch} if algorithm else {}
+    model, optimizer = bunsan.distribute(model, optimizer, algorithm or None, **options)
+    loader = bunsan.data.loader(data, batch_size=batch, shuffle=True)
     member = bunsan.elastic.current()
+    in_block: list[dict] = []  # a block's batches until it commits
     log_dir = Path(os.environ["LOG_DIR"])
     restart = os.environ.get("BUNSAN_RESTART") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
     first_start = restart == "0"
@@ -51,19 +57,31 @@ def main() -> None:
     kill_step, pause = int(os.environ.get("KILL_STEP", "-1")), float(os.environ.get("STEP_SLEEP", "0"))
     committed = 0
     with open(log_dir / f"{member.replica}.jsonl", "w") as log:
+
+        def block_committed() -> None:
+            for record in in_block:
+                log.write(json.dumps({**record, "step": member.step_count()}) + "\n")
+            log.flush()
+            in_block.clear()
+
+        if algorithm:
+            member.on_commit(block_committed)
+            member.on_drop(in_block.clear)
         for epoch in bunsan.epochs(int(os.environ.get("EPOCHS", "4"))):
             for xb, yb, ids in loader:
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(xb), yb)
                 if kill and member.step_count() == kill_step:
                     os.kill(os.getpid(), signal.SIGKILL)  # before its backward: the others' exchange fails
+                if algorithm:  # before step(), which may end the block
+                    in_block.append({"epoch": epoch, "ids": ids.tolist()})
                 loss.backward()
                 if clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # sees the global batch's gradient
                 optimizer.step()
                 if not optimizer.committed and first_start and bunsan.rank() == kill_on_drop:
                     os.kill(os.getpid(), signal.SIGKILL)  # a second death while the group is rebuilt
-                if optimizer.committed:
+                if optimizer.committed and not algorithm:
                     committed += 1
                     log.write(json.dumps({"epoch": epoch, "step": member.step_count(), "ids": ids.tolist()}) + "\n")
                     log.flush()

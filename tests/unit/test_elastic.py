@@ -18,6 +18,7 @@ import bunsan
 from bunsan import elastic
 from bunsan.elastic import ElasticLoader, part_bounds
 from bunsan.elastic import member as member_module
+from bunsan.elastic.blocks import block_filter
 from bunsan.launch.config import LaunchConfig, UsageError
 from bunsan.launch.elastic import describe_exit, elastic_environment, replica_name
 from bunsan.launch.plan import WorkerSpec
@@ -30,8 +31,10 @@ class FakeMember:
         self.start_size, self.min_size = start_size, 1
         self.states: dict = {}
         self.hooks: list = []
+        self.drop_hooks: list = []
         self.members, self.index = start_size, 0
         self.share, self.in_step, self.epoch_source = 1.0, False, None
+        self.step_samples, self.end_step, self.ok = 0, None, True
 
     def register(self, name, get, load):
         assert name not in self.states
@@ -43,6 +46,18 @@ class FakeMember:
     def on_commit(self, hook):
         self.hooks.append(hook)
 
+    def on_drop(self, hook):
+        self.drop_hooks.append(hook)
+
+    def on_flush(self, end_step):
+        self.end_step = end_step
+
+    def flush(self):
+        if self.end_step is None or not self.in_step:
+            return False
+        self.end_step()
+        return True
+
     def begin_step(self):
         self.in_step = True
 
@@ -52,11 +67,14 @@ class FakeMember:
     def rank(self):
         return self.index
 
-    def commit(self, ok: bool = True) -> bool:
-        self.in_step = False
-        if ok:
-            for hook in self.hooks:
-                hook()
+    def allreduce_mean(self, tensors):
+        assert self.members == 1  # one member: its own values are the mean
+
+    def commit(self, ok: bool | None = None) -> bool:
+        ok = self.ok if ok is None else ok
+        self.in_step, self.step_samples = False, 0
+        for hook in self.hooks if ok else self.drop_hooks:
+            hook()
         return ok
 
 
@@ -162,8 +180,8 @@ def test_an_elastic_job_refuses_what_it_cannot_do_yet(monkeypatch):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(NotImplementedError, match="not elastic yet"):
         elastic.distribute(model, optimizer, bunsan.DataParallelSGD(bits=1))
-    with pytest.raises(NotImplementedError, match="not elastic yet"):
-        elastic.distribute(model, optimizer, "block_momentum")
+    with pytest.raises(NotImplementedError, match="without a warm start"):
+        elastic.distribute(model, optimizer, bunsan.BlockMomentumSGD(block_size=8, warm_start=16))
     with pytest.raises(NotImplementedError, match="not elastic yet"):
         elastic.distribute(model, optimizer, bunsan.DataParallelSGD(compression="fp16"))
     with pytest.raises(NotImplementedError, match=r"with \{'bits': 1\}"):
@@ -197,3 +215,72 @@ def test_the_launcher_gives_each_start_of_a_slot_its_own_name_and_no_fixed_group
 def test_min_np_is_checked(options, message):
     with pytest.raises(UsageError, match=message):
         LaunchConfig(command=("t.py",), **options)
+
+
+def test_a_blocks_batches_move_the_position_on_together_and_a_dropped_block_is_trained_again():
+    member = FakeMember(2)
+    loader = ElasticLoader(member, dataset(40), batch_size=5, shuffle=False)  # global batches of 10
+    batches = iter(loader)
+    first = [next(batches)[0].tolist() for _ in range(3)]  # a block of three steps: one quorum
+    assert first == [list(range(0, 5)), list(range(10, 15)), list(range(20, 25))]
+    assert member.step_samples == 30 and loader.cursor == 0
+    member.commit(False)  # a member died: the block is dropped
+    assert loader.cursor == 0 and member.step_samples == 0
+    assert next(iter(loader))[0].tolist() == list(range(0, 5))  # the next quorum trains it again
+    member.commit(True)
+    assert loader.cursor == 10
+
+
+def test_a_block_in_flight_ends_with_the_epoch():
+    member = FakeMember(2)
+    ended = []
+    member.on_flush(lambda: ended.append(member.step_samples) or member.commit(True))
+    loader = ElasticLoader(member, dataset(35), batch_size=5, shuffle=False)  # 3 full global batches, then 5
+    seen = [x.tolist() for (x,) in loader]  # no step() ends the block: the epoch's end does
+    assert seen[-1] == [30, 31, 32] and len(seen) == 4
+    assert ended == [35] and (loader.epoch, loader.cursor) == (1, 0)
+
+
+def test_the_block_filter_is_the_jobs_at_its_starting_size():
+    bmuf = block_filter(bunsan.BlockMomentumSGD(block_size=64), workers=4)
+    assert bmuf(64.0) == pytest.approx((0.75, 0.25 * 4 * 0.5))  # bm 1 - 1/4, block learning rate 1/sqrt(4)
+    bm, gain = bmuf(32.0)  # half a block forgets half as much, in log scale
+    assert bm == pytest.approx(0.75**0.5) and gain == pytest.approx((1 - 0.75**0.5) * 4 * 0.5)
+    named = block_filter(bunsan.BlockMomentumSGD(block_size=64, block_momentum=0.9, block_learning_rate=1.0), 4)
+    assert named(64.0) == pytest.approx((0.9, 0.1 * 4))
+    assert block_filter(bunsan.ModelAveragingSGD(block_size=64), 4)(10.0) == (0.0, 1.0)
+
+
+def test_a_block_optimizer_filters_a_committed_block_and_rolls_a_dropped_one_back(monkeypatch):
+    member = FakeMember(2)
+    member.members = 1  # one member left of a job started with 2: its change is the block's average
+    monkeypatch.setattr(member_module, "_member", member)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = elastic.distribute(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bunsan.BlockMomentumSGD(block_size=4)
+    )
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+    def local_step():
+        member.begin_step()
+        member.step_samples += 8  # what the loader counts: the global samples of a whole block
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    member.ok = False
+    local_step()  # a full block (4 samples per worker at 2 workers), dropped
+    for p, s in zip(model.parameters(), start, strict=True):
+        assert torch.equal(p, s)
+    assert not any(optimizer.optimizer.state.values())  # the momentum of the dropped block is gone too
+    member.ok = True
+    local_step()
+    bm, gain = 0.5, (1 - 0.5) * 2 * 2**-0.5  # N = 2: bm 1/2, block learning rate 1/sqrt(2)
+    for p, s, w in zip(model.parameters(), start, optimizer.global_model, strict=True):
+        assert p.grad is not None
+        local = s - 0.1 * p.grad  # the first SGD step: momentum buffer = gradient
+        torch.testing.assert_close(w, s + gain * (local - s))
+        torch.testing.assert_close(p.detach(), w + bm * gain * (local - s))  # Nesterov's look-ahead
+    assert optimizer.blocks == 1 and not any(optimizer.optimizer.state.values())  # local momentum reset
