@@ -70,8 +70,9 @@ def run_job(tmp_path: Path, np: int, min_np: int, timeout_s: float = 150, *optio
     return Job(process.returncode, output, left, finals, steps)
 
 
-def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
-    """Every epoch's committed steps, over every worker that ever ran, train each of its samples once."""
+def assert_every_sample_once(job: Job, workers: int, epochs: int, blocks: bool = False) -> None:
+    """Every epoch's committed steps, over every worker that ever ran, train each of its samples once
+    (``blocks``: a step is a block of several global batches)."""
     global_batch = BATCH * workers
     per_epoch = (SAMPLES // global_batch) * global_batch + (SAMPLES % global_batch)
     by_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
@@ -84,7 +85,8 @@ def assert_every_sample_once(job: Job, workers: int, epochs: int) -> None:
     for epoch, counts in by_epoch.items():
         assert set(counts.values()) == {1}, (epoch, [i for i, n in counts.items() if n != 1][:10])
         assert len(counts) == per_epoch, (epoch, len(counts))
-    assert set(by_step.values()) <= {global_batch, SAMPLES % global_batch}, by_step
+    if not blocks:
+        assert set(by_step.values()) <= {global_batch, SAMPLES % global_batch}, by_step
 
 
 def outputs_of(jobs: list, timeout_s: float = 200) -> list[str]:
@@ -178,6 +180,63 @@ def test_a_restarted_worker_joins_with_a_live_peers_state(tmp_path):
     assert job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
     assert {f["steps"] for f in job.finals} == {10 * 15}, job.finals  # global batch 40: 15 steps an epoch
     assert_every_sample_once(job, workers=2, epochs=10)
+    assert job.left == []
+
+
+@pytest.mark.timeout(200)
+def test_block_momentum_on_two_workers_trains_what_its_equations_give_on_the_global_batches(tmp_path):
+    """BMUF (Chen & Huo 2016) at N = 2 by hand: each worker's SGD on its half of each global batch, a block
+    of 4 batches, the epoch's last block 3 (15 batches an epoch), Nesterov's look-ahead, momentum reset."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.launch.elastic_job import data_and_model
+
+    job = run_job(tmp_path, 2, 2, 150, EPOCHS="2", ALGORITHM="block_momentum:4")
+    assert job.code == 0, job.output
+    data, model = data_and_model()
+    x, y, _ = data.tensors
+    start = [p.detach().clone() for p in model.parameters()]
+    global_model, momentum = [s.clone() for s in start], [torch.zeros_like(s) for s in start]
+    bm0, rate = 0.5, 2**-0.5  # the defaults at 2 workers: 1 - 1/N and 1/sqrt(N)
+    for epoch in range(2):
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
+        batches = [order[i : i + 2 * BATCH] for i in range(0, SAMPLES, 2 * BATCH)]
+        for first in range(0, len(batches), 4):
+            block, changes = batches[first : first + 4], []
+            for half in (0, 1):
+                with torch.no_grad():
+                    for p, s in zip(model.parameters(), start, strict=True):
+                        p.copy_(s)
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                for index in block:
+                    part = index[half * BATCH : (half + 1) * BATCH]
+                    optimizer.zero_grad()
+                    F.cross_entropy(model(x[part]), y[part]).backward()
+                    optimizer.step()
+                changes.append([p.detach() - s for p, s in zip(model.parameters(), start, strict=True)])
+            bm = bm0 ** (len(block) / 4)
+            for i in range(len(start)):
+                momentum[i] = bm * momentum[i] + (1 - bm) * 2 * rate * (changes[0][i] + changes[1][i]) / 2
+                global_model[i] = global_model[i] + momentum[i]
+                start[i] = global_model[i] + bm0 * momentum[i]
+    trained = [torch.load(p) for p in sorted((tmp_path / "logs").glob("model-*.pt"))]
+    assert len(trained) == 2
+    for state in trained:
+        for value, expected in zip(state.values(), start, strict=True):
+            torch.testing.assert_close(value, expected, rtol=0, atol=2e-6)
+    assert_every_sample_once(job, workers=2, epochs=2, blocks=True)
+
+
+@pytest.mark.timeout(200)
+def test_a_worker_killed_mid_block_leaves_the_others_training_the_block_again(tmp_path):
+    """Model averaging in blocks of 3 batches on 3 workers; rank 0 dies at the first batch of the third block."""
+    job = run_job(tmp_path, 3, 2, 150, ALGORITHM="model_averaging:3", KILL_RANK="0", KILL_STEP="2")
+    assert job.code == 0, job.output
+    assert "[bunsan] step 2 was dropped on every worker" in job.output
+    assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
+    assert {f["steps"] for f in job.finals} == {4 * 4}, job.finals  # 10 batches an epoch: blocks of 3, 3, 3, 1
+    assert_every_sample_once(job, workers=3, epochs=4, blocks=True)
     assert job.left == []
 
 
