@@ -23,6 +23,7 @@ from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
 from bunsan._validate import check_type
 from bunsan.algorithms import measure as _measure
 from bunsan.algorithms.base import Algorithm
+from bunsan.algorithms.blockwise import BlockwiseSGD
 from bunsan.algorithms.buffers import synced_buffer_modules
 from bunsan.comm import (
     broadcast_tensors,
@@ -31,6 +32,7 @@ from bunsan.comm import (
     global_rank,
     is_initialized,
 )
+from bunsan.elastic import blocks as elastic_blocks
 from bunsan.elastic import member as _elastic_member
 from bunsan.errors import CheckpointError
 from bunsan.model_checks import check_same_model, check_same_values
@@ -353,13 +355,19 @@ def distribute(
         ModelMismatchError: the ranks' models differ (names, shapes or dtypes).
     """
     check_type("model", model, nn.Module, hint="torch.nn.Module")
-    if not is_initialized():
+    member = _elastic_member.current()
+    if member is None and not is_initialized():
         # Join the job from the launcher's variables, as bunsan.init() would; a lone
         # process becomes a job of one. A script that forgot init() still does the right thing.
         from bunsan import runtime
 
         runtime.init()
-    if _elastic_member.current() is not None:  # bunsan run --min-np: steps commit or drop together
+        member = _elastic_member.current()
+    if member is not None:  # bunsan run --min-np: steps (a block algorithm's blocks) commit or drop together
+        if isinstance(algorithm, str) and algorithm in ("block_momentum", "model_averaging"):
+            algorithm, algorithm_options = _algorithms.create(algorithm, **algorithm_options), {}
+        if isinstance(algorithm, BlockwiseSGD) and not algorithm_options:
+            return model, cast(DistributedOptimizer, elastic_blocks.distribute(model, optimizer, member, algorithm))
         return model, cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm, **algorithm_options))
     if isinstance(algorithm, str) or algorithm is None:
         options = {"group": group, **algorithm_options}

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from bunsan import _allocator
-from bunsan.elastic.blocks import ElasticBlockOptimizer
 from bunsan.elastic.loader import ElasticLoader, part_bounds
 from bunsan.elastic.member import Member, current, join, leave, requested
 from bunsan.elastic.optimizer import ElasticOptimizer
@@ -34,7 +33,6 @@ from bunsan.environment import WorldInfo
 from bunsan.errors import ConfigurationError
 
 __all__ = [
-    "ElasticBlockOptimizer",
     "ElasticLoader",
     "ElasticOptimizer",
     "Member",
@@ -109,26 +107,13 @@ def epochs(total: int) -> Iterator[int]:
 
 
 _ALGORITHMS = ("DataParallelSGD", "data_parallel")
-_BLOCKS = ("block_momentum", "model_averaging")
 
 
 def distribute(
     model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None, **options: Any
-) -> ElasticOptimizer | ElasticBlockOptimizer:
-    """:func:`bunsan.distribute` in an elastic job: exact data parallel SGD whose steps commit or drop together,
-    or a block algorithm whose blocks do (:class:`ElasticBlockOptimizer`)."""
-    from bunsan import algorithms
-    from bunsan.algorithms.blockwise import BlockwiseSGD
-
-    if isinstance(algorithm, str) and algorithm in _BLOCKS:
-        algorithm, options = algorithms.create(algorithm, **options), {}
-    if isinstance(algorithm, BlockwiseSGD) and not options:
-        if algorithm.warm_start:
-            raise NotImplementedError(
-                f"an elastic job (bunsan run --min-np) runs {type(algorithm).__name__} without a warm start for "
-                f"now; drop warm_start={algorithm.warm_start}, or drop --min-np to use it"
-            )
-        return ElasticBlockOptimizer(model, optimizer, _member(), algorithm)
+) -> ElasticOptimizer:
+    """:func:`bunsan.distribute` in an elastic job with exact data parallel SGD: steps commit or drop together.
+    (:func:`bunsan.distribute` sends the block algorithms to :func:`bunsan.elastic.blocks.distribute`.)"""
     name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
     exact = algorithm is None or (
         name in _ALGORITHMS

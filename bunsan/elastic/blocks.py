@@ -41,7 +41,19 @@ from bunsan.algorithms.bmuf import (
 )
 from bunsan.elastic.member import Member
 
-__all__ = ["ElasticBlockOptimizer", "block_filter"]
+__all__ = ["ElasticBlockOptimizer", "block_filter", "distribute"]
+
+
+def distribute(
+    model: nn.Module, optimizer: torch.optim.Optimizer, member: Member, algorithm: BlockwiseSGD
+) -> ElasticBlockOptimizer:
+    """:func:`bunsan.distribute` of a block algorithm in an elastic job (module docstring)."""
+    if algorithm.warm_start:
+        raise NotImplementedError(
+            f"an elastic job (bunsan run --min-np) runs {type(algorithm).__name__} without a warm start for "
+            f"now; drop warm_start={algorithm.warm_start}, or drop --min-np to use it"
+        )
+    return ElasticBlockOptimizer(model, optimizer, member, algorithm)
 
 
 def block_filter(algorithm: BlockwiseSGD, workers: int) -> Callable[[float], tuple[float, float]]:

@@ -181,7 +181,7 @@ def test_an_elastic_job_refuses_what_it_cannot_do_yet(monkeypatch):
     with pytest.raises(NotImplementedError, match="not elastic yet"):
         elastic.distribute(model, optimizer, bunsan.DataParallelSGD(bits=1))
     with pytest.raises(NotImplementedError, match="without a warm start"):
-        elastic.distribute(model, optimizer, bunsan.BlockMomentumSGD(block_size=8, warm_start=16))
+        bunsan.distribute(model, optimizer, bunsan.BlockMomentumSGD(block_size=8, warm_start=16))
     with pytest.raises(NotImplementedError, match="not elastic yet"):
         elastic.distribute(model, optimizer, bunsan.DataParallelSGD(compression="fp16"))
     with pytest.raises(NotImplementedError, match=r"with \{'bits': 1\}"):
@@ -258,7 +258,7 @@ def test_a_block_optimizer_filters_a_committed_block_and_rolls_a_dropped_one_bac
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     start = [p.detach().clone() for p in model.parameters()]
-    optimizer = elastic.distribute(
+    _, optimizer = bunsan.distribute(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), bunsan.BlockMomentumSGD(block_size=4)
     )
     x, y = torch.randn(8, 3), torch.randn(8, 1)
