@@ -55,6 +55,7 @@ class ElasticOptimizer(torch.optim.Optimizer):
 
     def _on_backward_end(self) -> None:
         self._queued = False
+        self.committed = False  # until step() commits: a step GradScaler skips never does
         self.member.begin_step()  # a loop that feeds its own batches: the step's quorum starts here
         self._average_gradients()
         self._averaged = True

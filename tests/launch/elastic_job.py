@@ -9,6 +9,8 @@ slot's first worker SIGKILLs itself as soon as a step of its is dropped (a secon
 ``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size.
 ``ALGORITHM=name:K``: ``block_momentum`` or ``model_averaging`` in blocks of ``K`` batches per worker; each
 block's batches are logged when it commits (the member's commit hook), forgotten when it is dropped.
+``SCALER=1``: a ``GradScaler`` (registered for joiners) scales the loss, unscales before clipping;
+``INF_STEP``: slot 0 makes its loss infinite once, at that step, so every worker skips it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def main() -> None:
     kill_on_drop = int(os.environ.get("KILL_ON_DROP", "-1"))
     kill_step, pause = int(os.environ.get("KILL_STEP", "-1")), float(os.environ.get("STEP_SLEEP", "0"))
     committed = 0
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if os.environ.get("SCALER") else None
+    if scaler is not None:
+        bunsan.elastic.register("scaler", scaler)
+    inf_step = int(os.environ.get("INF_STEP", "-1"))
     with open(log_dir / f"{member.replica}.jsonl", "w") as log:
 
         def block_committed() -> None:
@@ -75,10 +81,18 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)  # before its backward: the others' exchange fails
                 if algorithm:  # before step(), which may end the block
                     in_block.append({"epoch": epoch, "ids": ids.tolist()})
-                loss.backward()
+                if member.step_count() == inf_step and bunsan.rank() == 0 and first_start:
+                    loss, inf_step = loss * float("inf"), -1  # the averaged gradient is infinite on every worker
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
                 if clip:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # sees the global batch's gradient
-                optimizer.step()
+                if scaler is None:
+                    optimizer.step()
+                else:
+                    scaler.step(optimizer)  # skips the step if the averaged gradient is not finite
+                    scaler.update()
                 if not optimizer.committed and first_start and bunsan.rank() == kill_on_drop:
                     os.kill(os.getpid(), signal.SIGKILL)  # a second death while the group is rebuilt
                 if optimizer.committed and not algorithm:

@@ -111,26 +111,34 @@ def assert_restarted_worker_joined(jobs: list, outputs: list[str], logs: Path, t
 
 
 @pytest.mark.timeout(200)
-def test_two_workers_with_clipping_train_what_one_process_trains_on_the_global_batch(tmp_path):
-    """The average is in place before backward() returns, so clipping sees the global batch's gradient."""
+def test_two_workers_with_clipping_and_a_grad_scaler_train_what_one_process_trains_on_the_global_batch(tmp_path):
+    """The average is in place before backward() returns, so clipping sees the global batch's gradient, and
+    GradScaler finds the same infinite average on every worker: all skip that step (the 6th) alike."""
     import torch
     import torch.nn.functional as F
 
     from tests.launch.elastic_job import data_and_model
 
-    job = run_job(tmp_path, 2, 2, 150, EPOCHS="2", CLIP="0.05")
+    job = run_job(tmp_path, 2, 2, 150, EPOCHS="2", CLIP="0.05", SCALER="1", INF_STEP="5")
     assert job.code == 0, job.output
     data, model = data_and_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     x, y, _ = data.tensors
+    batches = 0
     for epoch in range(2):
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch))
         for start in range(0, SAMPLES, 2 * BATCH):
             index = order[start : start + 2 * BATCH]
             optimizer.zero_grad()
-            F.cross_entropy(model(x[index]), y[index]).backward()
+            loss = F.cross_entropy(model(x[index]), y[index]) * (float("inf") if batches == 5 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
+            batches += 1
+    assert scaler.get_scale() == 2.0**7  # the one skipped step halved it
     trained = [torch.load(p) for p in sorted((tmp_path / "logs").glob("model-*.pt"))]
     assert len(trained) == 2
     for state in trained:
