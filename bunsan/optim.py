@@ -316,6 +316,21 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | Non
     return None
 
 
+def _distribute_elastic(
+    model: nn.Module, optimizer: torch.optim.Optimizer, member: Any, algorithm: Any, options: dict[str, Any]
+) -> DistributedOptimizer:
+    """:func:`distribute` in an elastic job (:mod:`bunsan.elastic`)."""
+    if isinstance(algorithm, str):
+        algorithm = _algorithms.create(algorithm, **options)
+    elif options:
+        raise TypeError(
+            f"options {sorted(options)} are for a name-built algorithm; pass them to {type(algorithm).__name__}(...)"
+        )
+    if isinstance(algorithm, BlockwiseSGD):
+        return cast(DistributedOptimizer, elastic_blocks.distribute(model, optimizer, member, algorithm))
+    return cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm))
+
+
 def distribute(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -364,11 +379,7 @@ def distribute(
         runtime.init()
         member = _elastic_member.current()
     if member is not None:  # bunsan run --min-np: steps (a block algorithm's blocks) commit or drop together
-        if isinstance(algorithm, str) and algorithm in ("block_momentum", "model_averaging"):
-            algorithm, algorithm_options = _algorithms.create(algorithm, **algorithm_options), {}
-        if isinstance(algorithm, BlockwiseSGD) and not algorithm_options:
-            return model, cast(DistributedOptimizer, elastic_blocks.distribute(model, optimizer, member, algorithm))
-        return model, cast(DistributedOptimizer, elastic.distribute(model, optimizer, algorithm, **algorithm_options))
+        return model, _distribute_elastic(model, optimizer, member, algorithm, algorithm_options)
     if isinstance(algorithm, str) or algorithm is None:
         options = {"group": group, **algorithm_options}
         algorithm = _algorithms.create(algorithm or "data_parallel", **options)

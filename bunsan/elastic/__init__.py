@@ -29,12 +29,14 @@ from bunsan import _allocator
 from bunsan.elastic.loader import ElasticLoader, part_bounds
 from bunsan.elastic.member import Member, current, join, leave, requested
 from bunsan.elastic.optimizer import ElasticOptimizer
+from bunsan.elastic.quantized import ElasticQuantizedOptimizer
 from bunsan.environment import WorldInfo
 from bunsan.errors import ConfigurationError
 
 __all__ = [
     "ElasticLoader",
     "ElasticOptimizer",
+    "ElasticQuantizedOptimizer",
     "Member",
     "current",
     "distribute",
@@ -106,28 +108,23 @@ def epochs(total: int) -> Iterator[int]:
         yield epoch
 
 
-_ALGORITHMS = ("DataParallelSGD", "data_parallel")
-
-
 def distribute(
-    model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None, **options: Any
-) -> ElasticOptimizer:
-    """:func:`bunsan.distribute` in an elastic job with exact data parallel SGD: steps commit or drop together.
-    (:func:`bunsan.distribute` sends the block algorithms to :func:`bunsan.elastic.blocks.distribute`.)"""
-    name = algorithm if isinstance(algorithm, str) else type(algorithm).__name__
-    exact = algorithm is None or (
-        name in _ALGORITHMS
-        and getattr(algorithm, "bits", 32) >= 32
-        and getattr(algorithm, "compression", None) is None
-        and not options
+    model: nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any = None
+) -> ElasticOptimizer | ElasticQuantizedOptimizer:
+    """:func:`bunsan.distribute` in an elastic job with ``DataParallelSGD``: exact, or quantized with error
+    feedback (``bits < 32``); its steps commit or drop together. (:func:`bunsan.distribute` builds a
+    name-given algorithm first, and sends the block algorithms to :func:`bunsan.elastic.blocks.distribute`.)"""
+    if algorithm is None:
+        return ElasticOptimizer(model, optimizer, _member())
+    if type(algorithm).__name__ == "DataParallelSGD" and algorithm.compression is None and not algorithm.warm_start:
+        if algorithm.bits >= 32:
+            return ElasticOptimizer(model, optimizer, _member())
+        return ElasticQuantizedOptimizer(model, optimizer, _member(), algorithm)
+    raise NotImplementedError(
+        f"an elastic job (bunsan run --min-np) trains with DataParallelSGD (exact or bits < 32, without "
+        f"compression or warm_start), BlockMomentumSGD or ModelAveragingSGD; {algorithm!r} is not elastic yet: "
+        "drop --min-np to use it"
     )
-    if not exact:
-        described = f"{algorithm!r}" + (f" with {options}" if options else "")
-        raise NotImplementedError(
-            f"an elastic job (bunsan run --min-np) trains with exact DataParallelSGD(), BlockMomentumSGD or "
-            f"ModelAveragingSGD; {described} is not elastic yet: drop --min-np to use it"
-        )
-    return ElasticOptimizer(model, optimizer, _member())
 
 
 _LOADER_OPTIONS = ("shuffle", "seed", "drop_last", "collate_fn")

@@ -189,8 +189,11 @@ class ElasticBlockOptimizer(torch.optim.Optimizer):
             p.copy_(s)
         for b, s in zip(self._buffers, self.start_buffers, strict=True):
             b.copy_(s)
-        if not self.committed:
+        if not self.committed:  # the state as at the block's start; the hyperparameters as they are now
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_start))
+            for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
+                group.update(values)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

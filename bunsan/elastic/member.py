@@ -209,6 +209,21 @@ class Member:
         for work in works:
             work.wait()
 
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (the same shape on each), in quorum-rank order; a failure shows in
+        :meth:`commit` (the result is then zeros)."""
+        outputs = [torch.zeros_like(tensor) for _ in range(self.size())]
+        if self.manager.errored() or self.size() == 1:
+            outputs[0].copy_(tensor)
+            return outputs
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        try:
+            self._group.allgather([outputs], [tensor], AllgatherOptions()).wait()
+        except Exception as error:  # a dead peer: the step is dropped on every member
+            self.manager.report_error(error)
+        return outputs
+
     def commit(self) -> bool:
         """Whether every member's exchange went through: then the step counts, else it is dropped everywhere."""
         failed = self.manager.errored()

@@ -8,7 +8,8 @@ after the forward pass of its step ``KILL_STEP`` (mid-step: the others' exchange
 slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery);
 ``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size.
 ``ALGORITHM=name:K``: ``block_momentum`` or ``model_averaging`` in blocks of ``K`` batches per worker; each
-block's batches are logged when it commits (the member's commit hook), forgotten when it is dropped.
+block's batches are logged when it commits (the member's commit hook), forgotten when it is dropped;
+``bits:K``: ``DataParallelSGD(bits=K)``, a step per batch.
 ``SCALER=1``: a ``GradScaler`` (registered for joiners) scales the loss, unscales before clipping;
 ``INF_STEP``: slot 0 makes its loss infinite once, at that step, so every worker skips it.
 """
@@ -45,8 +46,12 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = int(os.environ.get("BATCH", "20"))
     algorithm, _, blocks = os.environ.get("ALGORITHM", "").partition(":")
-    options = {"block_size": int(blocks) * batch} if algorithm else {}
-    model, optimizer = bunsan.distribute(model, optimizer, algorithm or None, **options)
+    if algorithm == "bits":  # DataParallelSGD(bits=K): a step per batch, as exact
+        model, optimizer = bunsan.distribute(model, optimizer, bunsan.DataParallelSGD(bits=int(blocks)))
+        algorithm = ""
+    else:
+        options = {"block_size": int(blocks) * batch} if algorithm else {}
+        model, optimizer = bunsan.distribute(model, optimizer, algorithm or None, **options)
     loader = bunsan.data.loader(data, batch_size=batch, shuffle=True)
     member = bunsan.elastic.current()
     in_block: list[dict] = []  # a block's batches until it commits

@@ -249,6 +249,18 @@ def test_a_worker_killed_mid_block_leaves_the_others_training_the_block_again(tm
 
 
 @pytest.mark.timeout(200)
+def test_a_one_bit_job_killed_mid_step_goes_on_with_equal_replicas_and_every_sample_once(tmp_path):
+    """Quantized SGD with error feedback and local momentum: the dead worker's residual goes with it."""
+    job = run_job(tmp_path, 3, 2, 150, ALGORITHM="bits:1", KILL_RANK="1", KILL_STEP="9")
+    assert job.code == 0, job.output
+    assert "[bunsan] step 9 was dropped on every worker" in job.output
+    assert len(job.finals) == 2 and job.finals[0]["digest"] == job.finals[1]["digest"], job.finals
+    assert {f["steps"] for f in job.finals} == {4 * 10}, job.finals
+    assert_every_sample_once(job, workers=3, epochs=4)
+    assert job.left == []
+
+
+@pytest.mark.timeout(200)
 def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     started = time.monotonic()
     job = run_job(tmp_path, 2, 2, 150, KILL_RANK="1", KILL_STEP="3", EPOCHS="1000")

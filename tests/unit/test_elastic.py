@@ -67,6 +67,10 @@ class FakeMember:
     def rank(self):
         return self.index
 
+    def allgather(self, tensor):
+        assert self.members == 1
+        return [tensor.clone()]
+
     def allreduce_mean(self, tensors):
         assert self.members == 1  # one member: its own values are the mean
 
@@ -178,18 +182,25 @@ def test_an_elastic_job_refuses_what_it_cannot_do_yet(monkeypatch):
     monkeypatch.setattr(member_module, "_member", fake)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NotImplementedError, match="not elastic yet"):
-        elastic.distribute(model, optimizer, bunsan.DataParallelSGD(bits=1))
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(NotImplementedError, match="1-bit Adam is not elastic yet"):
+        bunsan.distribute(model, adam, bunsan.DataParallelSGD(bits=1))
     with pytest.raises(NotImplementedError, match="without a warm start"):
         bunsan.distribute(model, optimizer, bunsan.BlockMomentumSGD(block_size=8, warm_start=16))
     with pytest.raises(NotImplementedError, match="not elastic yet"):
-        elastic.distribute(model, optimizer, bunsan.DataParallelSGD(compression="fp16"))
-    with pytest.raises(NotImplementedError, match=r"with \{'bits': 1\}"):
-        elastic.distribute(model, optimizer, "data_parallel", bits=1)
+        bunsan.distribute(model, optimizer, bunsan.DataParallelSGD(compression="fp16"))
+    with pytest.raises(NotImplementedError, match="not elastic yet"):
+        bunsan.distribute(model, optimizer, bunsan.DataParallelSGD(bits=1, warm_start=64))
+    with pytest.raises(NotImplementedError, match="not elastic yet"):
+        bunsan.distribute(model, optimizer, "auto")
+    with pytest.raises(TypeError, match="name-built"):
+        bunsan.distribute(model, optimizer, bunsan.DataParallelSGD(), bits=1)
     with pytest.raises(ValueError, match="not num_workers"):
         bunsan.data.loader(dataset(10), 2, num_workers=2)
     made = elastic.distribute(model, optimizer, bunsan.DataParallelSGD())
     assert made.param_groups is optimizer.param_groups and set(fake.states) == {"model0", "optimizer0"}
+    _, quantized = bunsan.distribute(model, optimizer, "data_parallel", bits=1)
+    assert isinstance(quantized, elastic.ElasticQuantizedOptimizer) and "quantized0" in fake.states
     assert isinstance(bunsan.data.loader(dataset(10), 2, False), ElasticLoader)
 
 
@@ -284,3 +295,40 @@ def test_a_block_optimizer_filters_a_committed_block_and_rolls_a_dropped_one_bac
         torch.testing.assert_close(w, s + gain * (local - s))
         torch.testing.assert_close(p.detach(), w + bm * gain * (local - s))  # Nesterov's look-ahead
     assert optimizer.blocks == 1 and not any(optimizer.optimizer.state.values())  # local momentum reset
+
+
+def test_a_quantized_step_sends_the_momentum_with_its_residual_and_shows_the_gradient(monkeypatch):
+    member = FakeMember(2)
+    member.members = 1
+    monkeypatch.setattr(member_module, "_member", member)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 1)
+    start = [p.detach().clone() for p in model.parameters()]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    _, optimizer = bunsan.distribute(model, sgd, bunsan.DataParallelSGD(bits=8))
+    x, y = torch.randn(16, 64), torch.randn(16, 1)
+
+    def step():
+        member.begin_step()
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()  # the exchange runs at the end of backward
+        return [p.grad.clone() for p in model.parameters()]
+
+    member.ok = False
+    shown = step()
+    optimizer.step()  # dropped: nothing moves, no residual or momentum is kept
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), start, strict=True))
+    assert optimizer.residuals == {} and optimizer.job_momentum == {}
+    member.ok = True
+    shown = step()
+    reference = torch.nn.Linear(64, 1)
+    reference.load_state_dict(dict(zip(("weight", "bias"), start, strict=True)))
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    for seen, p in zip(shown, reference.parameters(), strict=True):  # the gradient, up to 8-bit rounding
+        torch.testing.assert_close(seen, p.grad, rtol=0, atol=0.02 * float(p.grad.abs().max()))
+    optimizer.step()
+    sent = torch.cat([(p.grad + 0.01 * s).reshape(-1) for p, s in zip(reference.parameters(), start, strict=True)])
+    kept = optimizer.residuals[-1]
+    moved = torch.cat([(s - p.detach()).reshape(-1) / 0.1 for p, s in zip(model.parameters(), start, strict=True)])
+    torch.testing.assert_close(moved + kept, sent, rtol=0, atol=1e-5)  # error feedback: nothing lost, delayed
+    assert sgd.param_groups[0]["momentum"] == 0.9 and not any(sgd.state.values())  # momentum held, not used
