@@ -19,8 +19,10 @@ The arithmetic of the pool is here and pure (docs/how-to/elastic.md, "Growing th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -81,13 +83,23 @@ def run_discovery(path: str, timeout_s: float = DISCOVERY_TIMEOUT_S) -> list[Hos
     """
     name = f"the discovery script {quoted(path, MAX_QUOTED_PATH)}"
     try:
-        done = subprocess.run(
-            [os.path.abspath(path)], capture_output=True, timeout=timeout_s, stdin=subprocess.DEVNULL, check=False
+        process = subprocess.Popen(
+            [os.path.abspath(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # on a timeout its children go too: they would hold its pipes open
         )
-    except subprocess.TimeoutExpired:
-        raise DiscoveryError(f"{name} did not finish within {timeout_s:.0f} s") from None
     except OSError as err:
         raise DiscoveryError(f"{name} cannot be run ({err.strerror}); it must be an executable file") from None
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise DiscoveryError(f"{name} did not finish within {timeout_s:.0f} s") from None
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["nothing on stderr"]
         raise DiscoveryError(f"{name} exited with code {done.returncode} ({said[0][:200]})")

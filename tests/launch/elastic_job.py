@@ -74,7 +74,7 @@ def main() -> None:
                 if member.size() < member.start_size:
                     time.sleep(pause)  # short of a worker: give the restarted one time to join
                 if member.step_count() >= grow_at and member.size() < grow_to and time.monotonic() < grow_until:
-                    time.sleep(0.1)  # the group is to grow: give the new worker time to join
+                    time.sleep(0.5)  # the group is to grow: give the new worker time to join
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     final = {"rank": bunsan.rank(), "digest": digest, "committed": committed, "steps": member.step_count()}
     (log_dir / f"final-{member.replica}.json").write_text(json.dumps(final))

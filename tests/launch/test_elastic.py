@@ -292,3 +292,39 @@ def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_join
             shutil.rmtree(folder, ignore_errors=True)
         if made_etc:
             shutil.rmtree("/etc/netns", ignore_errors=True)
+
+
+@pytest.mark.timeout(200)
+def test_the_group_grows_onto_the_slot_a_discovery_script_adds_and_the_new_worker_trains_in_step(tmp_path):
+    """-np 2 --max-np 3: once the job trains, the script's output says garbage, then localhost:3; the third
+    worker joins with a live peer's model, optimizer and loader state, and the job ends with three equal
+    replicas, every sample once per epoch (the global batch stays 2 x 20), nothing left behind."""
+    import threading
+
+    pool = tmp_path / "pool"
+    pool.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {pool}\n")
+    script.chmod(0o755)
+
+    def rewrite() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not any(p.stat().st_size for p in tmp_path.glob("logs/*.jsonl")):
+            time.sleep(0.1)
+        pool.write_text("not a host!\n")
+        time.sleep(2.5)
+        pool.write_text("localhost:3\n")
+
+    threading.Thread(target=rewrite, daemon=True).start()
+    options = ("--max-np", "3", "--host-discovery-script", str(script))
+    job = run_job(tmp_path, 2, 1, 150, *options, GROW_TO="3", GROW_AT="3")
+    assert job.code == 0, job.output
+    lines = job.launcher_lines()
+    assert "bunsan run: the group grows: rank 2 starts on localhost (3 running, --max-np 3)" in lines, job.output
+    assert any("printed 'not a host!' on line 1" in line and "goes on with the hosts it has" in line for line in lines)
+    assert "[bunsan] the job goes on with 3 workers (it had 2)" in job.output, job.output
+    assert "-2-0 joined at step" in job.output, job.output
+    assert len(job.finals) == 3 and len({f["digest"] for f in job.finals}) == 1, job.finals
+    assert {f["steps"] for f in job.finals} == {4 * 15}, job.finals  # global batch 40: 15 steps an epoch
+    assert_every_sample_once(job, workers=2, epochs=4)
+    assert job.left == []
