@@ -1,13 +1,17 @@
-"""``bunsan run -np N --min-np M``: an elastic job on this machine that goes on when a worker dies.
+"""``bunsan run -np N --min-np M [--max-np X]``: an elastic job that goes on when a worker dies, and grows.
 
 The launcher starts torchft's lighthouse (:mod:`bunsan.elastic.lighthouse`) as a process of the job, so the
 rendezvous outlives every worker, rank 0 included; then the workers, each a quorum member of its own
-(:mod:`bunsan.elastic`). When a worker ends with an error or a signal the others go on: the launcher says
-which one and how, and while ``--max-restarts`` allows it, starts the slot again, and the new worker joins
-at the next step with the state of a live peer. The job ends when every slot has ended: with 0 if every
-worker still in it exited 0, else with the first failure's code. It stops early, with one sentence, when
-fewer than ``M`` workers are left running (no step could commit). Everything the job started is ended on
-the way out, as for any ``bunsan run`` job (:mod:`bunsan.launch.proctree`).
+(:mod:`bunsan.elastic`), on the slots of the job's pool (this machine, ``-H``/``--hostfile`` or a discovery
+script: :mod:`bunsan.launch.discovery`; other hosts' workers start through :mod:`bunsan.launch.elastic_hosts`).
+When a worker ends with an error or a signal the others go on: the launcher says which one and how, and
+while ``--max-restarts`` allows it, starts the slot again on a free slot of the pool, and the new worker
+joins at the next step with the state of a live peer. While fewer than ``--max-np`` workers run, free slots
+of the pool get new workers, which join the same way (docs/how-to/elastic.md, "Growing the group"). The job
+ends when every slot has ended: with 0 if every worker still in it exited 0, else with the first failure's
+code. It stops early, with one sentence, when fewer than ``M`` workers are left running (no step could
+commit). Everything the job started, grown workers included, is ended on the way out, as for any
+``bunsan run`` job (:mod:`bunsan.launch.proctree`).
 """
 
 from __future__ import annotations
