@@ -183,3 +183,25 @@ def test_time_is_monotonic_for_the_interval():  # the interval does not jump wit
     growth = Growth([], 1, discover=lambda: [], interval_s=60.0)
     growth.refresh(lambda _: None)
     assert growth.next_at > time.monotonic() + 50
+
+
+def test_a_remote_agent_tells_the_launcher_once_that_its_worker_joined_and_removes_the_folder_it_made(tmp_path):
+    from bunsan.launch.remote import _JoinedMarks
+
+    told = []
+
+    class Outbox:
+        def status(self, event, **fields):
+            told.append((event, fields))
+
+    folder = tmp_path / "marks"
+    marks = _JoinedMarks(str(folder), Outbox())  # the launcher's folder is on another machine: made here
+    assert folder.is_dir()
+    (folder / "joined-j-2-0").write_text("1")
+    marks.poll()
+    marks.next_at = 0.0
+    marks.poll()
+    assert told == [("joined", {"replica": "j-2-0"})]
+    marks.close()
+    assert not folder.exists()
+    _JoinedMarks(None, Outbox()).poll()  # a job that is not elastic: nothing to watch
