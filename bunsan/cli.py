@@ -332,13 +332,16 @@ def _run(args: argparse.Namespace) -> int:
         )
         return local.run_job(specs, job_id, tag_output=config.tag_output)
 
-    if config.min_np is not None:  # elastic: the job goes on without a lost worker (bunsan.launch.elastic)
-        from bunsan.launch import elastic
+    if config.min_np is not None:  # elastic: goes on without a lost worker, grows (bunsan.launch.elastic_hosts)
+        from bunsan.launch import elastic_hosts
 
-        specs = jobs.plan_workers(slots, argv, base_env, "127.0.0.1", 0, job_id)
-        return elastic.run_elastic_job(
-            specs, job_id, config.min_np, config.max_restarts, tag_output=config.tag_output, log=say
-        ).code
+        try:
+            code = elastic_hosts.run_from_config(config, hosts, exports, base_env, job_id, is_local, ssh_options, say)
+        except ValueError as err:
+            return fail(str(err))
+        if remote:
+            cleanup.remove_job_record(job_id)
+        return code
     outcome = local.run_attempts(attempt, config.max_restarts, say)
     if outcome.unconfirmed:
         say(

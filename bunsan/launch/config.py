@@ -144,6 +144,10 @@ class LaunchConfig(RemoteSettings):
             to this many times after a worker fails.
         min_np: ``--min-np``: an elastic job (:mod:`bunsan.launch.elastic`) that goes on while at least
             this many workers remain; ``None``: a worker's failure ends the job.
+        max_np: ``--max-np``: the most workers an elastic job holds (it grows onto free slots of its
+            pool, :mod:`bunsan.launch.discovery`); ``None`` means ``-np``.
+        host_discovery_script: ``--host-discovery-script``: an executable that prints the elastic job's
+            pool, one ``HOST:SLOTS`` line per host; ``None``: the pool is ``-H``/``--hostfile``, or this machine.
         job_id: The job's id; ``None`` makes a fresh one.
         cleanup: End what is left of a job (``--job-id``, or every job whose
             launcher is gone) on its hosts, instead of launching one.
@@ -164,6 +168,8 @@ class LaunchConfig(RemoteSettings):
     env_file: str | None = None
     max_restarts: int = 0
     min_np: int | None = None
+    max_np: int | None = None
+    host_discovery_script: str | None = None
     job_id: str | None = None
     cleanup: bool = False
     oversubscribe: bool = False
@@ -342,11 +348,27 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 
 def _check_elastic(config: LaunchConfig) -> None:
+    """The rules of --min-np, --max-np and --host-discovery-script (docs/how-to/elastic.md)."""
     if config.min_np is None:
+        for value, flag in ((config.max_np, "--max-np"), (config.host_discovery_script, "--host-discovery-script")):
+            if value is not None:
+                raise UsageError(f"{flag} is for elastic jobs and needs --min-np, e.g. -np 4 --min-np 2 {flag} ...")
         return
     if config.min_np < 1 or (config.nproc is not None and config.min_np > config.nproc):
         raise UsageError(f"--min-np must be between 1 and -np ({config.nproc}), got {config.min_np}")
     if config.nproc is None:
         raise UsageError("--min-np needs -np: the job's starting number of workers")
-    if config.hosts is not None or config.hostfile is not None:
-        raise UsageError("--min-np runs on this machine only for now; drop -H/--hostfile or --min-np")
+    if config.max_np is not None and config.max_np < config.nproc:
+        raise UsageError(f"--max-np must be >= -np ({config.nproc}), got {config.max_np}")
+    if config.host_discovery_script is not None:
+        if config.hosts is not None or config.hostfile is not None:
+            raise UsageError("--host-discovery-script and -H/--hostfile were both given; use one of them")
+        if not config.host_discovery_script.strip():
+            raise UsageError("--host-discovery-script is empty; give the path of an executable")
+    elif (
+        config.max_np is not None and config.max_np > config.nproc and config.hosts is None and config.hostfile is None
+    ):
+        raise UsageError(
+            f"--max-np {config.max_np} needs slots to grow onto; give -H/--hostfile with more than -np slots, "
+            "or --host-discovery-script"
+        )

@@ -170,6 +170,24 @@ RUN_OPTIONS = (
         default="default: not elastic",
     ),
     Option(
+        "max_np",
+        ("--max-np",),
+        "elastic job: grow up to N workers onto free slots of -H/--hostfile or of --host-discovery-script",
+        "N",
+        int,
+        "a whole number",
+        env=False,
+        default="default: -np",
+    ),
+    Option(
+        "host_discovery_script",
+        ("--host-discovery-script",),
+        "elastic job: an executable that prints one HOST:SLOTS line per host that may run workers; run at the "
+        "start and every 2 s, the job grows onto new slots up to --max-np",
+        "PATH",
+        env=False,
+    ),
+    Option(
         "job_id",
         ("--job-id",),
         "the job's id, which every worker carries as BUNSAN_JOB_ID; with --cleanup, the job to clean up",

@@ -4,7 +4,8 @@ Protocol (private between the launcher and the agent of the same version):
 
 * launcher to agent, on stdin: one JSON object per line. First ``init``
   (what to run, see :class:`AgentInit`), then ``start`` with
-  ``master_addr`` and ``master_port``, ``ping`` every second, and ``stop``
+  ``master_addr`` and ``master_port`` (and, for an elastic job's worker,
+  ``env``: variables only known once the agent is ready), ``ping`` every second, and ``stop``
   with the signal to forward.
 * agent to launcher, on stdout: frames ``KIND RANK LENGTH\\n`` followed by
   ``LENGTH`` bytes (:func:`encode_frame`, :class:`FrameDecoder`). ``o`` and
@@ -15,7 +16,8 @@ Protocol (private between the launcher and the agent of the same version):
   about to exit and the job will end because of it), ``failed`` (a worker
   failed, with the time, sent before the others are stopped; ``origin`` false
   when it only stopped because a rank of another host failed) and ``done``
-  (the outcome, once every worker here is gone). The agent's own stderr is not framed: a traceback
+  (the outcome, once every worker here is gone); for an elastic job's worker
+  also ``joined`` (the replica that joined a quorum). The agent's own stderr is not framed: a traceback
   of the agent itself reaches the launcher's stderr as it is.
 """
 

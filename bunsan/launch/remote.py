@@ -36,6 +36,7 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -65,6 +66,7 @@ INIT_TIMEOUT_S = 60.0  # the launcher sends init right after starting ssh
 OUTBOX_STALL_S = 30.0  # output that cannot be sent for this long: the connection is gone
 FLUSH_AT_EXIT_S = 5.0
 _SIOCGIFADDR = 0x8915  # from <linux/sockios.h>
+_ELASTIC_DIR = "BUNSAN_ELASTIC_DIR"  # an elastic job's folder of joined marks (bunsan.launch.elastic_hosts)
 
 
 # ---------------------------------------------------------------------------
@@ -281,6 +283,35 @@ def _prepare(init: AgentInit, outbox: _Outbox | None = None) -> tuple[str | None
         return f"cannot bind port {init.check_port} on {host} ({err.strerror})", None
 
 
+class _JoinedMarks:
+    """An elastic worker's mark that it joined a quorum (``joined-<replica>`` files that
+    :mod:`bunsan.elastic.member` writes in ``BUNSAN_ELASTIC_DIR``), told to the launcher once each as a
+    ``joined`` status: the launcher's folder is on another machine. The folder is made here if missing and
+    then removed at the end."""
+
+    def __init__(self, folder: str | None, outbox: _Outbox) -> None:
+        self.folder, self.outbox, self.told = folder, outbox, set[str]()
+        self.made = bool(folder) and not os.path.isdir(str(folder))
+        self.next_at = 0.0
+        if self.made:
+            with contextlib.suppress(OSError):
+                os.makedirs(str(folder), mode=0o700)
+
+    def poll(self) -> None:
+        if not self.folder or time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + 0.5
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.folder):
+                if name.startswith("joined-") and name not in self.told:
+                    self.told.add(name)
+                    self.outbox.status("joined", replica=name[len("joined-") :])
+
+    def close(self) -> None:
+        if self.made and self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
     error, port = _prepare(init, outbox)
     if error is not None:
@@ -320,10 +351,17 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         return None
 
     master_addr, master_port = str(message["master_addr"]), int(message["master_port"])
+    base_env = {**_worker_base_env(init, master_addr, os.environ), **message.get("env", {})}
+    joined = _JoinedMarks(base_env.get(_ELASTIC_DIR), outbox)
+
+    def watch() -> int | None:
+        joined.poll()
+        return interrupt()
+
     specs = plan.plan_workers(
         _slots(init),
         init.argv,
-        _worker_base_env(init, master_addr, os.environ),
+        base_env,
         master_addr,
         master_port,
         init.job_id,
@@ -336,7 +374,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
         grace_s=init.grace_s,
         variable=plan.HOST_JOB_VARIABLE,
         sink=lambda rank, stream, data: outbox.send("o" if stream == 1 else "e", rank, data),
-        interrupt=interrupt,
+        interrupt=watch,
         log=outbox.message,
         stdin_to_rank0=False,
         # Reported at once, with the time: the launcher reports the earliest
@@ -352,6 +390,7 @@ def _run(init: AgentInit, inbox: _Inbox, outbox: _Outbox) -> int:
             else None
         ),
     )
+    joined.close()
     outbox.status(
         "done", code=outcome.code, kind=outcome.kind, rank=outcome.rank, cause=outcome.cause, origin=outcome.origin
     )

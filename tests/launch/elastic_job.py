@@ -6,7 +6,9 @@ at the end each worker writes ``$LOG_DIR/final-<replica>.json`` (a digest of its
 committed, the job's committed count). ``KILL_RANK``/``KILL_STEP``: that slot's first worker SIGKILLs itself
 after the forward pass of its step ``KILL_STEP`` (mid-step: the others' exchange, in their backward, fails); ``KILL_ON_DROP``: that
 slot's first worker SIGKILLs itself as soon as a step of its is dropped (a second death during the recovery);
-``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size.
+``STEP_SLEEP``: seconds to wait after each step while the group is short of its starting size;
+``GROW_TO``/``GROW_AT``: from committed step ``GROW_AT`` on, wait after each step (60 s at most) until the
+quorum has ``GROW_TO`` members (a group that grows, tests/launch/test_elastic.py).
 ``ALGORITHM=name:K``: ``block_momentum`` or ``model_averaging`` in blocks of ``K`` batches per worker; each
 block's batches are logged when it commits (the member's commit hook), forgotten when it is dropped;
 ``bits:K``: ``DataParallelSGD(bits=K)``, a step per batch.
@@ -62,6 +64,8 @@ def main() -> None:
     clip = float(os.environ.get("CLIP", "0"))
     kill_on_drop = int(os.environ.get("KILL_ON_DROP", "-1"))
     kill_step, pause = int(os.environ.get("KILL_STEP", "-1")), float(os.environ.get("STEP_SLEEP", "0"))
+    grow_to, grow_at = int(os.environ.get("GROW_TO", "0")), int(os.environ.get("GROW_AT", "0"))
+    grow_until = time.monotonic() + 60
     committed = 0
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if os.environ.get("SCALER") else None
     if scaler is not None:
@@ -106,6 +110,8 @@ def main() -> None:
                     log.flush()
                 if member.size() < member.start_size:
                     time.sleep(pause)  # short of a worker: give the restarted one time to join
+                if member.step_count() >= grow_at and member.size() < grow_to and time.monotonic() < grow_until:
+                    time.sleep(0.5)  # the group is to grow: give the new worker time to join
     digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
     final = {"rank": bunsan.rank(), "digest": digest, "committed": committed, "steps": member.step_count()}
     (log_dir / f"final-{member.replica}.json").write_text(json.dumps(final))

@@ -371,3 +371,106 @@ def test_between_two_hosts_the_lost_worker_is_restarted_by_its_torchrun_and_join
             shutil.rmtree(folder, ignore_errors=True)
         if made_etc:
             shutil.rmtree("/etc/netns", ignore_errors=True)
+
+
+@pytest.mark.timeout(200)
+def test_the_group_grows_onto_the_slot_a_discovery_script_adds_and_the_new_worker_trains_in_step(tmp_path):
+    """-np 2 --max-np 3: once the job trains, the script's output says garbage, then localhost:3; the third
+    worker joins with a live peer's model, optimizer and loader state, and the job ends with three equal
+    replicas, every sample once per epoch (the global batch stays 2 x 20), nothing left behind."""
+    import threading
+
+    pool = tmp_path / "pool"
+    pool.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {pool}\n")
+    script.chmod(0o755)
+
+    def rewrite() -> None:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not any(p.stat().st_size for p in tmp_path.glob("logs/*.jsonl")):
+            time.sleep(0.1)
+        pool.write_text("not a host!\n")
+        time.sleep(2.5)
+        pool.write_text("localhost:3\n")
+
+    threading.Thread(target=rewrite, daemon=True).start()
+    options = ("--max-np", "3", "--host-discovery-script", str(script))
+    job = run_job(tmp_path, 2, 1, 150, *options, GROW_TO="3", GROW_AT="3")
+    assert job.code == 0, job.output
+    lines = job.launcher_lines()
+    assert "bunsan run: the group grows: rank 2 starts on localhost (3 running, --max-np 3)" in lines, job.output
+    assert any("printed 'not a host!' on line 1" in line and "goes on with the hosts it has" in line for line in lines)
+    assert "[bunsan] the job goes on with 3 workers (it had 2)" in job.output, job.output
+    assert "-2-0 joined at step" in job.output, job.output
+    assert len(job.finals) == 3 and len({f["digest"] for f in job.finals}) == 1, job.finals
+    assert {f["steps"] for f in job.finals} == {4 * 15}, job.finals  # global batch 40: 15 steps an epoch
+    assert_every_sample_once(job, workers=2, epochs=4)
+    assert job.left == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_between_two_hosts_over_ssh_the_group_grows_onto_the_host_the_script_adds(tmp_path):
+    """The launcher in a namespace of its own, the workers on two hosts with sshd (tests/helpers/hosts.py):
+    -np 1 --max-np 2 on host 1, then the discovery script adds host 2, whose worker starts over ssh and heals
+    from host 1's. ``--remote-python`` gives each host its own host name (torchft's state transfer names the
+    host it serves from; the hosts' /etc/hosts resolve them). Slow (``pytest -m slow``): about a minute."""
+    import threading
+
+    from tests.helpers.hosts import HostsUnavailable, start_hosts
+
+    try:
+        hosts = start_hosts(tmp_path / "ssh", count=2)
+    except HostsUnavailable as err:
+        pytest.skip(f"no test hosts: {err}")
+    try:
+        if hosts.mode != "netns":
+            pytest.skip("needs network namespaces (root)")
+        python = tmp_path / "python.sh"
+        python.write_text(
+            "#!/bin/sh\n"
+            "addr=$(ip -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1)\n"
+            "name=$(getent hosts \"$addr\" | awk '{print $2}')\n"
+            f"export PYTHONPATH={JOB.parents[2]}\n"
+            f'exec unshare --uts sh -c \'hostname "$0" && exec "$@"\' "$name" {sys.executable} "$@"\n'
+        )
+        python.chmod(0o755)
+        pool = tmp_path / "pool"
+        pool.write_text(f"{hosts.names[0]}:1\n")
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {pool}\n")
+        script.chmod(0o755)
+        tag, logs = uuid.uuid4().hex, tmp_path / "logs"
+        logs.mkdir()
+
+        def add_host() -> None:
+            deadline = time.monotonic() + 200
+            while time.monotonic() < deadline and not any(p.stat().st_size for p in logs.glob("*.jsonl")):
+                time.sleep(0.1)
+            pool.write_text(f"{hosts.names[0]}:1\n{hosts.names[1]}:1\n")
+
+        threading.Thread(target=add_host, daemon=True).start()
+        exports = [f"-x{name}={value}" for name, value in dict(LOG_DIR=str(logs), GROW_TO="2", GROW_AT="3").items()]
+        command = [sys.executable, "-m", "bunsan", "run", *hosts.ssh_args(), "-np", "1", "--min-np", "1"]
+        command += ["--max-np", "2", "--host-discovery-script", str(script), "--remote-python", str(python)]
+        process = subprocess.Popen(
+            hosts.launcher([*command, *exports, f"-xEDGE_TAG={tag}", str(JOB)]),
+            cwd=tmp_path,
+            env=edges._env(tag),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        output = outputs_of([process], timeout_s=250)[0]
+        left = edges.left_behind(tag, wait_s=8.0)
+        finals = [json.loads(p.read_text()) for p in sorted(logs.glob("final-*.json"))]
+        steps = {p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in logs.glob("*.jsonl")}
+    finally:
+        hosts.close()
+    assert process.returncode == 0, output
+    assert f"bunsan run: the group grows: rank 1 starts on {hosts.names[1]} (2 running, --max-np 2)" in output
+    assert "-1-0 joined at step" in output, output
+    assert len(finals) == 2 and finals[0]["digest"] == finals[1]["digest"], (finals, output)
+    assert_every_sample_once(Job(0, "", [], finals, steps), workers=1, epochs=4)
+    assert left == []

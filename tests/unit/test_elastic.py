@@ -220,7 +220,12 @@ def test_the_launcher_gives_each_start_of_a_slot_its_own_name_and_no_fixed_group
         ({"nproc": 2, "min_np": 3}, "between 1 and -np"),
         ({"nproc": 2, "min_np": 0}, "between 1 and -np"),
         ({"min_np": 1}, "needs -np"),
-        ({"nproc": 2, "min_np": 1, "hosts": "a:2"}, "this machine only"),
+        ({"nproc": 2, "max_np": 3}, "--max-np is for elastic jobs and needs --min-np"),
+        ({"nproc": 2, "host_discovery_script": "d.sh"}, "--host-discovery-script is for elastic jobs"),
+        ({"nproc": 2, "min_np": 1, "max_np": 1}, r"--max-np must be >= -np \(2\), got 1"),
+        ({"nproc": 2, "min_np": 1, "max_np": 3}, "--max-np 3 needs slots to grow onto"),
+        ({"nproc": 2, "min_np": 1, "hosts": "a:2", "host_discovery_script": "d.sh"}, "both given"),
+        ({"nproc": 2, "min_np": 1, "host_discovery_script": " "}, "is empty"),
     ],
 )
 def test_min_np_is_checked(options, message):
