@@ -96,7 +96,8 @@ class TrainingSession(SessionControl):
         summary = session.train()
 
     Construction is collective (it calls :func:`bunsan.distribute`), and so is
-    :meth:`train`: every rank builds the session with the same arguments.
+    :meth:`train`: every rank builds the session with the same arguments. In an
+    elastic job (``bunsan run --min-np``) it needs no change: :mod:`bunsan.train.elastic_feed`.
 
     **Minibatches.** ``minibatch_size`` is the *global* minibatch (all workers
     together), a number or a schedule (:func:`bunsan.schedule`). Each worker
