@@ -104,7 +104,9 @@ class ElasticSessionOptimizer:
         self.algorithm = ElasticAlgorithm(member)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["elastic"], name)
+        if name == "elastic":  # not set yet (a copy being made): no delegation
+            raise AttributeError(name)
+        return getattr(self.elastic, name)
 
     def join(self) -> None:
         """Nothing to wait for: every step's members trained the same number of steps."""

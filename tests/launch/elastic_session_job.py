@@ -7,8 +7,9 @@ cross-validation at each epoch's end with a callback that halves the rate and ke
 ``extra_state`` and in its own ``state_dict``), checkpoints and a final test. A callback appends each
 committed step's epoch and the ids this worker trained to ``$LOG_DIR/<replica>.jsonl``; at the end each
 worker writes ``final-<replica>.json`` and ``model-<replica>.pt``. ``KILL_RANK``/``KILL_STEP``: that slot's
-first worker SIGKILLs itself in its loss of the job's step ``KILL_STEP`` (mid-step); ``STEP_SLEEP``: seconds
-to wait after each step while the job is short of its starting size (time for a restarted worker to join).
+first worker SIGKILLs itself in its loss of the job's step ``KILL_STEP`` (mid-step); ``WAIT_JOIN``: while the
+job is short of its starting size, a step ends only once a restarted worker is about to train (it writes
+``ready-<replica>`` before ``train()``), and then ``STEP_SLEEP`` seconds later, time for it to join a quorum.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class HalveAndKeepBest:
 
 
 class LogSteps(Callback):
-    def __init__(self, log, model: Net, pause: float) -> None:
-        self.log, self.model, self.pause = log, model, pause
+    def __init__(self, log, model: Net, out: Path) -> None:
+        self.log, self.model, self.out = log, model, out
+        self.wait, self.pause = bool(os.environ.get("WAIT_JOIN")), float(os.environ.get("STEP_SLEEP", "0"))
 
     def on_step_end(self, session: TrainingSession, samples: int) -> None:
         if self.log is not None:
@@ -81,8 +83,11 @@ class LogSteps(Callback):
             self.log.flush()
         self.model.seen = []
         member = bunsan.elastic.current()
-        if member is not None and member.size() < member.start_size:
-            time.sleep(self.pause)  # short of a worker: give the restarted one time to join
+        if self.wait and member is not None and member.size() < member.start_size:
+            deadline = time.monotonic() + 120  # short of a worker: give the restarted one time to join
+            while not any(self.out.glob("ready-*")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(self.pause)
 
 
 def main() -> None:
@@ -120,9 +125,11 @@ def main() -> None:
             cross_validation=CrossValidation(tensors(50, seed=2), callback=control, minibatch_size=16),
             test=Test(tensors(70, seed=3), minibatch_size=32),
             progress=member is not None,
-            callbacks=[LogSteps(log, model, float(os.environ.get("STEP_SLEEP", "0")))],
+            callbacks=[LogSteps(log, model, out)],
         )
         control.session = session
+        if restart != "0":
+            (out / f"ready-{name}").write_text("")
         summary = session.train()
     params = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     final = {

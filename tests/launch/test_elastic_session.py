@@ -94,7 +94,16 @@ def test_a_session_goes_on_without_a_killed_worker_and_its_restart_joins_at_the_
     tmp_path, monkeypatch
 ):
     job = run_session_job(
-        tmp_path, monkeypatch, 3, 2, "--max-restarts", "1", KILL_RANK="1", KILL_STEP="3", STEP_SLEEP="0.5"
+        tmp_path,
+        monkeypatch,
+        3,
+        2,
+        "--max-restarts",
+        "1",
+        KILL_RANK="1",
+        KILL_STEP="3",
+        WAIT_JOIN="1",
+        STEP_SLEEP="0.2",
     )
     assert job.code == 0, job.output
     lines = job.launcher_lines()
