@@ -27,7 +27,8 @@ class Quorum:
 
     start_size = min_size = 1
 
-    def __init__(self, drops: tuple[int, ...] = (), heal: dict | None = None) -> None:
+    def __init__(self, drops: tuple[int, ...] = (), heal: dict | None = None, members: int = 1, rank: int = 0) -> None:
+        self.members, self.index = members, rank
         self.states: dict = {}
         self.drops, self.heal = set(drops), dict(heal or {})
         self.tries, self.in_step, self.share, self.epoch_source = 0, False, 1.0, None
@@ -53,10 +54,10 @@ class Quorum:
         self.snapshots.append(copy.deepcopy({name: get() for name, (get, _) in self.states.items()}))
 
     def size(self):
-        return 1
+        return self.members
 
     def rank(self):
-        return 0
+        return self.index
 
     def allreduce_mean(self, tensors):
         pass
@@ -150,3 +151,15 @@ def test_a_worker_that_receives_a_peers_later_state_plans_again_from_it(monkeypa
     summary = joiner.train()
     assert same(outcome(joiner, summary), expected)
     assert summary.steps == straight.steps and joiner.learning_rate_per_sample == straight.learning_rate_per_sample
+
+
+def test_a_member_whose_part_is_empty_sends_zeros_and_counts_the_step(monkeypatch):
+    """A global minibatch of 2 on 3 members: the third trains nothing, takes part in both exchanges, commits."""
+    quorum = Quorum(members=3, rank=2)
+    session = elastic_session(monkeypatch, quorum, max_samples=6)
+    session.minibatch_schedule = schedule(2)
+    before = [p.detach().clone() for p in session.model.parameters()]
+    summary = session.train()
+    assert (summary.samples, summary.steps, quorum.tries) == (6, 3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, session.model.parameters(), strict=True))  # zeros sent
+    assert all(p.grad is not None and not p.grad.any() for p in session.model.parameters())
