@@ -253,6 +253,14 @@ class Member:
         """Stop taking part (the lighthouse drops this worker from the next quorum)."""
         self.manager.shutdown(wait=False)
 
+    def allreduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each tensor by the members' sum of it, in place; a failure shows in :meth:`commit`."""
+        from torch.distributed import ReduceOp
+
+        works = [self.manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
+        for work in works:
+            work.wait()
+
 
 def _mark_joined(replica: str) -> None:
     """Tell the launcher that this worker is in a quorum (a file in ``BUNSAN_ELASTIC_DIR``): a worker that has

@@ -118,8 +118,10 @@ class ProgressPrinter(Callback):
         if not session.is_main:
             return
         where = f", restored from {session.restored_from}" if session.restored_from else ""
+        elastic = getattr(session, "elastic", None)
+        workers = session.world_size if elastic is None else elastic.member.size()
         self._write(
-            f"training on {session.world_size} worker(s) with {session.algorithm!r}: "
+            f"training on {workers} worker(s) with {session.algorithm!r}: "
             f"{session.samples_per_epoch} samples per epoch{where}"
         )
 

@@ -62,8 +62,10 @@ class SessionControl:
 
     @property
     def is_main(self) -> bool:
-        """True on rank 0 of the session's group: the rank that prints and writes files."""
-        return self.rank == 0
+        """True on rank 0 of the session's group (in an elastic job, of the step's quorum): the rank that prints
+        and writes files."""
+        elastic = getattr(self, "elastic", None)
+        return self.rank == 0 if elastic is None else elastic.member.rank() == 0
 
     @property
     def learning_rate_schedule(self) -> Schedule | None:

@@ -43,6 +43,7 @@ from bunsan import comm
 from bunsan._validate import check_int, check_type
 from bunsan.algorithms.base import Algorithm
 from bunsan.optim import DistributedOptimizer, distribute
+from bunsan.train import elastic_feed
 from bunsan.train.callbacks import Callback, standard_callbacks
 from bunsan.train.checkpoint.files import Checkpoint
 from bunsan.train.checkpoint.session_state import restore_session, save_session
@@ -95,7 +96,8 @@ class TrainingSession(SessionControl):
         summary = session.train()
 
     Construction is collective (it calls :func:`bunsan.distribute`), and so is
-    :meth:`train`: every rank builds the session with the same arguments.
+    :meth:`train`: every rank builds the session with the same arguments. In an
+    elastic job (``bunsan run --min-np``) it needs no change: :mod:`bunsan.train.elastic_feed`.
 
     **Minibatches.** ``minibatch_size`` is the *global* minibatch (all workers
     together), a number or a schedule (:func:`bunsan.schedule`). Each worker
@@ -235,8 +237,11 @@ class TrainingSession(SessionControl):
         if test is not None:
             check_type("test", test, Test, hint="bunsan.Test(data)")
 
-        # Collective: every rank distributes its model and optimizer.
-        if isinstance(optimizer, DistributedOptimizer):
+        # Collective: every rank distributes its model and optimizer (in an elastic job: elastic_feed's).
+        member = elastic_feed.session_member()
+        if member is not None:
+            self.model, self.optimizer = model, elastic_feed.distribute(model, optimizer, algorithm, member)
+        elif isinstance(optimizer, DistributedOptimizer):
             if algorithm is not None:
                 raise ValueError(
                     "the optimizer is already a DistributedOptimizer with its own algorithm; pass algorithm=None, "
@@ -251,7 +256,9 @@ class TrainingSession(SessionControl):
         self.world_size = comm.get_world_size(self.group)
         self.loss_fn = loss_fn
 
-        self.feed = TrainFeed(
+        # The data and steps of an elastic job (bunsan.train.elastic_feed); None outside one.
+        self.elastic = member and elastic_feed.ElasticFeed(member, self.train_data, seed, shuffle, collate_fn)
+        self.feed = self.elastic or TrainFeed(
             self.train_data,
             self.rank,
             self.world_size,
@@ -323,7 +330,9 @@ class TrainingSession(SessionControl):
             return "max_samples"
         return None
 
-    def _step(self, batch: Any, local: int) -> None:
+    def _step(self, batch: Any, local: int) -> bool:
+        if self.elastic is not None:  # a step of the job's quorum, redone until one commits it
+            return self.elastic.step(self, batch, local)
         minibatch = local * self.world_size  # the step's actual global minibatch
         self._set_rates(self.optimizer.param_groups, minibatch)
         inputs, target = split_batch(to_device(batch, self.device))
@@ -338,6 +347,7 @@ class TrainingSession(SessionControl):
         for name, fn in self.metrics.items():
             self._acc.add(name, *metric_sum(fn, detached, target))
         self._last_minibatch = int(self.minibatch_schedule(self.samples))
+        return True
 
     def _reduce_epoch(self, complete: bool) -> EpochSummary:
         """Collective: all-reduce the epoch's sums and counts."""
@@ -394,6 +404,8 @@ class TrainingSession(SessionControl):
         self._trained = True
         if self.checkpoint is not None and self.checkpoint.restore:
             restore_session(self)
+        if self.elastic is not None:
+            self.elastic.begin(self)  # the first quorum: a late joiner receives the job's state here
         self._emit("on_train_begin")
         started, samples_at_start = time.perf_counter(), self.samples
         self._epoch_clock = (started, self.samples)
@@ -410,7 +422,8 @@ class TrainingSession(SessionControl):
             )
             batches = self.feed.batches(self.epoch, self.position, plan)
             for local in plan:
-                self._step(next(batches), local)
+                if not self._step(next(batches), local):
+                    break  # an elastic worker that received its peers' later state: plan again from it
                 before = self.samples
                 self.position += local
                 self.samples += local * self.world_size

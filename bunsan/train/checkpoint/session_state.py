@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bunsan.errors import CheckpointError
 from bunsan.train.checkpoint.collective import Restored, restore, save
@@ -32,13 +32,12 @@ from bunsan.train.summaries import EpochSummary
 if TYPE_CHECKING:
     from bunsan.train.session import TrainingSession
 
-__all__ = ["restore_session", "save_session"]
+__all__ = ["common_state", "restore_session", "save_session"]
 
 
-def save_session(session: TrainingSession) -> Path:
-    """Write one checkpoint of ``session`` (rank 0 writes, every rank contributes). Collective."""
-    assert session.checkpoint is not None
-    common = {
+def common_state(session: TrainingSession) -> dict[str, Any]:
+    """The part of ``session``'s state that is the same on every rank: counters, control state, history."""
+    return {
         "counters": {
             "samples": session.samples,
             "steps": session.steps,
@@ -56,6 +55,17 @@ def save_session(session: TrainingSession) -> Path:
             "cross_validations": [r.as_dict() for r in session.cross_validations],
         },
     }
+
+
+def save_session(session: TrainingSession) -> Path:
+    """Write one checkpoint of ``session`` (rank 0 writes, every rank contributes). Collective.
+
+    In an elastic job it is not collective: the quorum's rank 0 writes and the others only name the file
+    (:mod:`bunsan.train.elastic_feed`)."""
+    assert session.checkpoint is not None
+    if getattr(session, "elastic", None) is not None and not session.is_main:
+        return session.checkpoint.file_for(session.samples)
+    common = common_state(session)
     replicated = {
         "model": session.model.state_dict(),
         "optimizer": session.optimizer.optimizer.state_dict(),
