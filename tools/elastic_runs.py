@@ -2,11 +2,11 @@
 
 Campaign tooling for issue 67's acceptance, run from a checkout as root or not::
 
-    python tools/elastic_runs.py --runs 20                 # kill -9 one worker per job (slots in turn, 0 included)
-    python tools/elastic_runs.py --runs 3 --kill none      # the uninterrupted jobs, seeds 0, 1, 2
-    python tools/elastic_runs.py --runs 10 --kill second   # a second kill while the others recover
-    python tools/elastic_runs.py --runs 5 --kill rejoin    # the killed slot starts again and joins
-    python tools/elastic_runs.py --runs 5 --kill restart --checkpoint   # the same kill in a fixed group:
+    python tools/elastic_runs.py --jobs 20                 # kill -9 one worker per job (slots in turn, 0 included)
+    python tools/elastic_runs.py --jobs 3 --kill none      # the uninterrupted jobs, seeds 0, 1, 2
+    python tools/elastic_runs.py --jobs 10 --kill second   # a second kill while the others recover
+    python tools/elastic_runs.py --jobs 5 --kill rejoin    # the killed slot starts again and joins
+    python tools/elastic_runs.py --jobs 5 --kill restart --checkpoint   # the same kill in a fixed group:
                                                            # --max-restarts 1 and a checkpoint every epoch
 
 Each job is ``bunsan run -np NP --min-np MIN`` of this file's worker: the MNIST-1D CNN with
@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -131,6 +132,7 @@ def run_one(args: argparse.Namespace, index: int, folder: Path) -> dict[str, Any
     rng = random.Random(1000 + index)
     seed = index % 3 if args.kill == "none" else args.seed
     job_id = f"el{uuid.uuid4().hex[:10]}"
+    shutil.rmtree(folder, ignore_errors=True)  # a rerun into the same --out
     folder.mkdir(parents=True)
     env = {**os.environ, "BUNSAN_ELASTIC_TRACE": str(folder), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     restarts = ["--max-restarts", "1"] if args.kill in ("rejoin", "restart") else []
@@ -217,7 +219,7 @@ def _summarize_traces(folder: Path, record: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--jobs", type=int, default=20, help="jobs to run, one after the other")
     parser.add_argument("--kill", choices=("one", "none", "second", "rejoin", "restart"), default="one")
     parser.add_argument(
         "--checkpoint", action="store_true", help="a fixed group that checkpoints every epoch (with --kill restart)"
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stamp = f"load average {os.getloadavg()[0]:.2f} at the start"
     records = []
-    for index in range(args.runs):
+    for index in range(args.jobs):
         record = run_one(args, index, args.out / f"{args.kill}-{index}")
         records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "launcher"}), flush=True)

@@ -16,12 +16,12 @@ changes" when files other than the Markdown and docs/img differ), the date, the 
 architecture, torch version, read without importing torch), the 1-minute load average when its commands started and
 ended, and how long they took. ``--render-only`` reuses the stamp a run kept in ``--out``.
 
-Load: each table is printed as it is made, with its load averages and the cores other processes used meanwhile (the
-busy CPU time in /proc/stat less this process's and its children's). A block counts as measured under load when
-they used more than a tenth of the cores on average (0.2 of 2): it gets a warning, and the run ends with the
-command that reruns such blocks. The load average alone cannot tell: a block starts with the load its predecessor's
-own workers left, which fades over a minute but disturbs nothing. Without /proc/stat the rule is a 1-minute load
-above half the cores at the start.
+Load: each table is printed as it is made, with its load averages and the cores other processes used meanwhile
+(the busy CPU time in /proc/stat less this process's and its children's). A block counts as measured under load
+when they used over a tenth of the cores on average (0.2 of 2): it gets a warning, and the run ends with the command
+that reruns such blocks. The load average alone cannot tell: a block starts with the load its predecessor's own
+workers left, which fades over a minute but disturbs nothing. Without /proc/stat: a 1-minute load above half the
+cores at the start.
 
 ::
 
@@ -68,6 +68,7 @@ from bunsan.bench.doc_tables import (
     render_quantized,
     stack_tables,
 )
+from bunsan.bench.elastic_table import ELASTIC_COMMANDS, ELASTIC_ESTIMATE_S, render_elastic
 from bunsan.bench.peers_table import PEERS_ESTIMATE_S, peers_command, render_peers
 
 __all__ = ["STAMP_RE", "Block", "blocks", "main", "markdown_table", "replace_block", "stamp"]
@@ -339,6 +340,7 @@ def blocks() -> list[Block]:
         Block("accuracy-mnist1d", DOCS, accuracy_commands(_ACC), render_accuracy, 420),
         Block("defaults", DOCS, defaults_commands(f"{_ACC} --lr 0.05 --momentum 0.9"), render_defaults, 450),
         Block("async-bench", DOCS, (async_bench,), render_async, 60),
+        Block("elastic", DOCS, ELASTIC_COMMANDS, render_elastic, ELASTIC_ESTIMATE_S),
         *(
             Block(r, DOCS, (peers_command(r),), render_peers(r), s, needs_root=True)
             for r, s in PEERS_ESTIMATE_S.items()
@@ -487,9 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = _select(args.only)
     except ValueError as err:
         parser.error(str(err))
-    out = Path(args.out)
-    if not out.is_absolute():
-        out = ROOT / out
+    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     if args.dry_run:
         print(dry_run(chosen, out))
         return 0

@@ -238,3 +238,26 @@ def test_defaults_table_gives_each_seed_the_mean_and_the_difference_from_exact(t
     (block,) = [b for b in report.blocks() if b.name == "defaults"]
     assert [c.split("--seed ")[1].split()[0] for c in block.commands] == ["0", "1", "2"]
     assert all(" ".join(doc_tables.DEFAULTS_SETTINGS) in c for c in block.commands)
+
+
+def test_the_elastic_table_sets_the_ways_of_losing_a_worker_side_by_side(tmp_path):
+    import json
+
+    from bunsan.bench.elastic_table import render_elastic
+
+    (tmp_path / "elastic").mkdir()
+    base = {"code": 0, "replicas_equal": True, "left": 0, "redone_steps": 1, "wall_s": 30.0, "test_error": 0.09}
+    for kill, extra in {
+        "none": {"redone_steps": 0},
+        "one": {"recovery_s": 1.0},
+        "second": {"recovery_s": 2.0, "code": 1},
+        "rejoin": {"recovery_s": 1.5, "rejoined_s": 3.0},
+        "restart": {"recovery_s": 9.0, "redone_steps": 24},
+    }.items():
+        records = [{**base, **extra}, {**base, **extra, "test_error": 0.11, "wall_s": 40.0}]
+        (tmp_path / "elastic" / f"{kill}.json").write_text(json.dumps(records))
+    lines = render_elastic(tmp_path).splitlines()
+    assert len(lines) == 2 + 5
+    assert lines[2].startswith("| uninterrupted") and "| 0 / 0 |" in lines[2] and "| 10.00 (9.00-11.00) |" in lines[2]
+    assert "| 0 of 2 |" in lines[4] and "| 2.00 / 2.00 |" in lines[4]  # exit 1: not counted
+    assert "| 3.00 / 3.00 |" in lines[5] and "| 24 / 24 |" in lines[6] and "| 35.0 |" in lines[6]
