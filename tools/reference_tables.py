@@ -23,6 +23,7 @@ ENVIRONMENT: dict[str, str] = {
     "BUNSAN_ELASTIC_MIN_NP": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: a step commits only with at least this many workers",
     "BUNSAN_ELASTIC_NP": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: the job's starting size, which fixes the global batch (`batch_size` times it)",
     "BUNSAN_ELASTIC_REPLICA": "bunsan.elastic.member, bunsan.launch.elastic | | set by `bunsan run --min-np`: the worker's name in the quorum, new for every start of a slot",
+    "BUNSAN_ELASTIC_CONNECT_TIMEOUT": "bunsan.elastic.member | 15 | seconds a worker of an elastic job waits for every member of a new quorum to connect; a member that died after the quorum formed is then given up, and the next quorum goes on without it",
     "BUNSAN_ELASTIC_TRACE": "bunsan.elastic.member | | a folder: each worker of an elastic job appends a line per step to `<its name>.trace` there (the time, the steps committed, whether this one committed, the members); for measuring recovery",
     "BUNSAN_HOSTFILE": "bunsan.bench._common | | the benchmarks remove it from their jobs' environment: their own `-np` decides",
     "BUNSAN_HOSTS": "bunsan.bench._common | | the benchmarks remove it from their jobs' environment: their own `-np` decides",

@@ -45,6 +45,10 @@ REPLICA_VARIABLE = "BUNSAN_ELASTIC_REPLICA"  # this worker's name in the quorum,
 DIR_VARIABLE = "BUNSAN_ELASTIC_DIR"  # where a worker marks that it joined (bunsan.launch.elastic)
 TRACE_VARIABLE = "BUNSAN_ELASTIC_TRACE"  # a folder: each worker appends its steps to <replica>.trace there
 TIMEOUT_S = 300.0  # a collective or quorum that waits this long fails the step: a peer hung (BUNSAN_TIMEOUT)
+# Building a quorum's group waits for every member's address; a member that died after the quorum formed never
+# sends it. Every live member arrives within the same quorum's reply, so a short wait tells a dead one.
+CONNECT_TIMEOUT_S = 15.0
+CONNECT_TIMEOUT_VARIABLE = "BUNSAN_ELASTIC_CONNECT_TIMEOUT"  # seconds, instead of CONNECT_TIMEOUT_S
 
 _member: Member | None = None
 
@@ -97,7 +101,11 @@ class Member:
         self._flush: Callable[[], None] | None = None  # ends a block in flight (bunsan.elastic.blocks)
         self.step_samples = 0  # global samples the loaders handed out in this step (a block: all its batches)
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        group = ProcessGroupNCCL(timeout=timeout) if backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        if backend == "nccl":
+            group = ProcessGroupNCCL(timeout=timeout)
+        else:
+            connect = float(os.environ.get(CONNECT_TIMEOUT_VARIABLE) or CONNECT_TIMEOUT_S)
+            group = _gloo_group(ProcessGroupGloo, timeout, timedelta(seconds=min(connect, timeout.total_seconds())))
         self._group = group
         self.manager = Manager(
             pg=group,
@@ -187,7 +195,7 @@ class Member:
             _say(self._dropped)
         self._dropped = None
         if members != self.members_seen and self.members_seen and self.rank() == 0:
-            _say(f"the job goes on with {members} workers (it had {self.members_seen})")
+            _say(f"the job goes on with {members} worker{'s' * (members != 1)} (it had {self.members_seen})")
         if not self.members_seen:
             _mark_joined(self.replica)
             if self.step_count() > 0:  # a late joiner: it has just loaded a live peer's state
@@ -260,6 +268,19 @@ class Member:
         works = [self.manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
         for work in works:
             work.wait()
+
+
+def _gloo_group(base: Any, timeout: timedelta, connect_timeout: timedelta) -> Any:
+    """torchft's reconfigurable Gloo group whose connection to a new quorum waits ``connect_timeout``, and
+    whose collectives then wait ``timeout`` (a peer's longer compute is not a failure)."""
+
+    class _Gloo(base):  # type: ignore[misc, valid-type]
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            pg = super()._create_pg(store, rank, world_size)  # connects with self._timeout: connect_timeout
+            pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+            return pg
+
+    return _Gloo(timeout=connect_timeout)
 
 
 def _mark_joined(replica: str) -> None:

@@ -14,6 +14,8 @@ block's batches are logged when it commits (the member's commit hook), forgotten
 ``bits:K``: ``DataParallelSGD(bits=K)``, a step per batch.
 ``SCALER=1``: a ``GradScaler`` (registered for joiners) scales the loss, unscales before clipping;
 ``INF_STEP``: slot 0 makes its loss infinite once, at that step, so every worker skips it.
+``KILL_IN_CONNECT``: that slot's first worker SIGKILLs itself when it starts connecting to a new quorum's
+group after the first (the others wait for it until ``BUNSAN_ELASTIC_CONNECT_TIMEOUT``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def main() -> None:
     if scaler is not None:
         bunsan.elastic.register("scaler", scaler)
     inf_step = int(os.environ.get("INF_STEP", "-1"))
+    if first_start and bunsan.rank() == int(os.environ.get("KILL_IN_CONNECT", "-1")):
+        connect = member._group._create_pg
+
+        def die_connecting(*args):
+            if member.step_count() > 0:  # a quorum after the first: the group is being rebuilt
+                os.kill(os.getpid(), signal.SIGKILL)
+            return connect(*args)
+
+        member._group._create_pg = die_connecting
     with open(log_dir / f"{member.replica}.jsonl", "w") as log:
 
         def block_committed() -> None:

@@ -261,6 +261,21 @@ def test_a_one_bit_job_killed_mid_step_goes_on_with_equal_replicas_and_every_sam
 
 
 @pytest.mark.timeout(200)
+def test_a_worker_that_dies_while_the_new_group_connects_is_given_up_and_the_job_goes_on(tmp_path):
+    """Item 6: rank 1's death makes a new quorum of 0 and 2; rank 2 dies connecting to its group. Rank 0 waits
+    for it until the connect timeout, drops the step, and trains on alone."""
+    started = time.monotonic()
+    job = run_job(
+        tmp_path, 3, 1, 150, KILL_RANK="1", KILL_STEP="5", KILL_IN_CONNECT="2", BUNSAN_ELASTIC_CONNECT_TIMEOUT="3"
+    )
+    assert job.code == 0, job.output
+    assert sum("was killed by SIGKILL" in line for line in job.launcher_lines()) == 2, job.output
+    assert len(job.finals) == 1 and job.finals[0]["steps"] == 4 * 10, job.finals
+    assert_every_sample_once(job, workers=3, epochs=4)
+    assert job.left == [] and time.monotonic() - started < 100
+
+
+@pytest.mark.timeout(200)
 def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     started = time.monotonic()
     job = run_job(tmp_path, 2, 2, 150, KILL_RANK="1", KILL_STEP="3", EPOCHS="1000")
