@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(epochs: int, seed: int, out: Path, checkpoint: bool) -> None:
+def worker(epochs: int, seed: int, out: Path, checkpoint: bool, algorithm: str = "data_parallel") -> None:
     """One worker of the job (run by bunsan run): elastic, or (``checkpoint``) a fixed group that saves a
     checkpoint at every epoch's end and resumes from it when ``--max-restarts`` starts it again."""
     import torch
@@ -45,6 +45,7 @@ def worker(epochs: int, seed: int, out: Path, checkpoint: bool) -> None:
 
     import bunsan
     from bunsan import datasets
+    from bunsan.bench.specs import parse_algorithm_spec
     from bunsan.models import MNIST1DCNN
 
     bunsan.init()
@@ -52,7 +53,8 @@ def worker(epochs: int, seed: int, out: Path, checkpoint: bool) -> None:
     train, test = datasets.load("mnist1d", "train"), datasets.load("mnist1d", "test")
     model = MNIST1DCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, optimizer = bunsan.distribute(model, optimizer, bunsan.DataParallelSGD())
+    setting = parse_algorithm_spec(algorithm)
+    model, optimizer = bunsan.distribute(model, optimizer, setting.name, **setting.options)
     loader = bunsan.data.loader(train, batch_size=32, shuffle=True, seed=seed)
     member = bunsan.elastic.current()
     name = member.replica if member is not None else f"rank{bunsan.rank()}"
@@ -139,7 +141,7 @@ def run_one(args: argparse.Namespace, index: int, folder: Path) -> dict[str, Any
     elastic = [] if args.checkpoint else ["--min-np", str(args.min_np)]
     command = [sys.executable, "-m", "bunsan", "run", "-np", str(args.np), *elastic]
     command += ["--oversubscribe", "--job-id", job_id, *restarts, sys.executable, __file__, "--worker"]
-    command += ["--epochs", str(args.epochs), "--seed", str(seed), "--out", str(folder)]
+    command += ["--epochs", str(args.epochs), "--seed", str(seed), "--out", str(folder), "--algorithm", args.algorithm]
     command += ["--checkpoint"] if args.checkpoint else []
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -188,7 +190,7 @@ def _second_kill(folder: Path, job_id: str, first: str, process: subprocess.Pope
     while time.monotonic() < deadline and process.poll() is None:
         traces = _trace(folder)
         if any(row[2] == 0 for name, rows in traces.items() if name != first for row in rows):
-            others = sorted(name for name in _job_pids(job_id) if name != first)
+            others = sorted(name for name in _job_pids(job_id) if name != first and name.startswith(job_id))
             if others:
                 os.kill(_job_pids(job_id)[others[-1]], signal.SIGKILL)
                 record["second_killed_at"] = time.time()
@@ -228,13 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-np", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--algorithm", default="data_parallel", help="NAME[:KEY=VALUE,...], e.g. data_parallel:bits=1 (bench specs)"
+    )
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=Path("runs/elastic"))
     args = parser.parse_args(argv)
     if (args.kill == "restart") != args.checkpoint and not args.worker and args.kill != "none":
         parser.error("--kill restart goes with --checkpoint (a fixed group that restarts from its checkpoint)")
     if args.worker:
-        worker(args.epochs, args.seed, args.out, args.checkpoint)
+        worker(args.epochs, args.seed, args.out, args.checkpoint, args.algorithm)
         return 0
     stamp = f"load average {os.getloadavg()[0]:.2f} at the start"
     records = []

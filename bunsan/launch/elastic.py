@@ -260,7 +260,7 @@ def run_elastic_job(
                 start(spec.rank, spec.host)
             if growth is None:  # the starting workers' slots, none to grow onto
                 growth = Growth([Host(h, n) for h, n in count_by_host([s.host for s in specs]).items()], len(specs))
-            return _watch(slots, start, min_np, pump, signals, job, log, growth, remote)
+            return _watch(slots, start, min_np, pump, signals, job, log, growth, remote, lighthouse)
         finally:
             if remote is not None:
                 remote.stop(GRACE_S)
@@ -326,6 +326,7 @@ def _watch(
     log: Callable[[str], None],
     growth: Growth,
     remote: RemoteStarter | None,
+    lighthouse: subprocess.Popen[bytes],
 ) -> JobOutcome:
     while True:
         if signals.received:
@@ -333,6 +334,11 @@ def _watch(
             log(f"got {signal.Signals(sig).name}; stopping the job")
             _stop_job(job, sig, GRACE_S, pump, signals)
             return JobOutcome(128 + sig, "signal", cause=f"stopped by {signal.Signals(sig).name}")
+        if lighthouse.poll() is not None and slots.running:  # it ends only with the launcher otherwise
+            cause = f"the lighthouse (the job's rendezvous) {blame.describe_exit(lighthouse.returncode)}"
+            log(f"{cause}; no step can commit without it: stopping the job")
+            _stop_job(job, signal.SIGTERM, GRACE_S, pump, signals)
+            return JobOutcome(exit_code_of(lighthouse.returncode) or 1, "failed", cause=cause)
         finished = sum(code == 0 for code in slots.ended.values())
         for rank, code in slots.reap():
             if code != 0 and rank not in slots.late:

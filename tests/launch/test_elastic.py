@@ -275,6 +275,41 @@ def test_a_worker_that_dies_while_the_new_group_connects_is_given_up_and_the_job
     assert job.left == [] and time.monotonic() - started < 100
 
 
+@pytest.mark.timeout(120)
+def test_a_lost_lighthouse_ends_the_job_in_one_sentence_not_a_hang(tmp_path):
+    """No step can commit without the rendezvous: the launcher says so and stops the job at once."""
+    import os
+    import signal
+
+    tag, logs = uuid.uuid4().hex, tmp_path / "logs"
+    logs.mkdir()
+    command = [sys.executable, "-m", "bunsan", "run", "-np", "2", "--min-np", "1", "--oversubscribe"]
+    job = subprocess.Popen(
+        [*command, sys.executable, str(JOB)],
+        env=edges._env(tag, LOG_DIR=str(logs), EPOCHS="1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(p.stat().st_size for p in logs.glob("*.jsonl")):
+        time.sleep(0.1)  # a step has committed
+    lighthouses = [
+        pid for pid in edges.tagged(tag) if b"bunsan.elastic.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(lighthouses) == 1
+    os.kill(lighthouses[0], signal.SIGKILL)
+    killed = time.monotonic()
+    output = outputs_of([job], timeout_s=60)[0]
+    assert job.returncode == 137, output
+    assert (
+        "bunsan run: the lighthouse (the job's rendezvous) was killed by SIGKILL (exit code 137); no step can commit "
+        "without it: stopping the job" in output
+    ), output
+    assert time.monotonic() - killed < 15
+    assert edges.left_behind(tag, wait_s=8.0) == []
+
+
 @pytest.mark.timeout(200)
 def test_fewer_workers_than_min_np_end_the_job_in_one_sentence(tmp_path):
     started = time.monotonic()
