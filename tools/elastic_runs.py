@@ -58,7 +58,8 @@ def worker(epochs: int, seed: int, out: Path, checkpoint: bool, algorithm: str =
     loader = bunsan.data.loader(train, batch_size=32, shuffle=True, seed=seed)
     member = bunsan.elastic.current()
     name = member.replica if member is not None else f"rank{bunsan.rank()}"
-    trace = open(out / f"{name}.trace", "a") if member is None else None  # noqa: SIM115 - the member traces its own
+    start = os.environ.get("BUNSAN_RESTART", "0")  # a trace per start, as the member's (<job>-<slot>-<start>)
+    trace = open(out / f"{name}-{start}.trace", "a") if member is None else None  # noqa: SIM115 - the member traces its own
     saved, first = out / "checkpoint.pt", 0
     if checkpoint and saved.exists():
         state = torch.load(saved)
@@ -151,7 +152,7 @@ def run_one(args: argparse.Namespace, index: int, folder: Path) -> dict[str, Any
         slot, step = index % args.np, rng.randrange(steps_total // 10, 9 * steps_total // 10)
         target = f"rank{slot}" if args.checkpoint else f"{job_id}-{slot}-0"
         record.update(slot=slot, step=step)
-        if _wait_for_step(folder, target, step, process, args.timeout):
+        if _wait_for_step(folder, f"rank{slot}-0" if args.checkpoint else target, step, process, args.timeout):
             pid = _job_pids(job_id).get(target)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
@@ -204,17 +205,26 @@ def _summarize_traces(folder: Path, record: dict[str, Any]) -> None:
     record["finished"] = len(finals)
     record["replicas_equal"] = len({f["digest"] for f in finals}) == 1 if finals else False
     record["test_error"] = statistics.mean(f["test_error"] for f in finals) if finals else None
-    longest = max(traces.values(), key=len, default=[])
-    steps = [step for _, step, committed, _ in longest if committed]
-    record["redone_steps"] = len(steps) - len(set(steps)) + sum(not row[2] for row in longest)
+    restarted = {name: rows for name, rows in traces.items() if not name.endswith("-0")}
     killed = record.get("killed_at")
+    if record["kill"] == "restart":  # a fixed group: every worker starts again from the checkpoint
+        # the steps each restarted worker trains that its first start had trained; the first of them
+        # ends the recovery (the survivors' steps after the kill are lost with them)
+        redone = [
+            sum(s <= max(r[1] for r in traces[n[:-2] + "-0"]) for _, s, _, _ in rows) for n, rows in restarted.items()
+        ]
+        record["redone_steps"] = max(redone, default=0)
+        traces = restarted
+    else:
+        longest = max(traces.values(), key=len, default=[])
+        steps = [step for _, step, committed, _ in longest if committed]
+        record["redone_steps"] = len(steps) - len(set(steps)) + sum(not row[2] for row in longest)
     if killed is not None:
         after = [t for rows in traces.values() for t, _, committed, _ in rows if committed and t > killed]
         record["recovery_s"] = min(after) - killed if after else None
-    joiners = [name for name in traces if not name.endswith("-0")]
     started = record.get("joiner_started_at")
-    if joiners and started:  # the restarted worker: from its process's start to its first step in a full group
-        full = [t for t, _, _, members in traces[joiners[0]] if members == record["np"]]
+    if restarted and started:  # the restarted worker: from its process's start to its first step in a full group
+        full = [t for t, _, _, members in next(iter(restarted.values())) if members == record["np"]]
         record["rejoined_s"] = full[0] - started if full else None
 
 
