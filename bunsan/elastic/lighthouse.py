@@ -31,11 +31,29 @@ JOIN_TIMEOUT_MS = 10_000
 QUORUM_TICK_MS = 50
 
 
-def serve(bind: str, min_np: int) -> Any:
-    """Start torchft's lighthouse on ``bind`` (``host:port``, port 0 for a free one); returns the server."""
+def _server_class() -> Any:
+    """torchft's ``LighthouseServer``, loaded from its Rust extension alone where possible: the ``torchft``
+    package imports torch first (over a second on a small machine), which the lighthouse does not use, and
+    the launcher starts the workers only once the lighthouse answers."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchft")  # finds the package without running its __init__
+    found = glob.glob(os.path.join(os.path.dirname(spec.origin or ""), "_torchft*.so")) if spec else []
+    if found:
+        extension = importlib.util.spec_from_file_location("_torchft", found[0])
+        if extension is not None and extension.loader is not None:
+            module = importlib.util.module_from_spec(extension)
+            extension.loader.exec_module(module)
+            return module.LighthouseServer
     from torchft._torchft import LighthouseServer
 
-    return LighthouseServer(
+    return LighthouseServer
+
+
+def serve(bind: str, min_np: int) -> Any:
+    """Start torchft's lighthouse on ``bind`` (``host:port``, port 0 for a free one); returns the server."""
+    return _server_class()(
         bind=bind,
         min_replicas=min_np,
         join_timeout_ms=JOIN_TIMEOUT_MS,

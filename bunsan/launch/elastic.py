@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from bunsan.launch import blame
@@ -81,7 +82,9 @@ def describe_exit(rank: int, returncode: int) -> str:
 
 
 def _start_lighthouse(min_np: int, env: dict[str, str], bind: str) -> tuple[subprocess.Popen[bytes], str]:
-    argv = [sys.executable, "-m", "bunsan.elastic.lighthouse", "--min-np", str(min_np), "--bind", bind]
+    # run as a file, not ``-m``: importing the bunsan package would import torch first (lighthouse._server_class)
+    script = str(Path(__file__).resolve().parents[1] / "elastic" / "lighthouse.py")
+    argv = [sys.executable, script, "--min-np", str(min_np), "--bind", bind]
     process = subprocess.Popen(
         [*argv, "--until-stdin-closes"],
         stdin=subprocess.PIPE,  # its end of the job: EOF when the launcher goes

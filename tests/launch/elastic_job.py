@@ -93,7 +93,7 @@ def main() -> None:
         if algorithm:
             member.on_commit(block_committed)
             member.on_drop(in_block.clear)
-        for epoch in bunsan.epochs(int(os.environ.get("EPOCHS", "4"))):
+        for epoch in bunsan.epochs(int(os.environ.get("EPOCHS", "2"))):
             for xb, yb, ids in loader:
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(xb), yb)
