@@ -113,7 +113,7 @@ def _job_pids(job_id: str) -> dict[str, int]:
 def _trace(folder: Path) -> dict[str, list[tuple[float, int, int, int]]]:
     steps = {}
     for path in folder.glob("*.trace"):
-        rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        rows = [row for row in (line.split() for line in path.read_text().split("\n")[:-1]) if len(row) == 4]
         steps[path.stem] = [(float(t), int(s), int(c), int(m)) for t, s, c, m in rows]
     return steps
 
@@ -122,9 +122,9 @@ def _wait_for_step(folder: Path, replica: str, step: int, process: subprocess.Po
     deadline = time.monotonic() + timeout_s
     path = folder / f"{replica}.trace"
     while time.monotonic() < deadline and process.poll() is None:
-        if path.exists():
-            lines = path.read_text().splitlines()
-            if lines and int(lines[-1].split()[1]) >= step:
+        if path.exists():  # complete lines only: the worker may be writing the last one
+            lines = [line.split() for line in path.read_text().split("\n")[:-1]]
+            if lines and len(lines[-1]) == 4 and int(lines[-1][1]) >= step:
                 return True
         time.sleep(0.01)
     return False
