@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
+from bunsan._delegate import init_optimizer_hooks
 from bunsan.algorithms.blockwise import BlockwiseSGD
 from bunsan.algorithms.bmuf import (
     block_gain,
@@ -40,6 +40,7 @@ from bunsan.algorithms.bmuf import (
     update_global_model_,
 )
 from bunsan.elastic.member import Member
+from bunsan.elastic.optimizer import WrappedOptimizer
 
 __all__ = ["ElasticBlockOptimizer", "block_filter", "distribute"]
 
@@ -72,16 +73,12 @@ def block_filter(algorithm: BlockwiseSGD, workers: int) -> Callable[[float], tup
     return coefficients
 
 
-class ElasticBlockOptimizer(torch.optim.Optimizer):
+class ElasticBlockOptimizer(WrappedOptimizer):
     """``optimizer`` trained locally in blocks of ``algorithm`` over ``model`` in an elastic job (module docstring).
 
     Between ``backward()`` and ``step()``, ``p.grad`` is this worker's own gradient, as with the block
     algorithms outside an elastic job. ``committed`` says whether the last ``step()`` ended a block that counted.
     """
-
-    param_groups = optimizer_attribute("param_groups")
-    state = optimizer_attribute("state")
-    defaults = optimizer_attribute("defaults")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, member: Member, algorithm: BlockwiseSGD):
         self.optimizer, self.model, self.member, self.algorithm = optimizer, model, member, algorithm
@@ -194,18 +191,6 @@ class ElasticBlockOptimizer(torch.optim.Optimizer):
             self.optimizer.load_state_dict(copy.deepcopy(self._optimizer_start))
             for group, values in zip(self.optimizer.param_groups, hyper, strict=True):
                 group.update(values)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
         return f"ElasticBlockOptimizer({self.algorithm!r}, {self.optimizer!r})"

@@ -21,19 +21,36 @@ from torch import nn
 from bunsan._delegate import init_optimizer_hooks, optimizer_attribute
 from bunsan.elastic.member import Member
 
-__all__ = ["ElasticOptimizer"]
+__all__ = ["ElasticOptimizer", "WrappedOptimizer"]
 
 
-class ElasticOptimizer(torch.optim.Optimizer):
+class WrappedOptimizer(torch.optim.Optimizer):
+    """What the elastic optimizers share: the wrapped ``self.optimizer``'s groups, state and state dict."""
+
+    optimizer: torch.optim.Optimizer
+    param_groups = optimizer_attribute("param_groups")
+    state = optimizer_attribute("state")
+    defaults = optimizer_attribute("defaults")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+
+class ElasticOptimizer(WrappedOptimizer):
     """``optimizer`` made elastic-data-parallel over ``model``'s parameters (module docstring).
 
     A joining worker receives ``model``'s state and ``optimizer``'s from a live peer. ``committed`` says
     whether the last ``step()`` counted.
     """
-
-    param_groups = optimizer_attribute("param_groups")
-    state = optimizer_attribute("state")
-    defaults = optimizer_attribute("defaults")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, member: Member) -> None:
         self.optimizer, self.model, self.member = optimizer, model, member
@@ -109,18 +126,6 @@ class ElasticOptimizer(torch.optim.Optimizer):
             return None
         self.optimizer.step()
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
 
     def __repr__(self) -> str:
         return f"ElasticOptimizer({self.optimizer!r})"
