@@ -274,7 +274,7 @@ def _gloo_group(base: Any, timeout: timedelta, connect_timeout: timedelta) -> An
     """torchft's reconfigurable Gloo group whose connection to a new quorum waits ``connect_timeout``, and
     whose collectives then wait ``timeout`` (a peer's longer compute is not a failure)."""
 
-    class _Gloo(base):  # type: ignore[misc, valid-type]
+    class _Gloo(base):
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             pg = super()._create_pg(store, rank, world_size)  # connects with self._timeout: connect_timeout
             pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -183,7 +183,7 @@ class ElasticFeed(TrainFeed):
                     session._acc.add(name, total, size)
                 session._last_minibatch = int(session.minibatch_schedule(session.samples))
                 return True
-            session.algorithm.dropped_steps += 1
+            cast(ElasticAlgorithm, session.algorithm).dropped_steps += 1
 
     def _attempt(self, session: TrainingSession, part: Tensor, share: float) -> Tensor:
         """One try of a step on this member's ``part``: the loss and metric sums over every member, the

@@ -257,7 +257,8 @@ class TrainingSession(SessionControl):
         self.loss_fn = loss_fn
 
         # The data and steps of an elastic job (bunsan.train.elastic_feed); None outside one.
-        self.elastic = member and elastic_feed.ElasticFeed(member, self.train_data, seed, shuffle, collate_fn)
+        feed = elastic_feed.ElasticFeed
+        self.elastic = None if member is None else feed(member, self.train_data, seed, shuffle, collate_fn)
         self.feed = self.elastic or TrainFeed(
             self.train_data,
             self.rank,
