@@ -337,3 +337,36 @@ def test_a_quantized_step_sends_the_momentum_with_its_residual_and_shows_the_gra
     moved = torch.cat([(s - p.detach()).reshape(-1) / 0.1 for p, s in zip(model.parameters(), start, strict=True)])
     torch.testing.assert_close(moved + kept, sent, rtol=0, atol=1e-5)  # error feedback: nothing lost, delayed
     assert sgd.param_groups[0]["momentum"] == 0.9 and not any(sgd.state.values())  # momentum held, not used
+
+
+def test_a_dropped_block_gives_adam_back_its_moments_and_step_count(monkeypatch):
+    member = FakeMember(2)
+    member.members = 1
+    monkeypatch.setattr(member_module, "_member", member)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    unused = torch.nn.Linear(3, 1)  # a parameter no loss reaches: it has no gradient and no state
+    params = [*model.parameters(), *unused.parameters()]
+    _, optimizer = bunsan.distribute(model, torch.optim.Adam(params, lr=0.01), bunsan.ModelAveragingSGD(block_size=8))
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+
+    def local_step():
+        member.begin_step()
+        member.step_samples += 8
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    local_step()  # a half block: Adam has taken one local step
+    kept = {k: v.clone() for k, v in optimizer.optimizer.state[model.weight].items()}
+    weight = model.weight.detach().clone()
+    member.ok = False
+    local_step()  # the block ends and is dropped: back to its start, Adam's state as it was there
+    assert torch.equal(model.weight, optimizer.start[0]) and not torch.equal(model.weight, weight)
+    assert not optimizer.optimizer.state[model.weight] and unused.weight.grad is None
+    member.ok = True
+    local_step()
+    local_step()  # trained again from the start: the same first step
+    assert optimizer.blocks == 1
+    assert float(optimizer.optimizer.state[model.weight]["step"]) == 2.0
+    assert kept["step"] == 1.0
